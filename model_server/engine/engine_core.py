@@ -1,0 +1,153 @@
+"""The synchronous engine core: schedule -> execute -> update, one step at a time. No asyncio."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from model_server.config import EngineConfig
+from model_server.engine.kv_cache_manager import KVCacheManager
+from model_server.engine.model_runner import ModelRunner, TokenLogprobs
+from model_server.engine.request import Request, RequestStatus
+from model_server.engine.scheduler import Scheduler, SchedulerConfig
+from model_server.loader import ModelSource, load_model_source
+from model_server.platforms import get_platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.platform = get_platform(config.device)
+        self.platform.prepare(config.num_threads)
+        self.source = source or load_model_source(config.model, config.load_format)
+        hf_config = self.source.hf_config
+        model_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+        if config.max_model_len is None:
+            config.max_model_len = model_max_len
+        elif config.max_model_len > model_max_len:
+            logger.warning(
+                "max_model_len %d exceeds the model's max_position_embeddings %d",
+                config.max_model_len,
+                model_max_len,
+            )
+        self.model_runner = ModelRunner(config, self.source, self.platform)
+        bytes_per_block = self.model_runner.bytes_per_block()
+        budget = config.kv_cache_memory or self.platform.default_kv_cache_memory(bytes_per_block)
+        self.num_blocks = budget // bytes_per_block
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
+                f"{bytes_per_block} bytes; raise --kv-cache-memory"
+            )
+        self.model_runner.allocate_kv_cache(self.num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            self.num_blocks,
+            config.block_size,
+            self.num_blocks * config.block_size,
+            self.num_blocks * bytes_per_block / 1024**3,
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig.from_engine_config(config, config.max_model_len),
+            self.kv_cache_manager,
+        )
+
+    @property
+    def tokenizer(self):
+        return self.source.tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        tok = self.source.tokenizer
+        if tok is not None and tok.eos_token_id is not None:
+            return int(tok.eos_token_id)
+        eos = getattr(self.source.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            return eos[0] if eos else None
+        return eos
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError when it can never be served."""
+        vocab = self.model_runner.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for the vocabulary (0-{vocab - 1})")
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._finish(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, request_ids: list[str]) -> None:
+        """Finish requests whose stop string was found by the detokenizer."""
+        self._finish(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
+        for request in self.scheduler.finish_requests(request_ids, status):
+            self.model_runner.release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled_requests:
+            return []
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        logprobs_by_id = {
+            r.request_id: lp
+            for r, lp in zip(
+                scheduler_output.scheduled_requests, runner_output.logprobs, strict=True
+            )
+            if lp is not None
+        }
+        updated = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids
+        )
+        sampled_ids = _sampled_ids(scheduler_output, runner_output)
+        outputs = []
+        for request in updated:
+            finish_reason = RequestStatus.finish_reason(request.status)
+            if finish_reason is not None:
+                self.model_runner.release(request)
+            lp = logprobs_by_id.get(request.request_id)
+            sampled = request.request_id in sampled_ids
+            new_tokens = request.output_token_ids[-1:] if sampled else []
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=new_tokens,
+                    new_logprobs=[lp] if lp is not None else None,
+                    finish_reason=finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return outputs
+
+
+def _sampled_ids(scheduler_output, runner_output) -> set[str]:
+    return {
+        r.request_id
+        for r, t in zip(
+            scheduler_output.scheduled_requests, runner_output.sampled_token_ids, strict=True
+        )
+        if t is not None
+    }

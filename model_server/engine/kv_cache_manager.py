@@ -1,0 +1,330 @@
+"""Paged KV cache bookkeeping: a block pool with reference counts and a chained-hash prefix cache.
+
+Pure Python: this module decides which block ids hold which tokens; the model runner owns the
+tensors. Token i of a request lives in block `request.block_ids[i // block_size]`, at offset
+`i % block_size` (its slot is `block_id * block_size + i % block_size`).
+
+Block states (every block is in exactly one):
+  - in use: `ref_cnt > 0`, listed in the block table of `ref_cnt` requests;
+  - cached free: `ref_cnt == 0` and `block_hash is not None`: still findable by a prefix-cache hit,
+    evictable, kept in LRU order (least recently freed first);
+  - plain free: `ref_cnt == 0` and `block_hash is None`: holds nothing worth keeping.
+A fresh block is taken from the plain free blocks first and only then by evicting the least
+recently freed cached block, so cached prefixes survive as long as possible.
+
+Prefix caching: the hash of a request's full block i is
+`hash_block_tokens(block_hashes[i - 1] or None, tokens of block i)`, so a hash names the whole
+prefix, not only the block. Hashes are only probabilistically unique, so a cached block also keeps
+its tokens and the id of the cache entry it was computed after (`parent_cache_id`); a lookup accepts
+a block only when its tokens are equal and its parent entry is the block matched just before. By
+induction a hit chain is exactly a chain of blocks computed after the same token prefix, whatever
+the hash function does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from model_server.engine.request import Request
+
+
+def hash_block_tokens(parent_block_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one full block: it depends on every token before it through the parent."""
+    return hash((parent_block_hash, tuple(token_ids)))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class Block:
+    """One KV cache block of `block_size` token slots.
+
+    Invariants:
+      - `block_hash is not None` iff this block is the entry for that hash in the prefix-cache map
+        (a duplicate computed by another request is never registered, it stays plain);
+      - then `token_ids` holds its tokens and `cache_id` a number never given to another entry, and
+        `parent_cache_id` is the `cache_id` of the entry for the previous block (None for a first
+        block). Eviction clears all four, so a reused block can never vouch for stale children.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    cache_id: int | None = None
+    parent_cache_id: int | None = None
+
+    def clear_cache_entry(self) -> None:
+        self.block_hash = None
+        self.token_ids = None
+        self.cache_id = None
+        self.parent_cache_id = None
+
+
+@dataclass(slots=True)
+class _CacheCursor:
+    """How far `cache_blocks` got through one request's blocks.
+
+    `parent_cache_id` is the cache entry whose prefix equals the request's blocks
+    `[0, num_blocks)` (None at the start). `broken` means one of those blocks collided with a
+    different cached block, so no later block of this request can be tied to a cached chain.
+    """
+
+    num_blocks: int = 0
+    parent_cache_id: int | None = None
+    broken: bool = False
+
+
+class KVCacheManager:
+    """Owns the block pool: hands out block ids to requests, shares them through the prefix cache.
+
+    The scheduler drives it: `get_computed_blocks` + `allocate_slots` when a request is scheduled
+    from the waiting queue, `allocate_slots` again for each later step, `cache_blocks` after the
+    step's tokens are computed, `free` when the request finishes or is preempted, and `fork` to
+    share a prompt between the n > 1 samples of one request.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_plain: deque[int] = deque(range(num_blocks))
+        # Keys only; insertion order is LRU order (front = least recently freed = evicted first).
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._hash_to_block: dict[int, Block] = {}
+        self._cursors: dict[str, _CacheCursor] = {}
+        self._next_cache_id = 0
+        # Prefix-cache metrics, in tokens, counted once per scheduling of a request from waiting.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ----------------------------------------------------------------------------------- stats
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that a new allocation may take (plain free plus evictable cached)."""
+        return len(self._free_plain) + len(self._free_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache, in use or not."""
+        return len(self._hash_to_block)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by some request, in [0, 1]; cached free blocks count as free."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a request whose block table covers `num_tokens` tokens fits in the whole pool."""
+        return self.num_blocks_for(num_tokens) <= self.num_blocks
+
+    # ---------------------------------------------------------------------------- allocation
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Prefix-cache lookup for a request about to be scheduled from the waiting queue.
+
+        Returns the ids of the cached blocks holding the longest cached prefix of
+        `request.all_token_ids` and the number of tokens they hold (a multiple of block_size).
+        At least one token is always left to compute, so the request can be sampled: a fully
+        cached request gets its last block dropped. Takes no ownership and counts nothing: the
+        result is only valid until the next allocation, so pass it straight to `allocate_slots`.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_blocks)
+        bs = self.block_size
+        tokens = request.all_token_ids
+        hit_ids: list[int] = []
+        parent_cache_id: int | None = None
+        for i in range(max_blocks):
+            block = self._hash_to_block.get(request.block_hashes[i])
+            if (
+                block is None
+                or block.parent_cache_id != parent_cache_id
+                or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs])
+            ):
+                break
+            hit_ids.append(block.block_id)
+            parent_cache_id = block.cache_id
+        return hit_ids, len(hit_ids) * bs
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_block_ids: Sequence[int] | None = None,
+        num_computed_tokens: int | None = None,
+    ) -> bool:
+        """Grow `request.block_ids` to cover `num_computed_tokens + num_new_tokens` tokens.
+
+        First scheduling (the block table is empty): pass the result of `get_computed_blocks` as
+        `computed_block_ids` / `num_computed_tokens`; those blocks are taken (ref_cnt + 1, out of
+        the free queue) and the prefix-cache counters are updated. Later steps pass neither and
+        `request.num_computed_tokens` is used. Returns False and changes nothing when the free
+        blocks do not suffice. Never changes `request.num_computed_tokens` (the scheduler does).
+        """
+        first_scheduling = computed_block_ids is not None
+        if computed_block_ids is not None:
+            if request.block_ids:
+                raise ValueError(
+                    f"request {request.request_id} already has blocks; computed blocks are only "
+                    "taken when it is first scheduled"
+                )
+            if num_computed_tokens is None:
+                num_computed_tokens = len(computed_block_ids) * self.block_size
+        else:
+            computed_block_ids = ()
+            if num_computed_tokens is None:
+                num_computed_tokens = request.num_computed_tokens
+        num_required = self.num_blocks_for(num_computed_tokens + num_new_tokens)
+        num_fresh = max(0, num_required - len(request.block_ids) - len(computed_block_ids))
+        # Computed blocks nobody holds sit in the free queue: taking them uses free blocks too.
+        num_computed_free = sum(1 for b in computed_block_ids if self.blocks[b].ref_cnt == 0)
+        if num_fresh + num_computed_free > self.num_free_blocks:
+            return False
+
+        if first_scheduling and self.enable_prefix_caching:
+            # Counted here, not in the lookup: a waiting request may be looked up every step.
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed_tokens
+        for block_id in computed_block_ids:
+            self._touch(self.blocks[block_id])
+        request.block_ids.extend(computed_block_ids)
+        request.block_ids.extend(self._pop_fresh_block() for _ in range(num_fresh))
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's blocks that are full within its first `num_computed_tokens`
+        tokens in the prefix cache (no-op when prefix caching is off).
+
+        Call after a step computed the tokens' K/V. A block whose hash already names another
+        cached block is left unregistered: if that block holds the same tokens after the same
+        prefix it is an equivalent duplicate and later blocks chain onto it; otherwise (a hash
+        collision) none of this request's later blocks are registered.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))
+        cursor = self._cursors.setdefault(request.request_id, _CacheCursor())
+        if num_full <= cursor.num_blocks:
+            return
+        self._update_block_hashes(request, num_full)
+        bs = self.block_size
+        for i in range(cursor.num_blocks, num_full):
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None:
+                # Taken from the cache or shared by fork: already an entry for this exact prefix.
+                cursor.parent_cache_id = block.cache_id
+                continue
+            if cursor.broken:
+                continue
+            block_hash = request.block_hashes[i]
+            token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            entry = self._hash_to_block.get(block_hash)
+            if entry is None:
+                block.block_hash = block_hash
+                block.token_ids = token_ids
+                block.cache_id = self._next_cache_id
+                block.parent_cache_id = cursor.parent_cache_id
+                self._next_cache_id += 1
+                self._hash_to_block[block_hash] = block
+                cursor.parent_cache_id = block.cache_id
+            elif entry.token_ids == token_ids and entry.parent_cache_id == cursor.parent_cache_id:
+                cursor.parent_cache_id = entry.cache_id
+            else:
+                cursor.broken = True
+        cursor.num_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Drop the request's hold on its blocks and empty its block table (idempotent).
+
+        Blocks are released tail first, so with LRU eviction a request's last blocks are evicted
+        before its first ones (a shorter prefix is more likely to be shared). `block_hashes` stay:
+        they depend only on the tokens and are reused if the request is scheduled again.
+        """
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:
+                    self._free_cached[block_id] = None
+                else:
+                    self._free_plain.append(block_id)
+        request.block_ids = []
+        self._cursors.pop(request.request_id, None)
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Share the parent's full prompt blocks with a sibling sample (n > 1), prefix cache or not.
+
+        Valid only when the parent's prompt is computed (`parent.num_computed_tokens >=
+        parent.num_prompt_tokens`), the child has the same prompt and no blocks yet. The child
+        gets the blocks that are full of prompt tokens, leaving at least one prompt token to
+        compute (the partly filled block is the parent's to write into). Sets and returns
+        `child.num_computed_tokens`. Undo with `free(child)`.
+        """
+        if parent.num_computed_tokens < parent.num_prompt_tokens:
+            raise ValueError(f"cannot fork {parent.request_id}: its prompt is not computed yet")
+        if child.block_ids:
+            raise ValueError(f"cannot fork into {child.request_id}: it already has blocks")
+        if child.prompt_token_ids != parent.prompt_token_ids:
+            raise ValueError(f"cannot fork into {child.request_id}: its prompt differs")
+        num_shared = (parent.num_prompt_tokens - 1) // self.block_size
+        for block_id in parent.block_ids[:num_shared]:
+            self.blocks[block_id].ref_cnt += 1
+        child.block_ids = list(parent.block_ids[:num_shared])
+        child.num_computed_tokens = num_shared * self.block_size
+        return child.num_computed_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block. Only possible when no block is in use; returns success."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block_id in self._free_cached:
+            self.blocks[block_id].clear_cache_entry()
+            self._free_plain.append(block_id)
+        self._free_cached.clear()
+        self._hash_to_block.clear()
+        return True
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _update_block_hashes(self, request: Request, num_blocks: int) -> None:
+        """Extend `request.block_hashes` to cover its first `num_blocks` (full) blocks."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i > 0 else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def _touch(self, block: Block) -> None:
+        """Take a reference on a block found in the cache (out of the free queue if unheld)."""
+        if block.ref_cnt == 0:
+            del self._free_cached[block.block_id]
+        block.ref_cnt += 1
+
+    def _pop_fresh_block(self) -> int:
+        """Take a free block for new tokens: a plain one, else evict the LRU cached one."""
+        if self._free_plain:
+            block_id = self._free_plain.popleft()
+        else:
+            block_id, _ = self._free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            del self._hash_to_block[block.block_hash]
+            block.clear_cache_entry()
+        self.blocks[block_id].ref_cnt = 1
+        return block_id

@@ -1,0 +1,82 @@
+"""Offline inference: `LLM(model).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from model_server.config import EngineConfig
+from model_server.engine.llm_engine import LLMEngine
+from model_server.engine.output_processor import RequestOutput
+from model_server.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate from a list of prompts with continuous batching, like vLLM's offline `LLM`.
+
+    `model=None` loads the embedded SmolLM2; other keyword arguments are EngineConfig fields.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError("need one SamplingParams per prompt")
+        order: dict[str, int] = {}
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, prompt, params)
+            order[request_id] = len(order)
+        results: list[RequestOutput | None] = [None] * len(order)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[order[out.request_id]] = out
+        return [r for r in results if r is not None]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)

@@ -1,0 +1,63 @@
+"""The synchronous engine: tokenization, the engine core and output processing in one loop."""
+
+from __future__ import annotations
+
+from model_server.config import EngineConfig
+from model_server.engine.engine_core import EngineCore
+from model_server.engine.output_processor import OutputProcessor, RequestOutput
+from model_server.engine.request import Request
+from model_server.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        self.config = config
+        self.tokenizer = self.core.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead")
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request (all `params.n` samples); raises ValueError if it can never run."""
+        prompt_token_ids = self.tokenize(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        child_ids = self.output_processor.add_request(request_id, text, prompt_token_ids, params)
+        added: list[str] = []
+        try:
+            first: Request | None = None
+            for index, child_id in enumerate(child_ids):
+                request = Request(
+                    request_id=child_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=params,
+                    eos_token_id=self.core.eos_token_id,
+                    parent=first,
+                    sample_index=index,
+                )
+                self.core.add_request(request)
+                added.append(child_id)
+                first = first or request
+        except ValueError:
+            self.core.abort_requests(added)
+            self.output_processor.remove_request(request_id)
+            raise
+
+    def abort_request(self, request_id: str) -> None:
+        self.core.abort_requests(self.output_processor.remove_request(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_stop = self.output_processor.process_outputs(self.core.step())
+        if to_stop:
+            self.core.stop_requests(to_stop)
+        return outputs

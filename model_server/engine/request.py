@@ -1,0 +1,101 @@
+"""Engine-side request state. Pure Python: the scheduler and KV cache manager read and write it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from model_server.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_REJECTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REJECTED: "error",
+}
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence being generated.
+
+    Invariants:
+      - `all_token_ids == prompt_token_ids + output_token_ids`.
+      - `num_computed_tokens <= num_tokens`; tokens `[0, num_computed_tokens)` have their K/V in
+        the blocks of `block_ids` (the block table), token i in block `block_ids[i // block_size]`.
+      - A request is sampled in a step only when that step brings `num_computed_tokens` up to
+        `num_tokens` (the last chunk of a prefill, or a decode).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # For n > 1: the sibling whose prompt blocks this request may share (see KVCacheManager.fork).
+    parent: Request | None = None
+    # Index of this sample among its siblings (0 for n == 1); added to the seed.
+    sample_index: int = 0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Tokens of the prompt found in the prefix cache when the request was first scheduled.
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of this request's full blocks, in order (filled lazily by the KV manager).
+    block_hashes: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # Why it stopped: the stop token id or stop string, if any.
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Time the first output token was produced (monotonic), for TTFT metrics.
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

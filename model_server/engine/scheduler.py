@@ -1,0 +1,382 @@
+"""Continuous-batching scheduler, vLLM v1 style: one token budget per step, no prefill/decode phase.
+
+Pure policy over `Request` state and the `KVCacheManager`; never touches tensors. Each step
+`schedule()` hands every chosen request a number of tokens to compute: 1 for a decode, a chunk
+for a (chunked) prefill, drawn from the same `max_num_batched_tokens` budget. The engine runs the
+model on exactly those tokens and reports back through `update_from_output()`, which advances
+`num_computed_tokens`, appends sampled tokens and finishes requests. Calls must alternate:
+schedule, update, schedule, ... (a request's state only moves in `update_from_output`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from model_server.engine.kv_cache_manager import KVCacheManager
+from model_server.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from model_server.config import EngineConfig
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Scheduling limits. `max_num_seqs` bounds the running requests, `max_num_batched_tokens`
+    the tokens computed per step. Without chunked prefill a prefill is scheduled whole or not at
+    all, so the budget must hold the longest possible sequence (`max_model_len`)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): without chunked prefill a long prompt "
+                "could never be scheduled. Raise max_num_batched_tokens or enable chunked prefill."
+            )
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """Build from an `EngineConfig` once the model's context length is known. Without chunked
+        prefill the budget is raised to `max_model_len`, as vLLM does."""
+        max_num_batched_tokens = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            block_size=config.block_size,
+        )
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to compute this step.
+
+    `scheduled_requests[i]` computes `num_scheduled_tokens[i]` tokens: positions
+    `[req.num_computed_tokens, req.num_computed_tokens + n)` of `req.all_token_ids`
+    (`num_computed_tokens` is advanced only by `update_from_output`). A request samples a token
+    this step iff `req.num_computed_tokens + n == req.num_tokens`. Its block table already covers
+    all those positions. `preempted_requests` lost their blocks this step; `finished_request_ids`
+    finished since the previous step (the runner may drop per-request state).
+    """
+
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_requests: list[Request] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled_requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.total_num_scheduled_tokens += num_tokens
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    Invariants:
+      - `running` is ordered by arrival, so the last one is the most recently arrived; it is the
+        one preempted when blocks run out. Preempted requests go to the front of `waiting`.
+      - Every request in `running` or `waiting` is in `requests`; finished ones are in neither and
+        hold no blocks.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        if kv_cache_manager.block_size != config.block_size:
+            raise ValueError(
+                f"block_size mismatch: scheduler {config.block_size}, "
+                f"KV cache manager {kv_cache_manager.block_size}"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self._finished_since_schedule: list[str] = []
+
+    # ----------------------------------------------------------------------------- queries
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    # ------------------------------------------------------------------------ admission
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS), or raise ValueError if it could never complete."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not a new request")
+        self._check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        max_len = self.config.max_model_len
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("The prompt is empty: at least one prompt token is required.")
+        max_tokens = request.max_tokens
+        if max_tokens is None:
+            if num_prompt >= max_len:
+                raise ValueError(
+                    f"This model's maximum context length is {max_len} tokens. However, your "
+                    f"prompt has {num_prompt} tokens, which leaves no room for the completion. "
+                    "Please reduce the length of the messages."
+                )
+            total = max_len
+        else:
+            total = num_prompt + max_tokens
+            if total > max_len:
+                raise ValueError(
+                    f"This model's maximum context length is {max_len} tokens. However, you "
+                    f"requested {total} tokens ({num_prompt} in the messages, {max_tokens} in "
+                    "the completion). Please reduce the length of the messages or completion."
+                )
+        # The last sampled token is never computed, so the K/V of `total - 1` tokens is needed.
+        kv = self.kv_cache_manager
+        if not kv.can_fit(total - 1):
+            raise ValueError(
+                f"This request needs {kv.num_blocks_for(total - 1)} KV cache blocks "
+                f"({total} tokens: {num_prompt} in the messages, {total - num_prompt} in the "
+                f"completion) but the cache has only {kv.num_blocks} blocks of {kv.block_size} "
+                f"tokens ({kv.num_blocks * kv.block_size} tokens). Please reduce the length of "
+                "the messages or completion, or give the KV cache more memory."
+            )
+
+    # -------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their blocks.
+
+        Running requests first, in arrival order: each gets min(remaining tokens, budget). When
+        blocks run out, the most recently arrived running request is preempted (possibly the one
+        being scheduled) and the allocation retried. Then, if nothing was preempted, waiting
+        requests in FCFS order while budget and `max_num_seqs` allow; the first one that cannot
+        get its blocks (or, without chunked prefill, its whole prefill) stops admission, so later
+        requests never overtake it. Sibling samples whose parent has not finished its prompt wait
+        without blocking the queue.
+        """
+        out = SchedulerOutput(finished_request_ids=self._finished_since_schedule)
+        self._finished_since_schedule = []
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not kv.allocate_slots(request, num_new):
+                # `running` is in arrival order and only [0, i) got tokens this step, so the last
+                # one is the most recently arrived and has nothing scheduled to take back.
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_requests.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.add(request, num_new)
+                budget -= num_new
+                i += 1
+
+        if out.preempted_requests:
+            # Blocks are scarce: admitting new work now would only cause more preemption.
+            return out
+
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._admit(request, budget)
+            if num_new is None:
+                break
+            self.waiting.popleft()
+            if num_new == 0:
+                skipped.append(request)
+                continue
+            out.add(request, num_new)
+            budget -= num_new
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_time)
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Try to give a waiting request its first tokens and blocks.
+
+        Returns the tokens scheduled (the request's `num_computed_tokens` and block table are set),
+        0 for a sibling that must wait for its parent's prompt (nothing changed), or None when it
+        does not fit this step (nothing changed; admission stops).
+        """
+        kv = self.kv_cache_manager
+        parent = request.parent
+        if parent is not None and not parent.is_finished:
+            if (
+                parent.status != RequestStatus.RUNNING
+                or parent.num_computed_tokens < parent.num_prompt_tokens
+            ):
+                return 0
+            num_computed = kv.fork(parent, request)
+            num_new = self._chunk(request.num_tokens - num_computed, budget)
+            if num_new is None or not kv.allocate_slots(request, num_new):
+                kv.free(request)
+                request.num_computed_tokens = 0
+                return None
+        else:
+            computed_ids, num_computed = kv.get_computed_blocks(request)
+            num_new = self._chunk(request.num_tokens - num_computed, budget)
+            if num_new is None or not kv.allocate_slots(
+                request, num_new, computed_ids, num_computed
+            ):
+                return None
+            request.num_computed_tokens = num_computed
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_computed
+        return num_new
+
+    def _chunk(self, num_remaining: int, budget: int) -> int | None:
+        """Tokens of a prefill to schedule now; None when it must wait (no chunking, too long)."""
+        if num_remaining <= budget:
+            return num_remaining
+        return budget if self.config.enable_chunked_prefill else None
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the blocks, start over from the front of waiting."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    # ---------------------------------------------------------------------------- update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[Request]:
+        """Apply a step's results. `sampled_token_ids` is parallel to `scheduled_requests`: the
+        sampled token of each request that sampled (see SchedulerOutput), anything (None) for the
+        others. Advances `num_computed_tokens`, caches newly full blocks, appends tokens, checks
+        stop conditions and frees finished requests. Returns the requests that got a new token
+        (finished or not), in scheduling order. Requests finished meanwhile (aborted) are skipped.
+        """
+        scheduled = scheduler_output.scheduled_requests
+        if len(sampled_token_ids) != len(scheduled):
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled "
+                "requests"
+            )
+        kv = self.kv_cache_manager
+        updated: list[Request] = []
+        any_finished = False
+        for request, num_new, token_id in zip(
+            scheduled, scheduler_output.num_scheduled_tokens, sampled_token_ids, strict=True
+        ):
+            if request.is_finished:
+                continue
+            request.num_computed_tokens += num_new
+            kv.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that was not the last
+            if token_id is None:
+                raise ValueError(f"request {request.request_id} was due to sample but got None")
+            request.append_output_token(token_id)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            updated.append(request)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                request.status = status
+                self._release(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """The finished status after appending `token_id`, or None to go on.
+
+        EOS and stop token ids count only once `min_tokens` are out, and win over the length
+        limits when both apply to the same token (the model did stop there).
+        """
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = request.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus
+    ) -> list[Request]:
+        """Finish waiting or running requests from outside (abort, stop string) and free their
+        blocks. Returns the requests finished by this call; unknown or already finished ids are
+        ignored, so it is idempotent."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished: list[Request] = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_schedule.append(request.request_id)

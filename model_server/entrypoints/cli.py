@@ -1,0 +1,111 @@
+"""Command line: `generate`, `bench throughput` (and later `serve`). Logs go to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from model_server.entrypoints.engine_args import add_engine_args, config_from_args
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from model_server.engine.llm import LLM
+    from model_server.sampling_params import SamplingParams
+
+    config = config_from_args(args)
+    llm = LLM(config.model, **_config_kwargs(config))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    tokenizer = llm.get_tokenizer()
+    use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    prompt = (
+        llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+        if use_chat
+        else args.prompt
+    )
+    output = llm.generate([prompt], params)[0]
+    sys.stdout.write(output.outputs[0].text + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _config_kwargs(config) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(config, f.name) for f in fields(config) if f.name != "model"}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.throughput import run_throughput_benchmark
+
+    return run_throughput_benchmark(args, config_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m model_server",
+        description="Wick model server: a paged-attention LLM engine with an OpenAI-compatible API.",
+    )
+    parser.add_argument("--log-level", default="WARNING", help="Logging level. Default: WARNING.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser(
+        "generate",
+        help="Generate a completion for one prompt and print only its text on stdout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gen.add_argument("--prompt", required=True, help="The prompt (a user message for chat models).")
+    gen.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
+    gen.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass.")
+    gen.add_argument("--top-k", type=int, default=0, help="Sample among the k likeliest; 0 = off.")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="Seed for sampling.")
+    gen.add_argument("--stop", action="append", help="A stop string (repeatable).")
+    gen.add_argument("--ignore-eos", action="store_true", help="Keep going past end-of-sequence.")
+    gen.add_argument(
+        "--raw",
+        action="store_true",
+        help="Send the prompt as is instead of wrapping it in the model's chat template.",
+    )
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from model_server.benchmarks.throughput import add_throughput_args
+
+    tp = bench_sub.add_parser(
+        "throughput",
+        help="Offline throughput: N requests with random input/output lengths.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_throughput_args(tp)
+    add_engine_args(tp)
+    tp.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code = args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if args.log_level.upper() == "DEBUG":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    sys.exit(code)

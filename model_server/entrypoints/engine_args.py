@@ -1,0 +1,105 @@
+"""Engine flags shared by every subcommand (`generate`, `bench`, `serve`); names mirror vLLM's."""
+
+from __future__ import annotations
+
+import argparse
+
+from model_server.config import EngineConfig, parse_size
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, .gguf file, HF hub id, or (with --load-format dummy) a preset name such "
+        "as qwen3-0.6b / llama-3.1-8b. Default: the embedded SmolLM2-135M-Instruct GGUF.",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: real weights; dummy: random weights for the model's config (benchmarks).",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (fp32 on CPUs without native bf16, bf16 on GPUs), float32, bfloat16, float16.",
+    )
+    g.add_argument("--device", default="cpu", help="cpu, cuda or auto. Default: cpu.")
+    g.add_argument("--seed", type=int, default=0, help="Seed for dummy weights. Default: 0.")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Longest prompt + output in tokens. Default: the model's context length.",
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=256, help="Most sequences in one step. Default: 256."
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="Token budget of one step, shared by decodes and prefill chunks. Default: 2048.",
+    )
+    g.add_argument(
+        "--block-size", type=int, default=16, help="Tokens per KV cache block. Default: 16."
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        default=None,
+        help="KV cache budget, e.g. 2GiB or 512MiB (a bare number is GiB). Default: 2GiB on CPU.",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Reuse the KV blocks of shared prompt prefixes. Default: on.",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Split long prompts across steps under the token budget. Default: on.",
+    )
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=["torch", "triton"],
+        help="Attention implementation. Default: the device's (torch on CPU, triton on CUDA).",
+    )
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="Never capture CUDA graphs (GPU only)."
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="Fraction of GPU memory for weights, activations and KV cache. Default: 0.9.",
+    )
+    g.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads. Default: all available cores."
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_threads=args.num_threads,
+    )

@@ -1,0 +1,87 @@
+"""The inner step shared by the paged decode and prefill kernels: one online-softmax update.
+
+A tile is TILE_N consecutive context positions of one request, for one KV head. Positions are
+mapped to cache slots one by one through the block table (`block = table[pos // BLOCK_SIZE]`), so a
+tile may span several cache blocks and TILE_N is independent of the block size (block size 8 works
+with the TILE_N >= 16 that `tl.dot` needs). Scores live in the log2 domain: `qk_scale` is the
+softmax scale times log2(e), and the running max `m_i` / sum `l_i` use exp2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_paged_tile(
+    q,  # [BLOCK_M, BLOCK_D] query rows (compute dtype; padded rows are zeros)
+    m_i,  # [BLOCK_M] fp32 running max of the log2-scaled scores
+    l_i,  # [BLOCK_M] fp32 running sum of exp2(score - m_i)
+    acc,  # [BLOCK_M, BLOCK_D] fp32 running sum of p @ V
+    key_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_table_ptr,  # this request's row of block ids (int32)
+    tile_start,  # first context position of the tile
+    kv_end,  # positions >= kv_end are masked out (context end or split end)
+    q_pos,  # [BLOCK_M] absolute position of each query row (read only when CAUSAL)
+    qk_scale,  # softmax scale * log2(e)
+    kv_head_offset,  # kv_head * cache head stride (int64)
+    stride_cache_block,
+    stride_cache_slot,
+    dims,  # tl.arange(0, BLOCK_D)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pos = tile_start + tl.arange(0, TILE_N)
+    in_range = pos < kv_end
+    # Out-of-range positions read block 0 (always a valid block) but are masked anyway: the block
+    # table row may be shorter than the tile.
+    block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    slot_offset = block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot
+    slot_offset += kv_head_offset  # [TILE_N]
+    if HEAD_DIM == BLOCK_D:
+        # No mask along head_dim keeps the mask constant along the contiguous axis (vector loads).
+        k_mask = in_range[None, :]
+        v_mask = in_range[:, None]
+    else:
+        d_mask = dims < HEAD_DIM
+        k_mask = in_range[None, :] & d_mask[:, None]
+        v_mask = in_range[:, None] & d_mask[None, :]
+
+    # K^T tile [BLOCK_D, TILE_N]; masked entries are 0 (never NaN from stale cache memory).
+    k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if CAUSAL:
+        valid = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
+    else:
+        valid = in_range[None, :]
+    s = tl.where(valid, s, float("-inf"))
+
+    # Invariant: every row has seen at least one valid position by its first tile (position 0 for
+    # prefill rows, the split's first position for decode rows), so m_new is finite after it.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None]
+    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST_DOT, DOT_PRECISION) for a query dtype.
+
+    fp32 inputs use exact fp32 dots (matching the torch reference), not TF32. The Triton 3.7
+    interpreter multiplies bf16 dot operands as their raw uint16 bits, so under it bf16 tiles are
+    upcast to fp32 first (UPCAST_DOT); compiled GPU kernels keep bf16 tensor-core dots.
+    """
+    upcast = dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+    return upcast, "ieee" if dtype == torch.float32 or upcast else "tf32"

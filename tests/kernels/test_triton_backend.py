@@ -1,0 +1,107 @@
+"""TritonAttentionBackend vs TorchAttentionBackend (the engine's reference) on real metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_server.engine.input_batch import SeqChunk, build_model_inputs
+from model_server.layers.attention import get_attention_backend
+from model_server.layers.attention.torch_backend import TorchAttentionBackend
+from model_server.layers.attention.triton_backend import TritonAttentionBackend
+from tests.kernels.helpers import make_batch, tolerance
+
+pytestmark = pytest.mark.kernels
+
+# Decodes (one crossing a block edge, one long enough for split-K with tile 64, a 1-token prompt)
+# mixed with a whole prompt, a chunk after a cached prefix and a prefix-cache-hit tail; the
+# caller's order interleaves them so build_model_inputs has to move decodes first.
+MIXED = [(0, 13), (16, 1), (9, 30), (130, 1), (0, 1), (16, 5)]
+
+
+def _backends(num_heads, num_kv_heads, head_dim, split):
+    scale = head_dim**-0.5
+    kwargs = {"decode_min_split_tokens": 16, "max_decode_splits": 4} if split else {}
+    return (
+        TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, **kwargs),
+        TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale),
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2)])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("split", [False, True])
+def test_mixed_batch_matches_torch(head_dim, num_heads, num_kv_heads, block_size, split, device):
+    b = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        device=device,
+    )
+    triton_be, torch_be = _backends(num_heads, num_kv_heads, head_dim, split)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    out = triton_be.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.metadata)
+    ref = torch_be.forward(b.q, b.k, b.v, kc, vc, b.metadata)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    torch.testing.assert_close(b.k_cache, kc, atol=0, rtol=0)
+    torch.testing.assert_close(b.v_cache, vc, atol=0, rtol=0)
+
+
+def test_strided_qkv_views(device):
+    # q, k, v as views of one fused projection output, as the model layers produce them.
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    b = make_batch(
+        MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+        device=device,
+    )  # fmt: skip
+    qkv = torch.cat([b.q.flatten(1), b.k.flatten(1), b.v.flatten(1)], dim=1)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :]
+    k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+    triton_be, torch_be = _backends(num_heads, num_kv_heads, head_dim, split=True)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    out = triton_be.forward(q, k, v, b.k_cache, b.v_cache, b.metadata)
+    ref = torch_be.forward(b.q, b.k, b.v, kc, vc, b.metadata)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+
+
+def test_chunked_prefill_then_decode_steps(device):
+    """An engine-like run: two prompts prefilled in chunks next to decodes, then decode steps.
+
+    Each backend keeps its own cache across steps, so any store or read error compounds.
+    """
+    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 8
+    gen = torch.Generator().manual_seed(3)
+    shape = (12, block_size, num_kv_heads, head_dim)
+    caches = {name: (torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+              for name in ("triton", "torch")}  # fmt: skip
+    triton_be, torch_be = _backends(num_heads, num_kv_heads, head_dim, split=True)
+    tables = {"a": [3, 7, 1, 9, 0], "b": [5, 2, 11, 4]}
+    done = {"a": 0, "b": 0}
+    # Per step: tokens each sequence runs (a: 37-token prompt in chunks of 16; b: 20-token prompt).
+    steps = [{"a": 16, "b": 20}, {"a": 16, "b": 1}, {"a": 5, "b": 1}, {"a": 1, "b": 1}]
+    steps += [{"a": 1, "b": 1}] * 2
+    for step in steps:
+        chunks = [
+            SeqChunk([0] * n, done[name], tables[name]) for name, n in step.items()
+        ]
+        md = build_model_inputs(chunks, block_size, device).attn_metadata
+        num_tokens = sum(step.values())
+        q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device)
+        k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device)
+        v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(device)
+        out = triton_be.forward(q, k, v, *caches["triton"], md)
+        ref = torch_be.forward(q, k, v, *caches["torch"], md)
+        torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+        for name, n in step.items():
+            done[name] += n
+    torch.testing.assert_close(caches["triton"][0], caches["torch"][0], atol=0, rtol=0)
+
+
+def test_registered_by_name():
+    assert get_attention_backend("triton") is TritonAttentionBackend
+    assert TritonAttentionBackend.name == "triton"

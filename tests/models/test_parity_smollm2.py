@@ -1,0 +1,73 @@
+"""The real SmolLM2 GGUF: Wick's greedy tokens equal HF transformers' (which loads the GGUF itself)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from model_server.engine.llm import LLM
+from model_server.loader import embedded_model_path
+from model_server.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "What is the capital of France?",
+    "Write a short poem about autumn leaves.",
+    "Explain what a neural network is to a ten year old.",
+    "Give me three tips for staying focused while studying.",
+    "What are the main differences between Python lists and tuples?",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    transformers = pytest.importorskip("transformers")
+    path = embedded_model_path()
+    # transformers dequantizes the GGUF itself (and un-permutes Q/K on its own): an independent
+    # check of our loader as well as of the engine.
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory=128 * 1024**2)
+
+
+def test_greedy_tokens_match_transformers(hf_model, llm: LLM) -> None:
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(max_tokens=32, temperature=0.0)
+    prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for prompt, got in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+        expected = out[0, len(prompt) :].tolist()
+        if eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+        assert got == expected
+
+
+def test_prefill_logits_close_to_transformers(hf_model, llm: LLM) -> None:
+    prompt = llm.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1].float()
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    top = out.logprobs[0].top
+    expected_top = torch.log_softmax(expected, -1).topk(5)
+    assert [t for t, _ in top] == expected_top.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor([lp for _, lp in top]), expected_top.values, atol=2e-3, rtol=0
+    )

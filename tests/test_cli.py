@@ -1,0 +1,50 @@
+"""`python -m model_server generate` as a user runs it: text on stdout, logs on stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "model_server", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_prints_only_the_text() -> None:
+    proc = run_cli(
+        "generate",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+        "--log-level",
+        "INFO",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "INFO" not in proc.stdout and "INFO" in proc.stderr  # logs stay on stderr
+    assert proc.stdout.count("\n") <= 3
+
+
+def test_generate_missing_model_is_one_clear_error(tmp_path) -> None:
+    missing = tmp_path / "nope.gguf"
+    proc = run_cli("generate", "--prompt", "hi", "--model", str(missing))
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert str(missing) in proc.stderr
+
+
+def test_help_documents_engine_flags() -> None:
+    proc = run_cli("generate", "--help")
+    assert proc.returncode == 0
+    for flag in ("--max-num-seqs", "--kv-cache-memory", "--enable-prefix-caching", "--model"):
+        assert flag in proc.stdout
