@@ -119,9 +119,7 @@ def _paged_decode_kernel(
     if SPLIT:
         # Partial rows are (seq, head, split); the lse lets the reduce kernel reweight them.
         row = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
-        tl.store(
-            partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask
-        )
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
         tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=row_mask)
     else:
         out = out_ptr + seq * stride_o_tok + heads[:, None] * stride_o_head + dims[None, :]

@@ -26,9 +26,7 @@ def store_kv_reference(
         value_cache[block, offset] = value[t].to(value_cache.dtype)
 
 
-def gather_context(
-    cache: torch.Tensor, block_table: list[int], seq_len: int
-) -> torch.Tensor:
+def gather_context(cache: torch.Tensor, block_table: list[int], seq_len: int) -> torch.Tensor:
     """One request's first `seq_len` positions from a paged cache: [seq_len, Hkv, D]."""
     block_size = cache.shape[1]
     rows = [cache[block_table[p // block_size], p % block_size] for p in range(seq_len)]

@@ -53,7 +53,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
@@ -83,8 +83,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(self.output_sizes), bias)
 
     def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None
     ) -> None:
+        if shard_id is None:  # a checkpoint that already stores the fused matrix
+            default_weight_loader(param, loaded_weight)
+            return
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
         target = param.data.narrow(0, offset, size)
@@ -121,8 +124,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         raise ValueError(f"unknown qkv shard {shard_id!r}")
 
     def weight_loader(  # type: ignore[override]
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
     ) -> None:
+        if shard_id is None:  # a checkpoint that already stores the fused matrix
+            default_weight_loader(param, loaded_weight)
+            return
         offset, size = self.shard_range(shard_id)
         target = param.data.narrow(0, offset, size)
         _check_shape(f"{shard_id}_proj", target, loaded_weight)

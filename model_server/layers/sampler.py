@@ -6,9 +6,10 @@ Order of operations (as in vLLM v1):
   3. penalties: repetition (prompt + output), frequency and presence (output)
   4. greedy rows: argmax (ties -> lowest id)
   5. random rows: temperature -> min_p -> top_k -> top_p -> exponential race (see
-     sampling/ops.py: only the top max_top_k logits are looked at when every row has top-k)
-Every step is a batched tensor op: no per-request loop and no device->host read, except one
-small noise draw per seeded row (its own generator).
+     sampling/ops.py for how top-k/top-p avoid sorting the vocabulary)
+Every step is a batched tensor op: no per-request loop except one noise draw per seeded row
+(from its own generator), and no device->host read except one per batch when top-p is used
+by a batch in which some row has no top-k (the nucleus size check in sampling/ops.py).
 """
 
 from __future__ import annotations
@@ -119,7 +120,14 @@ class Sampler:
         greedy = None if md.all_random else logits.argmax(dim=-1)
 
         candidates = select_candidates(
-            logits, md.temperature, md.top_k, md.top_p, md.min_p, md.max_top_k, md.all_top_k
+            logits,
+            md.temperature,
+            md.top_k,
+            md.top_p,
+            md.min_p,
+            md.max_top_k,
+            md.all_top_k,
+            md.all_truncated,
         )
         sampled = random_sample(candidates, md.generators, md.vocab_size)
 

@@ -1,11 +1,19 @@
 """GGUF tensor bytes -> torch tensors.
 
-The common llama.cpp block formats (Q4_0, Q4_1, Q8_0) are unpacked with torch ops, which use
-every core; the rest go through `gguf.quants.dequantize` (numpy, single-threaded). Both give
-float32 in torch shape order; F32/F16/BF16 tensors keep the dtype they are stored in.
+The common llama.cpp block formats (Q4_0, Q4_1, Q8_0) are unpacked with torch ops; the rest go
+through `gguf.quants.dequantize` (numpy, ~3x slower). Both give float32 in torch shape order;
+F32/F16/BF16 tensors keep the dtype they are stored in.
+
+Tensors under SMALL_TENSOR elements are unpacked with one torch thread: each is a handful of
+short elementwise ops, and on a busy CPU every multi-threaded op can stall on its OpenMP barrier
+for a scheduler tick (measured on a shared 2-core box: 0.3 s for all of SmolLM2 single-threaded,
+up to 13 s with two threads).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -15,6 +23,7 @@ F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 _STORED = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 UNQUANTIZED = frozenset(_STORED)
 QK = 32  # elements per block in Q4_0 / Q4_1 / Q8_0
+SMALL_TENSOR = 1 << 24
 
 
 def stored_dtype(ggml_type: int) -> torch.dtype:
@@ -27,16 +36,29 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
     data = torch.from_numpy(raw.reshape(-1))
     if ggml_type in _STORED:
         return data.view(_STORED[ggml_type]).reshape(shape).clone()
-    if ggml_type == Q8_0:
-        return _q8_0(data).reshape(shape)
-    if ggml_type == Q4_0:
-        return _q4(data, with_min=False).reshape(shape)
-    if ggml_type == Q4_1:
-        return _q4(data, with_min=True).reshape(shape)
+    if ggml_type in (Q8_0, Q4_0, Q4_1):
+        numel = data.numel() // (2 + QK if ggml_type == Q8_0 else 2) * QK  # upper bound
+        with _threads(1 if numel < SMALL_TENSOR else torch.get_num_threads()):
+            if ggml_type == Q8_0:
+                return _q8_0(data).reshape(shape)
+            return _q4(data, with_min=ggml_type == Q4_1).reshape(shape)
     import gguf
 
     values = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType(ggml_type))
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:

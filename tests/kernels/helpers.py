@@ -63,8 +63,12 @@ def make_batch(
     if cached_slots:
         idx = torch.tensor(cached_slots)
         kv_shape = (len(cached_slots), num_kv_heads, head_dim)
-        k_cache.view(-1, num_kv_heads, head_dim)[idx] = torch.randn(kv_shape, generator=gen).to(dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[idx] = torch.randn(kv_shape, generator=gen).to(dtype)
+        k_cache.view(-1, num_kv_heads, head_dim)[idx] = torch.randn(kv_shape, generator=gen).to(
+            dtype
+        )
+        v_cache.view(-1, num_kv_heads, head_dim)[idx] = torch.randn(kv_shape, generator=gen).to(
+            dtype
+        )
     inputs = build_model_inputs(chunks, block_size, device)
     num_tokens = sum(n for _, n in requests)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)

@@ -18,9 +18,16 @@ DECODES = [(0, 1), (16, 1), (44, 1)]
 
 
 def _check(
-    num_heads, num_kv_heads, head_dim, block_size, num_splits, device,
-    dtype=torch.float32, tile_n=16, requests=DECODES,
-):  # fmt: skip
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    num_splits,
+    device,
+    dtype=torch.float32,
+    tile_n=16,
+    requests=DECODES,
+):
     b = make_batch(
         requests,
         num_heads=num_heads,
@@ -37,9 +44,17 @@ def _check(
     scale = head_dim**-0.5
     out = torch.full_like(b.q, float("nan"))
     paged_decode_attention(
-        out, b.q, b.k_cache, b.v_cache, md.seq_lens, md.block_tables, scale,
-        md.max_seq_len, num_splits, tile_n=tile_n,
-    )  # fmt: skip
+        out,
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        md.seq_lens,
+        md.block_tables,
+        scale,
+        md.max_seq_len,
+        num_splits,
+        tile_n=tile_n,
+    )
     ref = paged_attention_reference(
         b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables, scale
     )

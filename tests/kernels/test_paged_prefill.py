@@ -18,9 +18,16 @@ REQUESTS = [(20, 1), (0, 13), (9, 30), (16, 5), (3, 2)]
 
 
 def _check(
-    num_heads, num_kv_heads, head_dim, block_size, device,
-    dtype=torch.float32, block_m=16, tile_n=16, requests=REQUESTS,
-):  # fmt: skip
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    device,
+    dtype=torch.float32,
+    block_m=16,
+    tile_n=16,
+    requests=REQUESTS,
+):
     b = make_batch(
         requests,
         num_heads=num_heads,
@@ -36,14 +43,31 @@ def _check(
     scale = head_dim**-0.5
     out = torch.zeros_like(b.q)
     paged_prefill_attention(
-        out, b.q, b.k_cache, b.v_cache, md.query_start_loc, md.seq_lens, md.block_tables, scale,
-        md.num_decodes, md.num_prefills, md.max_query_len, block_m=block_m, tile_n=tile_n,
-    )  # fmt: skip
+        out,
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        md.query_start_loc,
+        md.seq_lens,
+        md.block_tables,
+        scale,
+        md.num_decodes,
+        md.num_prefills,
+        md.max_query_len,
+        block_m=block_m,
+        tile_n=tile_n,
+    )
     prefills = range(md.num_decodes, md.num_reqs)
     ref = paged_attention_reference(
-        b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables,
-        scale, prefills,
-    )  # fmt: skip
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        md.query_start_loc_cpu,
+        md.seq_lens_cpu,
+        b.block_tables,
+        scale,
+        prefills,
+    )
     # Decode rows are untouched (zeros in both).
     torch.testing.assert_close(out.float(), ref, **tolerance(dtype))
 

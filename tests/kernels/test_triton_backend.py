@@ -54,9 +54,13 @@ def test_strided_qkv_views(device):
     # q, k, v as views of one fused projection output, as the model layers produce them.
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     b = make_batch(
-        MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16,
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
         device=device,
-    )  # fmt: skip
+    )
     qkv = torch.cat([b.q.flatten(1), b.k.flatten(1), b.v.flatten(1)], dim=1)
     q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
@@ -77,8 +81,10 @@ def test_chunked_prefill_then_decode_steps(device):
     num_heads, num_kv_heads, head_dim, block_size = 6, 2, 64, 8
     gen = torch.Generator().manual_seed(3)
     shape = (12, block_size, num_kv_heads, head_dim)
-    caches = {name: (torch.zeros(shape, device=device), torch.zeros(shape, device=device))
-              for name in ("triton", "torch")}  # fmt: skip
+    caches = {
+        name: (torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+        for name in ("triton", "torch")
+    }
     triton_be, torch_be = _backends(num_heads, num_kv_heads, head_dim, split=True)
     tables = {"a": [3, 7, 1, 9, 0], "b": [5, 2, 11, 4]}
     done = {"a": 0, "b": 0}
@@ -86,9 +92,7 @@ def test_chunked_prefill_then_decode_steps(device):
     steps = [{"a": 16, "b": 20}, {"a": 16, "b": 1}, {"a": 5, "b": 1}, {"a": 1, "b": 1}]
     steps += [{"a": 1, "b": 1}] * 2
     for step in steps:
-        chunks = [
-            SeqChunk([0] * n, done[name], tables[name]) for name, n in step.items()
-        ]
+        chunks = [SeqChunk([0] * n, done[name], tables[name]) for name, n in step.items()]
         md = build_model_inputs(chunks, block_size, device).attn_metadata
         num_tokens = sum(step.values())
         q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device)

@@ -160,7 +160,8 @@ class PagedHarness:
 
 
 def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=gen).tolist()
 
 
 def _hf_logits(hf: nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -253,18 +254,24 @@ def test_registry_lists_supported_architectures() -> None:
 
 def test_load_weights_reports_missing_and_unexpected() -> None:
     model = build_model(_tiny_llama_config(), get_attention_backend("torch"))
-    init_dummy_weights(model, seed=0)
-    hf_names = {
-        "model.layers.0.self_attn.q_proj.weight": model.model.layers[0].self_attn.qkv_proj.weight[
-            :64
-        ],
-    }
+    q_only = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(4 * 16, 64))]
     with pytest.raises(ValueError, match=r"missing weights for: .*qkv_proj.weight.*only shards"):
-        model.load_weights(hf_names.items())
-    with pytest.raises(ValueError, match="model.bogus.weight matches no parameter"):
+        model.load_weights(q_only)
+    with pytest.raises(ValueError, match=r"model\.bogus\.weight matches no parameter"):
         model.load_weights([("model.bogus.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="shape"):
         model.load_weights([("model.norm.weight", torch.zeros(3))])
+
+
+def test_load_weights_accepts_prefused_names() -> None:
+    """A checkpoint already holding qkv_proj / gate_up_proj (our own state dict) loads as is."""
+    source = build_model(_tiny_llama_config(), get_attention_backend("torch"))
+    init_dummy_weights(source, seed=3)
+    target = build_model(_tiny_llama_config(), get_attention_backend("torch"))
+    target.load_weights(source.state_dict().items())
+    expected = source.state_dict()
+    for name, tensor in target.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 def test_dummy_weights_and_bf16_build() -> None:

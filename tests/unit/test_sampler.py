@@ -62,6 +62,7 @@ def filtered(
     min_p: list[float] | None = None,
     temperature: list[float] | None = None,
     all_top_k: bool | None = None,
+    all_truncated: bool = False,
 ) -> Candidates:
     """select_candidates on [B, V] logits with per-row lists (None = feature off)."""
     vocab = logits.shape[-1]
@@ -75,6 +76,7 @@ def filtered(
         None if min_p is None else torch.tensor(min_p),
         max(active, default=0),
         len(active) == logits.shape[0] if all_top_k is None else all_top_k,
+        all_truncated,
     )
 
 
@@ -98,9 +100,17 @@ def test_defaults_build_no_optional_tensors() -> None:
     assert isinstance(md, SamplingMetadata)
     assert (md.all_greedy, md.all_random, md.greedy_mask) == (False, True, None)
     for name in (
-        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "prompt_token_ids", "output_token_ids", "min_tokens_rows",
-    ):  # fmt: skip
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "prompt_token_ids",
+        "output_token_ids",
+        "min_tokens_rows",
+    ):
         assert getattr(md, name) is None, name
     assert md.generators == {} and md.max_num_logprobs is None
 
@@ -111,6 +121,19 @@ def test_greedy_rows_do_not_enable_random_features() -> None:
     assert md.top_k is None and md.top_p is None and md.temperature is None
     assert md.generators == {}
     assert md.greedy_mask is not None and md.greedy_mask.tolist() == [True, False]
+
+
+def test_layout_flags_ignore_greedy_rows() -> None:
+    def flags(*reqs: Request) -> tuple[bool, bool, int]:
+        md = Sampler("cpu").build_metadata(list(reqs), 16)
+        return md.all_top_k, md.all_truncated, md.max_top_k
+
+    greedy = make_req("g", temperature=0.0)
+    assert flags(greedy, make_req("a", top_k=3), make_req("b", top_k=99)) == (False, False, 3)
+    assert flags(greedy, make_req("a", top_k=3), make_req("b", top_k=5)) == (True, True, 5)
+    assert flags(greedy, make_req("a", top_k=3), make_req("b", top_p=0.9)) == (False, True, 3)
+    assert flags(greedy, make_req("a", top_p=0.9), make_req("b")) == (False, False, 0)
+    assert flags(greedy) == (False, False, 0)
 
 
 def test_shape_mismatch_raises() -> None:
@@ -229,6 +252,30 @@ def test_top_p_restricts_to_nucleus(top_p: float, nucleus: set[int]) -> None:
     assert set(sample(logits.expand(n, 4), reqs).sampled_token_ids.tolist()) == expected
 
 
+@pytest.mark.parametrize("truncated", [False, True])  # vocabulary vs nucleus layout
+def test_top_p_large_nucleus_falls_back_to_a_sort(truncated: bool) -> None:
+    # A nucleus of ~1900 tokens does not fit the capped columns: the exact result needs a sort.
+    vocab = 2048
+    logits = torch.linspace(1.0, 0.0, vocab).unsqueeze(0)  # token 0 most likely
+    probs = logits.softmax(-1)[0]
+    cum = probs.cumsum(0)
+    expected_size = int((cum - probs < 0.93).sum())
+    assert expected_size > 1024
+    c = filtered(logits, top_p=[0.93], all_truncated=truncated)
+    assert kept(c) == set(range(expected_size))
+    assert (c.token_ids is None) == (not truncated)
+
+
+def test_nucleus_layout_when_every_row_is_truncated() -> None:
+    logits = probs_logits([0.5, 0.3, 0.15, 0.05]).unsqueeze(0).expand(3, 4)
+    c = filtered(logits, top_p=[0.7, 0.85, 1.0], top_k=[0, 0, 2], all_truncated=True)
+    assert c.token_ids is not None  # only the capped columns, sorted descending
+    assert [kept(c, i) for i in range(3)] == [{0, 1}, {0, 1, 2}, {0, 1}]
+    c = filtered(logits, top_p=[0.7, 0.85, 1.0], top_k=[0, 0, 2], all_truncated=False)
+    assert c.token_ids is None
+    assert [kept(c, i) for i in range(3)] == [{0, 1}, {0, 1, 2}, {0, 1}]
+
+
 def test_top_p_applies_after_top_k_renormalisation() -> None:
     # After top_k=2, [0.5, 0.3] renormalise to [0.625, 0.375]: top_p=0.6 keeps only token 0.
     logits = probs_logits([0.5, 0.3, 0.15, 0.05]).unsqueeze(0).expand(2, 4)
@@ -239,10 +286,13 @@ def test_top_p_applies_after_top_k_renormalisation() -> None:
 
 
 def test_top_p_keeps_at_least_one_token() -> None:
-    logits = torch.zeros(1, 8)  # uniform: every token has 1/8 > top_p
-    assert len(kept(filtered(logits, top_p=[1e-6]))) == 1
-    assert len(kept(filtered(logits, top_p=[1e-6], top_k=[4]))) == 1
-    assert len(kept(filtered(logits, min_p=[1.0]))) == 8  # all tie with the max
+    logits = torch.linspace(0.0, 0.07, 8).unsqueeze(0)  # every token has about 1/8 > top_p
+    for truncated in (False, True):
+        assert kept(filtered(logits, top_p=[1e-6], all_truncated=truncated)) == {7}
+    assert kept(filtered(logits, top_p=[1e-6], top_k=[4])) == {7}
+    assert kept(filtered(logits, min_p=[1.0])) == {7}
+    # Ties with the last kept weight are kept (threshold semantics).
+    assert len(kept(filtered(torch.zeros(1, 8), min_p=[1.0]))) == 8
 
 
 def test_top_p_one_keeps_tiny_tail() -> None:
@@ -336,6 +386,51 @@ def test_rows_without_penalties_are_untouched() -> None:
     assert {tuple(x) for x in changed} == {(1, t) for t in (1, 2, 3, 4, 5)} | {(2, 4)}
 
 
+def dense_penalties(
+    logits: torch.Tensor, reqs: list[Request]
+) -> torch.Tensor:  # the textbook [B, V] formulation (vLLM's), row by row
+    out = logits.clone()
+    for i, r in enumerate(reqs):
+        sp = r.sampling_params
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        seen[r.all_token_ids] = True
+        penalty = torch.where(seen, sp.repetition_penalty, 1.0)
+        row = torch.where(out[i] > 0, out[i] / penalty, out[i] * penalty)
+        counts = torch.bincount(
+            torch.tensor(r.output_token_ids, dtype=torch.int64), minlength=logits.shape[-1]
+        ).float()
+        row = row - sp.frequency_penalty * counts
+        out[i] = row - sp.presence_penalty * (counts > 0).float()
+    return out
+
+
+def test_penalties_match_dense_reference_on_ragged_batch() -> None:
+    vocab = 40
+    gen = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> tuple[int, ...]:
+        return tuple(torch.randint(0, vocab, (n,), generator=gen).tolist())
+
+    reqs = [
+        make_req("a", prompt=ids(7), output=ids(12), repetition_penalty=1.3),
+        make_req("b", prompt=ids(3), output=(), repetition_penalty=0.7, frequency_penalty=0.4),
+        make_req("c", prompt=ids(9), output=ids(5), presence_penalty=-0.6),
+        make_req("d", prompt=ids(2), output=ids(20), frequency_penalty=1.1, presence_penalty=0.3),
+        make_req("e", prompt=ids(15), output=ids(4)),  # no penalty
+        make_req("f", prompt=ids(1), output=(), presence_penalty=2.0),  # nothing to penalize yet
+        make_req(
+            "g",
+            prompt=(5, 5, 5),
+            output=(5, 5),
+            repetition_penalty=1.9,
+            frequency_penalty=0.25,
+            presence_penalty=0.5,
+        ),
+    ]
+    logits = torch.randn(len(reqs), vocab, generator=gen) * 3
+    assert torch.equal(penalized(logits, reqs), dense_penalties(logits, reqs))
+
+
 # ---------------------------------------------------------------- min_tokens / ignore_eos
 
 
@@ -409,9 +504,22 @@ def test_seed_reproducible_across_samplers_and_batches(
         make_req("x2", seed=1234, **params),
         make_req("s", seed=99, **companion),
     ]
-    steps_logits = [torch.cat([torch.randn(2, vocab), r.unsqueeze(0), torch.randn(1, vocab)])
-                    for r in rows]  # fmt: skip
+    steps_logits = [
+        torch.cat([torch.randn(2, vocab), r.unsqueeze(0), torch.randn(1, vocab)]) for r in rows
+    ]
     assert seeded_run(Sampler("cpu"), steps_logits, batch, 2) == tokens_alone
+
+
+@pytest.mark.parametrize("top_p", [0.6, 0.999])  # nucleus inside / beyond the capped columns
+def test_seed_reproducible_across_layouts_with_large_vocab(top_p: float) -> None:
+    vocab, steps = 1500, 3
+    rows = [torch.randn(vocab) * 2 for _ in range(steps)]
+    params = {"seed": 5, "top_p": top_p}
+    alone = seeded_run(Sampler("cpu"), [r.unsqueeze(0) for r in rows], [make_req("x", **params)], 0)
+    # A default row forces the vocabulary layout.
+    batch = [make_req("d"), make_req("x", **params)]
+    steps_logits = [torch.stack([torch.randn(vocab), r]) for r in rows]
+    assert seeded_run(Sampler("cpu"), steps_logits, batch, 1) == alone
 
 
 def test_different_seeds_and_sample_indices_differ() -> None:

@@ -41,6 +41,8 @@ class SamplingMetadata:
     max_top_k: int
     # Every random row has top-k on: sampling then only looks at the top `max_top_k` logits.
     all_top_k: bool
+    # Every random row has top-k or top-p < 1: no row needs the whole vocabulary's tail.
+    all_truncated: bool
     # [B] float32 in [0, 1].
     min_p: torch.Tensor | None
     # [B] float32 each; penalties are applied only when at least one is set.
@@ -83,6 +85,8 @@ def build_sampling_metadata(
     top_k: list[int] = []
     min_p: list[float] = []
     generators: dict[int, torch.Generator] = {}
+    # Random rows that never need the vocabulary's tail (top-k on or top-p < 1).
+    num_truncated = 0
     for i, req in enumerate(requests):
         sp = req.sampling_params
         if greedy[i]:
@@ -95,6 +99,7 @@ def build_sampling_metadata(
         top_p.append(sp.top_p)
         top_k.append(min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size)
         min_p.append(sp.min_p)
+        num_truncated += top_k[-1] < vocab_size or sp.top_p < 1.0
         if sp.seed is not None:
             generators[i] = get_generator(req)
 
@@ -122,11 +127,10 @@ def build_sampling_metadata(
             vocab_size,
             device,
         )
-    if (
-        repetition_penalty is not None
-        or presence_penalty is not None
-        or (frequency_penalty is not None)
-    ):
+    any_penalty = any(
+        t is not None for t in (repetition_penalty, presence_penalty, frequency_penalty)
+    )
+    if any_penalty:
         output_token_ids = _pad(
             [r.output_token_ids if r.sampling_params.needs_penalties else [] for r in requests],
             vocab_size,
@@ -165,6 +169,7 @@ def build_sampling_metadata(
         top_k=(torch.tensor(top_k, dtype=torch.int64, device=device) if active_top_k else None),
         max_top_k=max(active_top_k, default=0),
         all_top_k=bool(active_top_k) and len(active_top_k) == num_reqs - num_greedy,
+        all_truncated=num_greedy < num_reqs and num_truncated == num_reqs - num_greedy,
         min_p=floats(min_p, 0.0),
         repetition_penalty=repetition_penalty,
         presence_penalty=presence_penalty,

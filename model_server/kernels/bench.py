@@ -1,0 +1,193 @@
+"""Times the Triton attention kernels against the torch backend on a CUDA GPU.
+
+    python -m model_server.kernels.bench                      # llama-8B-like defaults, bf16
+    python -m model_server.kernels.bench --batch 128 --ctx 4096 --block-size 32
+
+Cases: a decode batch (every request at `--ctx` tokens), a few long decodes (split-K territory),
+whole-prompt prefills and chunked prefills after a cached prefix. Each line gives the full
+backend forward (store + attention) for both backends, the attention kernel alone, and the
+achieved KV bandwidth (decode) or attention TFLOP/s (prefill, causal FLOPs only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Case:
+    name: str
+    # (num_cached, num_new) per request
+    requests: list[tuple[int, int]]
+
+
+@dataclass
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+
+def _build(case: Case, shape: Shape, device: torch.device):
+    """Random caches with shuffled block tables, real metadata, and the step's q/k/v."""
+    from model_server.engine.input_batch import SeqChunk, build_model_inputs
+
+    bs = shape.block_size
+    needed = [-(-(c + n) // bs) for c, n in case.requests]
+    num_blocks = sum(needed) + 1
+    perm = torch.randperm(num_blocks).tolist()
+    chunks = []
+    for (cached, new), nb in zip(case.requests, needed, strict=True):
+        table, perm = perm[:nb], perm[nb:]
+        chunks.append(SeqChunk(token_ids=[0] * new, num_computed_tokens=cached, block_ids=table))
+    md = build_model_inputs(chunks, bs, device).attn_metadata
+    cache_shape = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
+    v_cache = torch.randn(cache_shape, device=device, dtype=shape.dtype)
+    t = sum(n for _, n in case.requests)
+    q = torch.randn(t, shape.num_heads, shape.head_dim, device=device, dtype=shape.dtype)
+    k = torch.randn(t, shape.num_kv_heads, shape.head_dim, device=device, dtype=shape.dtype)
+    v = torch.randn(t, shape.num_kv_heads, shape.head_dim, device=device, dtype=shape.dtype)
+    return md, q, k, v, k_cache, v_cache
+
+
+def _time_ms(fn: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100)
+
+
+def run_case(case: Case, shape: Shape, device: torch.device) -> str:
+    from model_server.kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from model_server.kernels.paged_prefill import paged_prefill_attention
+    from model_server.layers.attention.torch_backend import TorchAttentionBackend
+    from model_server.layers.attention.triton_backend import TritonAttentionBackend
+
+    md, q, k, v, k_cache, v_cache = _build(case, shape, device)
+    scale = shape.head_dim**-0.5
+    args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
+    triton_be, torch_be = TritonAttentionBackend(*args), TorchAttentionBackend(*args)
+    out = torch.empty_like(q)
+    nd = md.num_decodes
+
+    def kernel_only() -> None:
+        if nd:
+            max_len = max(md.seq_lens_cpu[:nd])
+            splits = choose_num_splits(
+                nd,
+                shape.num_kv_heads,
+                max_len,
+                target_programs=triton_be._target_programs(device),
+            )
+            paged_decode_attention(
+                out[:nd],
+                q[:nd],
+                k_cache,
+                v_cache,
+                md.seq_lens[:nd],
+                md.block_tables[:nd],
+                scale,
+                max_len,
+                splits,
+            )
+        if md.num_prefills:
+            paged_prefill_attention(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                md.query_start_loc,
+                md.seq_lens,
+                md.block_tables,
+                scale,
+                nd,
+                md.num_prefills,
+                md.max_query_len,
+            )
+
+    t_triton = _time_ms(lambda: triton_be.forward(q, k, v, k_cache, v_cache, md))
+    t_kernel = _time_ms(kernel_only)
+    t_torch = _time_ms(lambda: torch_be.forward(q, k, v, k_cache, v_cache, md))
+
+    elt = torch.finfo(shape.dtype).bits // 8
+    kv_bytes = sum(md.seq_lens_cpu) * shape.num_kv_heads * shape.head_dim * 2 * elt
+    flops = 0
+    for cached, new in case.requests:
+        # Causal: query j sees cached + j + 1 keys; 2 matmuls of 2 FLOPs per MAC.
+        keys = new * cached + new * (new + 1) // 2
+        flops += 4 * keys * shape.num_heads * shape.head_dim
+    rate = (
+        f"{kv_bytes / t_kernel / 1e6:8.1f} GB/s"
+        if md.num_prefills == 0
+        else f"{flops / t_kernel / 1e9:8.1f} TFLOP/s"
+    )
+    return (
+        f"{case.name:<34} triton {t_triton * 1e3:9.1f} us | kernels {t_kernel * 1e3:9.1f} us "
+        f"({rate}) | torch {t_torch * 1e3:9.1f} us | speedup x{t_torch / t_triton:5.2f}"
+    )
+
+
+def default_cases(args: argparse.Namespace) -> list[Case]:
+    return [
+        Case(f"decode b{args.batch} ctx{args.ctx}", [(args.ctx, 1)] * args.batch),
+        Case(f"decode b{args.batch // 4} ctx{args.ctx}", [(args.ctx, 1)] * (args.batch // 4)),
+        Case(f"decode b4 ctx{args.long_ctx} (split-K)", [(args.long_ctx, 1)] * 4),
+        Case(
+            f"prefill {args.prefill_batch}x{args.prefill_len}",
+            [(0, args.prefill_len)] * args.prefill_batch,
+        ),
+        Case(
+            f"chunk {args.chunk} after {args.prefix_len} cached x{args.prefill_batch}",
+            [(args.prefix_len, args.chunk)] * args.prefill_batch,
+        ),
+        Case(
+            f"mixed: b{args.batch} decodes + chunk {args.chunk}",
+            [(args.ctx, 1)] * args.batch + [(args.prefix_len, args.chunk)],
+        ),
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=64, help="decode batch size")
+    p.add_argument("--ctx", type=int, default=1024, help="decode context length")
+    p.add_argument("--long-ctx", type=int, default=16384, help="context of the split-K case")
+    p.add_argument("--prefill-batch", type=int, default=4)
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--prefix-len", type=int, default=1536, help="cached tokens before a chunk")
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--num-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = p.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("bench needs a CUDA GPU (kernels would run under the Triton interpreter)")
+        return 2
+    device = torch.device("cuda")
+    shape = Shape(
+        args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, DTYPES[args.dtype]
+    )
+    print(
+        f"{torch.cuda.get_device_name(device)} | heads {shape.num_heads}/{shape.num_kv_heads} "
+        f"D {shape.head_dim} block {shape.block_size} {args.dtype}"
+    )
+    torch.manual_seed(0)
+    for case in default_cases(args):
+        print(run_case(case, shape, device), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
