@@ -54,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m model_server",
         description="Wick model server: a paged-attention LLM engine with an OpenAI-compatible API.",
     )
-    parser.add_argument("--log-level", default="WARNING", help="Logging level. Default: WARNING.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="WARNING", help="Logging level (to stderr).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser(
         "generate",
         help="Generate a completion for one prompt and print only its text on stdout.",
+        parents=[common],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     gen.add_argument("--prompt", required=True, help="The prompt (a user message for chat models).")
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bench_sub.add_parser(
         "throughput",
         help="Offline throughput: N requests with random input/output lengths.",
+        parents=[common],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_throughput_args(tp)

@@ -197,6 +197,8 @@ def paged_decode_attention(
     num_splits: int = 1,
     *,
     tile_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> None:
     """Decode attention for requests with exactly one query token each, written into `out`.
 
@@ -269,7 +271,8 @@ def paged_decode_attention(
         SPLIT=split,
         UPCAST_DOT=upcast_dot,
         DOT_PRECISION=dot_precision,
-        num_warps=4,
+        num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](

@@ -171,6 +171,8 @@ def paged_prefill_attention(
     *,
     block_m: int | None = None,
     tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Causal attention for requests `[first_seq, first_seq + num_seqs)`, written into `out`.
 
@@ -198,7 +200,8 @@ def paged_prefill_attention(
     block_q = block_m // group
     block_d = max(16, triton.next_power_of_2(head_dim))
     upcast_dot, dot_precision = dot_config(query.dtype)
-    num_warps = 8 if on_gpu and block_m * block_d >= 128 * 128 else 4
+    if num_warps is None:
+        num_warps = 8 if on_gpu and block_m * block_d >= 128 * 128 else 4
 
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_prefill_kernel[grid](
@@ -229,4 +232,5 @@ def paged_prefill_attention(
         UPCAST_DOT=upcast_dot,
         DOT_PRECISION=dot_precision,
         num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )

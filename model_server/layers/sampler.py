@@ -87,7 +87,7 @@ class Sampler:
         if metadata.min_tokens_rows is not None:
             logits = logits.index_put(
                 (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
-                torch.tensor(float("-inf"), device=logits.device),
+                logits.new_full((), float("-inf")),  # filled on the device: no copy
             )
         if metadata.output_token_ids is not None:
             logits = apply_penalties(

@@ -12,6 +12,7 @@ up to 13 s with two threads).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -37,8 +38,8 @@ def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch
     if ggml_type in _STORED:
         return data.view(_STORED[ggml_type]).reshape(shape).clone()
     if ggml_type in (Q8_0, Q4_0, Q4_1):
-        numel = data.numel() // (2 + QK if ggml_type == Q8_0 else 2) * QK  # upper bound
-        with _threads(1 if numel < SMALL_TENSOR else torch.get_num_threads()):
+        small = math.prod(shape) < SMALL_TENSOR
+        with _threads(1 if small else torch.get_num_threads()):
             if ggml_type == Q8_0:
                 return _q8_0(data).reshape(shape)
             return _q4(data, with_min=ggml_type == Q4_1).reshape(shape)

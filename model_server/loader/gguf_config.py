@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from model_server.loader.dequant import UNQUANTIZED, stored_dtype
 from model_server.loader.gguf_file import GGUFFile, GGUFTensorInfo
+from model_server.loader.hf_loader import set_config_dtype
 from model_server.loader.source import ModelLoadError
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
 
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._name_or_path = gf.path
-    _set_dtype(config, _checkpoint_dtype(gf.tensors))
+    set_config_dtype(config, _checkpoint_dtype(gf.tensors))
     return config
 
 
@@ -180,13 +181,3 @@ def _checkpoint_dtype(tensors: list[GGUFTensorInfo]) -> torch.dtype | None:
         return None
     dtypes = {stored_dtype(t) for t in matrices}
     return dtypes.pop() if len(dtypes) == 1 else None
-
-
-def _set_dtype(config: transformers.PretrainedConfig, dtype: torch.dtype | None) -> None:
-    # transformers 5 calls it `dtype`; 4.x calls it `torch_dtype` (5.x keeps that as an alias)
-    if dtype is None:
-        return
-    if hasattr(config, "dtype"):
-        config.dtype = dtype
-    else:
-        config.torch_dtype = dtype

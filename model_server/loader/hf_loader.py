@@ -29,8 +29,8 @@ def load_hf_folder(folder: str, *, dummy: bool = False) -> ModelSource:
         return ModelSource(config, tokenizer, folder, None, 0, format="dummy")
     files = safetensors_files(folder)
     names, dtype = _read_headers(files)
-    if getattr(config, "dtype", None) is None and dtype is not None:
-        config.dtype = dtype  # checkpoint dtype from the tensors when config.json omits it
+    if config_dtype(config) is None:
+        set_config_dtype(config, dtype)  # from the tensors when config.json omits it
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -111,6 +111,20 @@ def safetensors_files(folder: str) -> list[str]:
             f"{folder}: no *.safetensors weights (other weight formats are not supported)"
         )
     return files
+
+
+def config_dtype(config: transformers.PretrainedConfig) -> torch.dtype | str | None:
+    # transformers 5 calls it `dtype`; 4.x calls it `torch_dtype` (5.x keeps that as an alias)
+    return getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+
+
+def set_config_dtype(config: transformers.PretrainedConfig, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    if hasattr(config, "dtype"):
+        config.dtype = dtype
+    else:
+        config.torch_dtype = dtype
 
 
 def _read_headers(files: list[str]) -> tuple[dict[str, list[str]], torch.dtype | None]:

@@ -30,7 +30,7 @@ class ModelSource:
 
     hf_config: transformers.PretrainedConfig
     tokenizer: transformers.PreTrainedTokenizerBase | None
-    path: str  # resolved local file (.gguf) or folder; "" for a preset config
+    path: str  # resolved local .gguf file, HF folder, or (dummy) config JSON
     weights: Callable[[], WeightIterator] | None  # None for load_format="dummy"
     num_weights: int
     format: str = "hf"  # "hf" (safetensors folder) | "gguf" | "dummy"

@@ -29,6 +29,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_attention_backend = "torch"
+    # Large CPU allocations are fresh anonymous mmaps: already zero, and touched lazily, so the
+    # resident size grows with the blocks in use instead of paying a multi-GiB memset at start.
+    zero_init_kv_cache = False
 
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]

@@ -13,6 +13,9 @@ class Platform(ABC):
     dist_backend: str
     default_attention_backend: str
     supports_graphs: bool = False
+    # Whether KV cache memory must be zeroed at allocation. Slots past a sequence's length are
+    # masked out of the softmax, but NaN garbage there would still poison `probs @ V`.
+    zero_init_kv_cache: bool = True
 
     @property
     def device(self) -> torch.device:

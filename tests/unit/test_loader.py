@@ -137,6 +137,15 @@ def test_hf_folder_sharded_and_config_path(tmp_path: Path) -> None:
     assert source.num_weights == len(state)
 
 
+def test_hf_folder_dtype_from_tensors_when_config_has_none(tmp_path: Path) -> None:
+    _save_tiny(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_model_source(str(tmp_path)).hf_config.dtype == torch.float32
+
+
 def test_hf_folder_tied_has_no_lm_head(tmp_path: Path) -> None:
     _save_tiny(tmp_path, tied=True)
     source = load_model_source(str(tmp_path))
@@ -230,6 +239,15 @@ def test_unknown_hub_id_offline() -> None:
     message = _error("acme-nonexistent/tiny-model-xyz")
     assert "acme-nonexistent/tiny-model-xyz" in message
     assert "HF_HUB_OFFLINE" in message and "cache" in message
+
+
+def test_hub_unreachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # refused
+    message = _error("acme-nonexistent/tiny-model-xyz")
+    assert "cannot reach the hub" in message and "not in the local cache" in message
 
 
 def test_bad_load_format_and_mismatches(tiny_folder: tuple[Path, dict]) -> None:
