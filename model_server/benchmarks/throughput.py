@@ -86,15 +86,16 @@ def run_wick(llm, workload: Workload) -> float:
     # Warm up allocators and kernels outside the timed region.
     llm.generate([workload.prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))
     params = [
-        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        for n in workload.output_lens
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
     ]
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != workload.num_output_tokens:
-        raise RuntimeError(f"wick produced {produced} tokens, expected {workload.num_output_tokens}")
+        raise RuntimeError(
+            f"wick produced {produced} tokens, expected {workload.num_output_tokens}"
+        )
     return elapsed
 
 
@@ -137,7 +138,9 @@ def run_transformers(llm, workload: Workload, batch_size: int) -> float:
         generate([workload.prompts[0][:16]], 4)
         start = time.perf_counter()
         for i in range(0, len(workload.prompts), batch_size):
-            generate(workload.prompts[i : i + batch_size], max(workload.output_lens[i : i + batch_size]))
+            generate(
+                workload.prompts[i : i + batch_size], max(workload.output_lens[i : i + batch_size])
+            )
         return time.perf_counter() - start
 
 

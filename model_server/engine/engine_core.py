@@ -90,7 +90,9 @@ class EngineCore:
         vocab = self.model_runner.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for the vocabulary (0-{vocab - 1})")
+            raise ValueError(
+                f"token id {bad[0]} is out of range for the vocabulary (0-{vocab - 1})"
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

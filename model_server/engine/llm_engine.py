@@ -23,9 +23,7 @@ class LLMEngine:
             return list(self.tokenizer(prompt).input_ids)
         return list(prompt)
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request (all `params.n` samples); raises ValueError if it can never run."""
         prompt_token_ids = self.tokenize(prompt)
         text = prompt if isinstance(prompt, str) else None

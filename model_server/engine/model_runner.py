@@ -91,8 +91,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
         alloc = torch.zeros if self.platform.zero_init_kv_cache else torch.empty
         self.kv_caches = [
-            alloc(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(m.num_layers)
+            alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(m.num_layers)
         ]
 
     # ---- one step ---------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m model_server",
-        description="Wick model server: a paged-attention LLM engine with an OpenAI-compatible API.",
+        description="Wick model server: a paged-attention LLM engine.",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default="WARNING", help="Logging level (to stderr).")

@@ -5,8 +5,10 @@
 
 Cases: a decode batch (every request at `--ctx` tokens), a few long decodes (split-K territory),
 whole-prompt prefills and chunked prefills after a cached prefix. Each line gives the full
-backend forward (store + attention) for both backends, the attention kernel alone, and the
-achieved KV bandwidth (decode) or attention TFLOP/s (prefill, causal FLOPs only).
+backend forward (store + attention) for both backends, timed eagerly (launch overhead included:
+small batches are host-bound) and replayed from a CUDA graph (GPU time only), then the attention
+kernels alone (graph) with the achieved KV bandwidth (decode) or attention TFLOP/s (prefill,
+causal FLOPs only).
 """
 
 from __future__ import annotations
@@ -61,9 +63,25 @@ def _build(case: Case, shape: Shape, device: torch.device):
 
 
 def _time_ms(fn: Callable[[], object]) -> float:
+    """Eager time per call: includes Python/Triton launch overhead when it exceeds GPU time."""
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=100)
+
+
+USE_GRAPHS = True  # --eager-only turns graph replay off
+
+
+def _graph_ms(fn: Callable[[], object]) -> float:
+    """GPU time per call, replayed from a CUDA graph (no launch overhead); nan if uncapturable."""
+    from triton.testing import do_bench_cudagraph
+
+    if not USE_GRAPHS:
+        return _time_ms(fn)
+    try:
+        return do_bench_cudagraph(fn, rep=100)
+    except Exception:  # e.g. an op that syncs; report eager time only
+        return float("nan")
 
 
 def run_case(case: Case, shape: Shape, device: torch.device) -> str:
@@ -115,8 +133,10 @@ def run_case(case: Case, shape: Shape, device: torch.device) -> str:
             )
 
     t_triton = _time_ms(lambda: triton_be.forward(q, k, v, k_cache, v_cache, md))
-    t_kernel = _time_ms(kernel_only)
+    t_kernel = _graph_ms(kernel_only)
     t_torch = _time_ms(lambda: torch_be.forward(q, k, v, k_cache, v_cache, md))
+    g_triton = _graph_ms(lambda: triton_be.forward(q, k, v, k_cache, v_cache, md))
+    g_torch = _graph_ms(lambda: torch_be.forward(q, k, v, k_cache, v_cache, md))
 
     elt = torch.finfo(shape.dtype).bits // 8
     kv_bytes = sum(md.seq_lens_cpu) * shape.num_kv_heads * shape.head_dim * 2 * elt
@@ -131,8 +151,9 @@ def run_case(case: Case, shape: Shape, device: torch.device) -> str:
         else f"{flops / t_kernel / 1e9:8.1f} TFLOP/s"
     )
     return (
-        f"{case.name:<34} triton {t_triton * 1e3:9.1f} us | kernels {t_kernel * 1e3:9.1f} us "
-        f"({rate}) | torch {t_torch * 1e3:9.1f} us | speedup x{t_torch / t_triton:5.2f}"
+        f"{case.name:<36} eager: triton {t_triton * 1e3:8.1f} torch {t_torch * 1e3:8.1f} us | "
+        f"graph: triton {g_triton * 1e3:8.1f} torch {g_torch * 1e3:8.1f} us "
+        f"(x{g_torch / g_triton:5.2f}) | attention kernels {t_kernel * 1e3:8.1f} us ({rate})"
     )
 
 
@@ -170,7 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument(
+        "--eager-only", action="store_true", help="time without CUDA graphs (graph columns too)"
+    )
     args = p.parse_args(argv)
+    global USE_GRAPHS
+    USE_GRAPHS = not args.eager_only
 
     if not torch.cuda.is_available():
         print("bench needs a CUDA GPU (kernels would run under the Triton interpreter)")

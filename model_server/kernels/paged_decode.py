@@ -26,7 +26,8 @@ from model_server.kernels.attention_tile import attend_paged_tile, dot_config
 LOG2E = math.log2(math.e)
 
 
-@triton.jit
+# Ints that change from step to step are not specialised (a recompile mid-serving costs seconds).
+@triton.jit(do_not_specialize=["split_size", "num_splits"])
 def _paged_decode_kernel(
     out_ptr,  # [num_seqs, H, D] (used when not SPLIT)
     partial_out_ptr,  # [num_seqs, H, num_splits, D] fp32 (used when SPLIT)
@@ -126,7 +127,7 @@ def _paged_decode_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_size", "num_splits"])
 def _reduce_splits_kernel(
     out_ptr,  # [num_seqs, H, D]
     partial_out_ptr,  # [num_seqs, H, num_splits, D] fp32

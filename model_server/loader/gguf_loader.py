@@ -93,7 +93,13 @@ def load_gguf(path: str, *, dummy: bool = False) -> ModelSource:
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         for item in plan:
-            tensor = dequantize(gf.tensor_data(item.info), item.info.ggml_type, item.info.shape)
+            try:
+                tensor = dequantize(gf.tensor_data(item.info), item.info.ggml_type, item.info.shape)
+            except NotImplementedError as exc:  # a ggml type gguf-py cannot unpack
+                raise ModelLoadError(
+                    f"{path}: tensor {item.info.name} is {item.info.type_name}, which cannot be "
+                    f"dequantized: {exc}"
+                ) from exc
             if item.permuted_heads is not None:
                 tensor = unpermute_rope(tensor, item.permuted_heads)
             yield item.hf_name, tensor

@@ -94,7 +94,12 @@ def _from_folder(folder: str, load_format: str) -> ModelSource:
             )
     if load_format == "gguf":
         raise ModelLoadError(f"{folder}: load_format gguf needs a .gguf file, got a folder")
-    return load_hf_folder(folder, dummy=load_format == "dummy")
+    source = load_hf_folder(folder, dummy=load_format == "dummy")
+    if source.weights is None and source.tokenizer is None:
+        from model_server.loader.dummy import fallback_tokenizer
+
+        source.tokenizer = fallback_tokenizer(source.hf_config)
+    return source
 
 
 def _has_gguf_magic(path: str) -> bool:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # heavy imports stay out of import time
 WeightIterator = Iterator[tuple[str, "torch.Tensor"]]
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(ValueError):
     """A model reference that cannot be loaded; the message names the file and the problem."""
 
 

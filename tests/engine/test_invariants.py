@@ -41,7 +41,9 @@ def test_prefix_cache_on_equals_off(prompts, alone) -> None:
     system = {"role": "system", "content": "You are a concise assistant. " * 6}
     cached = LLM(kv_cache_memory=256 * 1024**2, enable_prefix_caching=True)
     uncached = LLM(kv_cache_memory=256 * 1024**2, enable_prefix_caching=False)
-    convs = [[system, {"role": "user", "content": q}] for q in ("Hi!", "What is 2+2?", "Name a color.")]
+    convs = [
+        [system, {"role": "user", "content": q}] for q in ("Hi!", "What is 2+2?", "Name a color.")
+    ]
     shared = [cached.apply_chat_template(c) for c in convs]
     first = token_ids(cached.generate(shared[:1], GREEDY))
     kv = cached.engine.core.kv_cache_manager

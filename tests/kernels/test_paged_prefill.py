@@ -81,9 +81,8 @@ def test_prefill_matches_reference(head_dim, num_heads, num_kv_heads, block_size
 
 
 def test_prefill_default_blocks(device):
-    # The GPU defaults (block_m 64 off-GPU / 128 on it, tile_n 64), long enough for a full tile.
-    b_m = None
-    _check(8, 2, 64, 16, device, block_m=b_m, tile_n=None, requests=[(70, 40), (0, 90)])
+    # The defaults (block_m 64, tile_n 64) with chunks long enough for full, unmasked tiles.
+    _check(8, 2, 64, 16, device, block_m=None, tile_n=None, requests=[(70, 40), (0, 90)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

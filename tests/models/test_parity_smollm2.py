@@ -1,4 +1,4 @@
-"""The real SmolLM2 GGUF: Wick's greedy tokens equal HF transformers' (which loads the GGUF itself)."""
+"""The real SmolLM2 GGUF: greedy tokens equal HF transformers' (which loads the GGUF itself)."""
 
 from __future__ import annotations
 

@@ -567,6 +567,49 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
     assert "rope_freqs.weight" not in _weights(source)
 
 
+def test_sentencepiece_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
+    # A llama.cpp "llama" (sentencepiece BPE) vocabulary: merges come from the scores, and BOS
+    # is prepended by default. Tiny, so transformers' own GGUF tokenizer path is quick here.
+    tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "\u2581",
+        "a",
+        "b",
+        "c",
+        "\u2581a",
+        "ab",
+        "\u2581ab",
+        "\u2581b",
+    ]
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -2.0, -0.5, -0.6, -0.4, -0.7])
+    writer.add_token_types([2, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours = load_model_source(str(tmp_path / "spm.gguf"), load_format="dummy").tokenizer
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    assert ours is not None and ours.add_bos_token
+    for text in ("ab", "a b c", " abc", "abab bc"):
+        assert ours(text).input_ids == theirs(text).input_ids, text
+        assert ours(text).input_ids[0] == 1
+    assert ours.decode(ours("abab bc").input_ids, skip_special_tokens=True) == "abab bc"
+
+
 def test_gguf_name_mapping() -> None:
     assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_name("output.weight") == "lm_head.weight"

@@ -42,9 +42,7 @@ def test_find_stop_string_only_in_new_text() -> None:
 
 
 def step(proc, rid, tokens, finish=None):
-    outs, to_stop = proc.process_outputs(
-        [EngineCoreOutput(rid, tokens, None, finish, None)]
-    )
+    outs, to_stop = proc.process_outputs([EngineCoreOutput(rid, tokens, None, finish, None)])
     return (outs[0] if outs else None), to_stop
 
 

@@ -15,7 +15,11 @@ from model_server.layers.attention.backend import AttentionBackend, AttentionMet
 
 
 def write_to_paged_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """k, v: [T, Hkv, D] -> cache slots (k_cache, v_cache: [num_blocks, block_size, Hkv, D])."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
