@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model_server.layers.linear import default_weight_loader
+from model_server.layers.linear import default_weight_loader, dense
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,4 +37,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return F.linear(hidden_states, self.weight)
+        return dense(hidden_states, self.weight)

@@ -11,11 +11,26 @@ Parameters are allocated with `torch.empty` (no init pass: checkpoints or
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+_linear_impl: LinearFn = F.linear
+
+
+def set_linear_impl(fn: LinearFn | None) -> None:
+    """Install the platform's dense matmul (None restores `F.linear`); see platforms/."""
+    global _linear_impl
+    _linear_impl = fn or F.linear
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, in] @ weight [out, in]^T + bias: every linear layer and the LM head call this."""
+    return _linear_impl(x, weight, bias)
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -53,7 +68,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"

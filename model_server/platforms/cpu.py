@@ -6,10 +6,28 @@ import os
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
+from model_server.layers.linear import set_linear_impl
 from model_server.platforms.interface import Platform
 
 _DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
+# Row counts for which `W @ x^T` beats `x @ W^T` on MKL with weights streamed from memory
+# (measured on AVX2, 2 threads: 2-3x faster at 2-8 rows, ~1.2x at 16-64, slower from ~96).
+_SKINNY_ROWS = range(2, 65)
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear, computed transposed for a few rows: MKL's sgemm picks a poor kernel for
+    x [M, K] @ W^T at small M (decode batches) and a good one for W [N, K] @ x^T."""
+    if x.dim() != 2 or x.shape[0] not in _SKINNY_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()  # [M, N]
+    if bias is not None:
+        out += bias
+    return out
 
 
 @cache
@@ -47,3 +65,4 @@ class CpuPlatform(Platform):
     def prepare(self, num_threads: int | None) -> None:
         threads = num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
+        set_linear_impl(skinny_linear)
