@@ -89,9 +89,8 @@ class ModelRunner:
         m = self.model
         # Per layer: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
-        alloc = torch.zeros if self.platform.zero_init_kv_cache else torch.empty
         self.kv_caches = [
-            alloc(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(m.num_layers)
+            self.platform.allocate_zeros(shape, self.kv_cache_dtype) for _ in range(m.num_layers)
         ]
 
     # ---- one step ---------------------------------------------------------------------------

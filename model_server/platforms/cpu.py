@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 from functools import cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,9 +49,6 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_attention_backend = "torch"
-    # Large CPU allocations are fresh anonymous mmaps: already zero, and touched lazily, so the
-    # resident size grows with the blocks in use instead of paying a multi-GiB memset at start.
-    zero_init_kv_cache = False
 
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]
@@ -61,6 +60,12 @@ class CpuPlatform(Platform):
 
     def default_kv_cache_memory(self, bytes_per_block: int) -> int:
         return _DEFAULT_KV_CACHE_BYTES
+
+    def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # calloc (through numpy) hands out large blocks as fresh zero pages that are touched
+        # lazily: no multi-GiB memset at start, and the resident size grows with blocks in use.
+        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
     def prepare(self, num_threads: int | None) -> None:
         threads = num_threads or len(os.sched_getaffinity(0))

@@ -13,9 +13,6 @@ class Platform(ABC):
     dist_backend: str
     default_attention_backend: str
     supports_graphs: bool = False
-    # Whether KV cache memory must be zeroed at allocation. Slots past a sequence's length are
-    # masked out of the softmax, but NaN garbage there would still poison `probs @ V`.
-    zero_init_kv_cache: bool = True
 
     @property
     def device(self) -> torch.device:
@@ -30,6 +27,11 @@ class Platform(ABC):
     @abstractmethod
     def default_kv_cache_memory(self, bytes_per_block: int) -> int:
         """Bytes for the KV cache when the user gives no `--kv-cache-memory`."""
+
+    def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed memory for the KV cache. It must be zeros, not garbage: slots past a sequence's
+        length are masked out of the softmax, but NaN bits there would still poison probs @ V."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def synchronize(self) -> None:
         return None
