@@ -37,11 +37,14 @@ if [[ ",$EXTRAS," == *",model-server,"* || ",$EXTRAS," == *",test,"* ]]; then
     elif [[ -n "${WICK_TORCH_INDEX_URL:-}" ]]; then
       log "installing torch==$TORCH_VERSION (CPU build from $WICK_TORCH_INDEX_URL)"
       "${PIP[@]}" "torch==$TORCH_VERSION" --index-url "$WICK_TORCH_INDEX_URL"
+    elif "${PIP[@]}" --no-deps --no-index "torch==$TORCH_VERSION" >/dev/null 2>&1; then
+      # A CPU wheel on local disk (pip's find-links): take it, then its dependencies from PyPI.
+      log "installed torch==$TORCH_VERSION (CPU build, local wheel)"
+      "${PIP[@]}" "torch==$TORCH_VERSION"
     else
-      # A local wheel (find-links) first; otherwise PyTorch's CPU index.
-      log "installing torch==$TORCH_VERSION (CPU build)"
-      "${PIP[@]}" --no-index "torch==$TORCH_VERSION" 2>/dev/null ||
-        "${PIP[@]}" "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+      log "installing torch==$TORCH_VERSION (CPU build from download.pytorch.org)"
+      "${PIP[@]}" "torch==$TORCH_VERSION" --retries 2 --timeout 30 \
+        --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
     fi
   fi
   # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.
