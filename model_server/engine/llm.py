@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from model_server.config import EngineConfig
+from model_server.engine.chat_template import render_chat
 from model_server.engine.llm_engine import LLMEngine
 from model_server.engine.output_processor import RequestOutput
 from model_server.sampling_params import SamplingParams
@@ -75,8 +76,4 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+        return render_chat(self.engine.tokenizer, messages)

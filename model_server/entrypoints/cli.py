@@ -1,4 +1,4 @@
-"""Command line: `generate`, `bench throughput` (and later `serve`). Logs go to stderr."""
+"""Command line: `generate`, `serve`, `bench throughput`, `bench serve`. Logs go to stderr."""
 
 from __future__ import annotations
 
@@ -49,6 +49,19 @@ def _bench(args: argparse.Namespace) -> int:
     return run_throughput_benchmark(args, config_from_args(args))
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.serve import run_serve_benchmark
+
+    return run_serve_benchmark(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from model_server.entrypoints.openai.api_server import run_server
+    from model_server.entrypoints.openai.cli_args import settings_from_args
+
+    return run_server(settings_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m model_server",
@@ -80,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    from model_server.entrypoints.openai.cli_args import SERVE_EPILOG, add_serve_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="Serve the model over an OpenAI-compatible HTTP API (like `vllm serve`).",
+        description="Start the OpenAI-compatible model server (default port 8008).",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_serve_args(serve)
+    serve.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     from model_server.benchmarks.throughput import add_throughput_args
@@ -93,21 +118,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=_bench)
+
+    from model_server.benchmarks.serve import add_bench_serve_args
+
+    bs = bench_sub.add_parser(
+        "serve",
+        help="Online serving: stream random requests to a running OpenAI-compatible server and "
+        "report TTFT / TPOT / ITL / E2EL and throughput like vLLM's serving benchmark.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_bench_serve_args(bs)
+    bs.set_defaults(func=_bench_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # `serve` leaves --log-level unset unless given (its settings may come from the env).
+    log_level = str(getattr(args, "log_level", None) or "WARNING").upper()
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=log_level,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if args.log_level.upper() == "DEBUG":
+        if log_level == "DEBUG":
             raise
         print(f"error: {e}", file=sys.stderr)
         code = 1

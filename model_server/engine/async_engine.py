@@ -1,0 +1,555 @@
+"""The asynchronous engine the HTTP layer talks to: `EngineClient` and its thread-backed `AsyncLLM`.
+
+Threads and ownership (the invariants everything below relies on):
+  - The engine thread owns the `LLMEngine` (scheduler, KV cache, model runner, output processor)
+    and the `StatsTracker`: nothing else touches them. It loads the model, warms it up, then loops
+    drain commands -> step -> hand outputs to the event loop -> record stats.
+  - The event loop owns `_collectors` (one `RequestOutputCollector` per live request) and the
+    futures that answer `add_request`. The engine thread reaches them only through
+    `loop.call_soon_threadsafe`, so callbacks run in the order the thread posted them: a request's
+    "added" answer always comes before its first output.
+  - The event loop reaches the engine only through `_commands` (a thread-safe FIFO), so an abort
+    queued after an add is always applied after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from model_server.config import EngineConfig
+from model_server.engine.output_processor import RequestOutput
+from model_server.engine.stats import IterationStats, StatLogger
+from model_server.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class EnginePhase(str, enum.Enum):
+    LOADING = "loading"
+    WARMING_UP = "warming_up"
+    READY = "ready"
+    # Shutting down: in-flight requests finish, new ones are refused.
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+# Phases a shutdown turns into DRAINING.
+_SERVING_PHASES = (EnginePhase.LOADING, EnginePhase.WARMING_UP, EnginePhase.READY)
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine cannot take requests now (loading, warming up, draining, stopped)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread crashed; every pending and future request fails with this."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (shutdown drain timeout)."""
+
+
+class EngineClient(ABC):
+    """What the HTTP layer needs from an engine. Every method runs on the event loop."""
+
+    # Told about every engine step (see engine/stats.py); append before start().
+    stat_loggers: list[StatLogger]
+
+    @property
+    @abstractmethod
+    def phase(self) -> EnginePhase: ...
+
+    @property
+    @abstractmethod
+    def error_message(self) -> str | None:
+        """Why the phase is ERROR (None otherwise)."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The HF tokenizer once the model is loaded; None before (or if the model has none)."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int | None:
+        """The context length once the model is loaded; None before."""
+
+    @property
+    def is_ready(self) -> bool:
+        return self.phase is EnginePhase.READY
+
+    def check_ready(self) -> None:
+        """Raise what `generate` would for an engine that cannot serve now."""
+        phase = self.phase
+        if phase is EnginePhase.ERROR:
+            raise EngineDeadError(f"the engine failed: {self.error_message}")
+        if phase is EnginePhase.DRAINING:
+            raise EngineNotReadyError("the server is shutting down")
+        if phase is not EnginePhase.READY:
+            raise EngineNotReadyError(f"the model is not ready yet (phase: {phase.value})")
+
+    @abstractmethod
+    def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs until one has `finished`.
+
+        Raises before any output: ValueError for a request that can never run (the engine's
+        message), EngineNotReadyError, EngineDeadError. When the consumer stops iterating
+        (cancelled, closed, client gone), the request is aborted in the engine.
+        """
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    async def wait_until_failed(self) -> str:
+        """Return (with the error message) once the engine has died; may never return."""
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Begin loading in the background; returns at once (watch `phase`)."""
+
+    @abstractmethod
+    def begin_shutdown(self) -> None:
+        """Refuse new requests from now on (safe to call from a signal handler)."""
+
+    @abstractmethod
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to `drain_timeout` seconds, abort
+        the rest, stop the engine."""
+
+
+class RequestOutputCollector:
+    """Single-consumer mailbox for one request (event loop only).
+
+    A slow consumer never makes outputs pile up: a new output is merged into the one not yet
+    taken (cumulative fields from the newer one, deltas concatenated), like vLLM's collector.
+    """
+
+    __slots__ = ("_item", "_ready", "added")
+
+    def __init__(self, added: asyncio.Future[None]) -> None:
+        self._item: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        # Resolved when the engine accepted the request (or rejected it with an exception).
+        self.added = added
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        prev = self._item
+        if isinstance(item, RequestOutput) and isinstance(prev, RequestOutput):
+            _merge_deltas(prev, item)
+        if not isinstance(prev, BaseException):  # an error, once there, stays
+            self._item = item
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.added.done():
+            self.added.set_exception(error)
+        self.put(error)
+
+    def get_nowait(self) -> RequestOutput | None:
+        item = self._item
+        if item is None:
+            return None
+        self._item = None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def get(self) -> RequestOutput:
+        while (item := self.get_nowait()) is None:
+            await self._ready.wait()
+        return item
+
+
+def _merge_deltas(older: RequestOutput, newer: RequestOutput) -> None:
+    """Prepend `older`'s deltas to `newer`'s (both carry all n samples, in index order)."""
+    for old, new in zip(older.outputs, newer.outputs, strict=True):
+        new.text_delta = old.text_delta + new.text_delta
+        new.token_ids_delta = old.token_ids_delta + new.token_ids_delta
+        if old.logprobs_delta is not None and new.logprobs_delta is not None:
+            new.logprobs_delta = old.logprobs_delta + new.logprobs_delta
+
+
+# ------------------------------------------------------------------- commands to the engine
+
+
+@dataclass(slots=True)
+class _AddRequest:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    arrival_time: float
+    collector: RequestOutputCollector
+
+
+@dataclass(slots=True)
+class _AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Stop:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_Command = _AddRequest | _AbortRequests | _Stop
+
+
+class AsyncLLM(EngineClient):
+    """The engine in a background thread, behind the `EngineClient` interface.
+
+    `stat_loggers` get `record(SchedulerStats, IterationStats)` after every engine iteration that
+    did something (a step, or adds/aborts), on the engine thread.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        skip_warmup: bool = False,
+        stat_loggers: Iterable[StatLogger] = (),
+        engine_factory: Callable[[EngineConfig], Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.skip_warmup = skip_warmup
+        self.stat_loggers: list[StatLogger] = list(stat_loggers)
+        self._engine_factory = engine_factory
+        self._engine: Any = None  # LLMEngine, set by the engine thread once loaded
+        self._tokenizer: Any = None
+        self._max_model_len: int | None = None
+        self._phase = EnginePhase.LOADING
+        self._error: str | None = None
+        self._accepting = True
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._failed: asyncio.Event | None = None
+        self._phase_changed: asyncio.Event | None = None
+        self._logged_logger_errors: set[int] = set()
+
+    # ---------------------------------------------------------------- EngineClient: state
+
+    @property
+    def phase(self) -> EnginePhase:
+        # Derived, not stored: the engine thread may move LOADING -> READY while the loop
+        # begins a shutdown, and the answer must still be DRAINING.
+        if not self._accepting and self._phase in _SERVING_PHASES:
+            return EnginePhase.DRAINING
+        return self._phase
+
+    @property
+    def error_message(self) -> str | None:
+        return self._error
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._collectors)
+
+    async def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Wait for READY; raises EngineDeadError if loading fails, TimeoutError on timeout."""
+        assert self._phase_changed is not None, "call start() first"
+
+        async def _wait() -> None:
+            while self._phase is not EnginePhase.READY:
+                self._raise_if_dead()
+                self._phase_changed.clear()
+                await self._phase_changed.wait()
+
+        await asyncio.wait_for(_wait(), timeout)
+
+    async def wait_until_failed(self) -> str:
+        """Returns the error message once the engine thread has died."""
+        assert self._failed is not None, "call start() first"
+        await self._failed.wait()
+        return self._error or "engine failed"
+
+    # ------------------------------------------------------------ EngineClient: lifecycle
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._failed = asyncio.Event()
+        self._phase_changed = asyncio.Event()
+        # Daemon: a model load that cannot be interrupted must not keep the process alive.
+        self._thread = threading.Thread(target=self._run, name="wick-engine", daemon=True)
+        self._thread.start()
+
+    def begin_shutdown(self) -> None:
+        self._accepting = False
+
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        self.begin_shutdown()
+        deadline = time.monotonic() + max(drain_timeout, 0.0)
+        while self._collectors and time.monotonic() < deadline and self._thread_alive():
+            await asyncio.sleep(0.05)
+        if self._collectors:
+            logger.warning(
+                "drain timeout: aborting %d unfinished request(s)", len(self._collectors)
+            )
+            self._commands.put(_AbortRequests(list(self._collectors)))
+            for collector in self._collectors.values():
+                collector.fail(RequestAbortedError("the server is shutting down"))
+        if self._thread_alive():
+            stop = _Stop()
+            self._commands.put(stop)
+            # The thread may be busy loading the model, which cannot be interrupted: give it a
+            # bounded time, then leave the daemon thread behind.
+            await asyncio.to_thread(stop.done.wait, 10.0)
+        if self._phase is not EnginePhase.ERROR:
+            self._set_phase(EnginePhase.STOPPED)
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ----------------------------------------------------------- EngineClient: requests
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        # Check and register with no await in between: a crash or shutdown that the loop has
+        # not heard of yet will still fail this collector (see _fail_all / shutdown).
+        self._check_accepting()
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        assert self._loop is not None
+        collector = RequestOutputCollector(self._loop.create_future())
+        self._collectors[request_id] = collector
+        self._commands.put(_AddRequest(request_id, prompt, params, time.monotonic(), collector))
+        finished = False
+        try:
+            await collector.added
+            while not finished:
+                # get_nowait first: no task switch when an output is already waiting.
+                out = collector.get_nowait() or await collector.get()
+                finished = out.finished
+                yield out
+        except (ValueError, EngineDeadError, RequestAbortedError):
+            finished = True  # nothing left in the engine to abort
+            raise
+        finally:
+            self._collectors.pop(request_id, None)
+            if not finished:  # cancelled, closed early or client gone: free its KV blocks now
+                self._commands.put(_AbortRequests([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_AbortRequests([request_id]))
+
+    def _check_accepting(self) -> None:
+        self._raise_if_dead()
+        if not self._accepting:
+            raise EngineNotReadyError("the server is shutting down")
+        self.check_ready()
+
+    def _raise_if_dead(self) -> None:
+        if self._phase is EnginePhase.ERROR:
+            raise EngineDeadError(f"the engine failed: {self._error}")
+
+    # ------------------------------------------------------------ event-loop callbacks
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run `fn(*args)` on the event loop (from the engine thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(fn, *args)
+
+    def _set_phase(self, phase: EnginePhase) -> None:
+        if self._phase is EnginePhase.ERROR:
+            return  # terminal
+        self._phase = phase
+        if self._phase_changed is not None:
+            self._post(self._phase_changed.set)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:  # None: its consumer left; the abort is on its way
+                collector.put(out)
+
+    @staticmethod
+    def _resolve_added(collector: RequestOutputCollector, error: BaseException | None) -> None:
+        if collector.added.done():
+            return
+        if error is None:
+            collector.added.set_result(None)
+        else:
+            collector.added.set_exception(error)
+
+    def _fail_all(self, message: str) -> None:
+        for collector in self._collectors.values():
+            collector.fail(EngineDeadError(f"the engine failed: {message}"))
+        if self._failed is not None:
+            self._failed.set()
+        if self._phase_changed is not None:
+            self._phase_changed.set()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            self._load()
+            if self.skip_warmup:
+                logger.info("warmup skipped")
+            else:
+                self._set_phase(EnginePhase.WARMING_UP)
+                self._warmup()
+            self._tracker.reset_baseline()
+            self._set_phase(EnginePhase.READY)
+            logger.info("engine ready")
+            self._serve()
+        except BaseException as exc:  # the thread must never die silently: fail everyone
+            if self._phase is EnginePhase.LOADING and isinstance(exc, ValueError | OSError):
+                logger.error("could not load the model: %s", exc)  # the message says it all
+            else:
+                logger.exception("engine thread failed")
+            self._error = f"{type(exc).__name__}: {exc}"
+            self._phase = EnginePhase.ERROR  # before posting: generate() checks it
+            self._post(self._fail_all, self._error)
+            self._drain_stop_commands()
+
+    def _load(self) -> None:
+        from model_server.engine.stats_tracker import StatsTracker
+
+        start = time.perf_counter()
+        if self._engine_factory is not None:
+            engine = self._engine_factory(self.config)
+        else:
+            from model_server.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine(self.config)
+        self._engine = engine
+        self._tracker = StatsTracker(engine.core.scheduler)
+        self._tokenizer = engine.tokenizer
+        self._max_model_len = engine.core.config.max_model_len
+        logger.info("model loaded in %.1fs", time.perf_counter() - start)
+
+    def _warmup(self) -> None:
+        """Run dummy requests through prefill and decode (greedy and sampled paths), so the
+        first real request pays no one-time costs (allocator, kernels, lazy inits)."""
+        engine = self._engine
+        start = time.perf_counter()
+        vocab = engine.core.model_runner.vocab_size
+        max_len = self._max_model_len or 64
+        prompt_len = max(1, min(32, max_len - 4))
+        prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]
+        requests = {
+            "warmup-greedy": SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+            "warmup-sampled": SamplingParams(
+                max_tokens=3, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True, seed=0
+            ),
+        }
+        for i, (request_id, params) in enumerate(requests.items()):
+            engine.add_request(request_id, prompt[: prompt_len - i], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        logger.info("warmup done in %.2fs", time.perf_counter() - start)
+
+    def _serve(self) -> None:
+        engine = self._engine
+        while True:
+            commands = self._next_commands(block=not engine.has_unfinished_requests())
+            stats = IterationStats()
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._stop(command)
+                    return
+                self._apply(command, stats)
+            if engine.has_unfinished_requests():
+                step_start = time.monotonic()
+                outputs = engine.step()
+                now = time.monotonic()
+                if outputs:
+                    self._post(self._dispatch, outputs)
+                self._tracker.update(outputs, step_start, now, stats)
+            self._record(stats)
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        commands: list[_Command] = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command: _AddRequest | _AbortRequests, stats: IterationStats) -> None:
+        engine = self._engine
+        if isinstance(command, _AbortRequests):
+            now = time.monotonic()
+            for request_id in command.request_ids:
+                engine.abort_request(request_id)
+                self._tracker.aborted(request_id, now, stats)
+            return
+        try:
+            engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as exc:
+            # The caller's problem, not the engine's: answer it and keep serving the others.
+            if not isinstance(exc, ValueError):
+                logger.exception("add_request(%s) failed", command.request_id)
+                engine.abort_request(command.request_id)
+            self._post(self._resolve_added, command.collector, exc)
+            return
+        self._tracker.add(
+            command.request_id, command.params.n, command.arrival_time, command.params.max_tokens
+        )
+        self._post(self._resolve_added, command.collector, None)
+
+    def _record(self, stats: IterationStats) -> None:
+        if not self.stat_loggers:
+            return
+        scheduler_stats = self._tracker.scheduler_stats()
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, stats)
+            except Exception:  # a broken logger must not take the engine down
+                if id(stat_logger) not in self._logged_logger_errors:
+                    self._logged_logger_errors.add(id(stat_logger))
+                    logger.exception("stat logger %r failed", stat_logger)
+
+    def _stop(self, command: _Stop) -> None:
+        engine = self._engine
+        stats = IterationStats()
+        now = time.monotonic()
+        for request_id in list(self._tracker.live_request_ids()):
+            engine.abort_request(request_id)
+            self._tracker.aborted(request_id, now, stats)
+        self._record(stats)
+        command.done.set()
+
+    def _drain_stop_commands(self) -> None:
+        """After a crash, keep answering the command queue so shutdown() never waits for us."""
+        while True:
+            command = self._commands.get()
+            if isinstance(command, _Stop):
+                command.done.set()
+                return
+            if isinstance(command, _AddRequest):
+                self._post(self._resolve_added, command.collector, EngineDeadError(self._error))

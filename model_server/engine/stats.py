@@ -1,0 +1,70 @@
+"""Engine statistics handed to stat loggers (Prometheus metrics, logs) after every engine step.
+
+The async engine builds one `SchedulerStats` and one `IterationStats` per step, in its engine
+thread, and calls `StatLogger.record(scheduler_stats, iteration_stats)` on each registered logger.
+Loggers must be quick and thread-safe (they run on the engine thread, while the HTTP layer may
+read them concurrently); they must never raise (an exception is logged and ignored).
+
+Names follow vLLM v1's `vllm/v1/metrics/stats.py`. Times are seconds (monotonic differences).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot of the scheduler after a step (gauges, and counters as running totals)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    # Fraction of KV cache blocks in use, in [0, 1].
+    kv_cache_usage: float = 0.0
+    # Running totals since start (monotonic: loggers turn them into counter increments).
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """One request (all its samples) that finished, aborted requests included."""
+
+    # "stop" | "length" | "abort"
+    finish_reason: str
+    # Arrival in the engine -> last output.
+    e2e_latency: float
+    num_prompt_tokens: int
+    # Summed over the request's n samples.
+    num_generation_tokens: int
+    # Arrival -> first scheduled (waiting in the queue).
+    queued_time: float = 0.0
+    # First scheduled -> first token.
+    prefill_time: float = 0.0
+    # First token -> last token.
+    decode_time: float = 0.0
+    # Requested max_tokens (None: up to the context length).
+    max_tokens_param: int | None = None
+    n: int = 1
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What happened in one engine step. Counts are increments for this step only."""
+
+    num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
+    num_generation_tokens: int = 0  # tokens generated this step, all requests
+    # One entry per request (per sample for n > 1) that produced its first token this step.
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    # One entry per token that was not a request's first: the gap since its previous token.
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@runtime_checkable
+class StatLogger(Protocol):
+    """Receives the stats of every engine step (called on the engine thread)."""
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`python -m model_server serve`)."""

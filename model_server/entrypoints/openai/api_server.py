@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine_client, settings)`, `run_server(settings)`.
+
+Lifecycle: the app's lifespan starts the engine in the background, so the port answers at once
+(`/health` is 503 with the phase until the model is loaded and warmed up). SIGTERM/SIGINT: new
+requests get 503, in-flight ones have `drain_timeout` seconds to finish (uvicorn's graceful
+shutdown), the rest are aborted, and the process exits 0. An engine crash fails every pending
+request, turns `/health` to 503 and stops the server with exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from model_server import __version__
+from model_server.engine.async_engine import EngineClient, EnginePhase
+from model_server.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
+from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from model_server.entrypoints.openai.serving_engine import json_response
+from model_server.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
+from model_server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+# Paths that stay open with --api-key: probes and scrapers carry no key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app over `engine_client`. Its lifespan starts and stops the engine; set
+    `app.state.on_engine_failed` to a callable(message) to hear about an engine crash."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine_client.start()
+        watchdog = asyncio.ensure_future(_watch_engine(app, engine_client))
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await engine_client.shutdown(settings.drain_timeout)
+
+    app = FastAPI(
+        title="Wick model server",
+        version=__version__,
+        description="OpenAI-compatible API over the Wick engine.",
+        lifespan=lifespan,
+    )
+    app.state.engine_client = engine_client
+    app.state.settings = settings
+    app.state.on_engine_failed = None
+    _add_routes(app, engine_client, settings)
+    _add_error_handlers(app)
+    _mount_metrics(app, engine_client, settings)
+    if settings.api_key_value:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key_value)
+    return app
+
+
+async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
+    message = await engine_client.wait_until_failed()
+    logger.error("engine failed: %s", message)
+    callback = app.state.on_engine_failed
+    if callback is not None:
+        callback(message)
+
+
+def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSettings) -> None:
+    name = settings.model_name
+    completion = OpenAIServingCompletion(engine_client, name)
+    chat = OpenAIServingChat(engine_client, name)
+    tokenization = OpenAIServingTokenization(engine_client, name)
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        """200 once the model is loaded and warmed up; 503 with the phase before (and when
+        draining or failed)."""
+        phase = engine_client.phase
+        if phase is EnginePhase.READY:
+            return json_response({"status": "ok", "phase": phase.value})
+        body: dict[str, Any] = {"status": "unavailable", "phase": phase.value}
+        if engine_client.error_message:
+            body["message"] = engine_client.error_message
+        return json_response(body, 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=name, root=settings.model, max_model_len=engine_client.max_model_len)
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await cancel_on_disconnect(
+            completion.create_completion(request, raw_request), raw_request
+        )
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        return await cancel_on_disconnect(
+            chat.create_chat_completion(request, raw_request), raw_request
+        )
+
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return json_response(tokenization.tokenize(request).model_dump())
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return json_response(tokenization.detokenize(request).model_dump())
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def _error(status_code: int, message: str, param: str | None = None, **kw: Any) -> Response:
+    err = APIError(message, status_code, param=param, **kw)
+    return json_response(err.to_response().model_dump(), status_code)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return json_response(exc.to_response().model_dump(), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # OpenAI answers malformed requests with 400, not FastAPI's 422.
+        message, param = validation_message(exc.errors(), request.headers.get("content-type"))
+        return _error(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return _error(exc.status_code, message)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, exc: ClientDisconnected) -> Response:
+        # Nobody reads this; nginx's "client closed request" keeps access logs honest.
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def validation_message(errors: Any, content_type: str | None = None) -> tuple[str, str | None]:
+    """A readable one-line message (and the first bad field) from pydantic's errors."""
+    parts: list[str] = []
+    param = None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        kind = err.get("type", "")
+        if kind == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "malformed JSON")
+            where = f" at position {loc[0]}" if loc else ""
+            parts.append(f"the request body is not valid JSON: {detail}{where}")
+            continue
+        if not loc:
+            if kind == "value_error":  # a check across fields (a model validator)
+                parts.append(str(err.get("msg", "")).removeprefix("Value error, "))
+            elif content_type and "json" not in content_type.lower():
+                parts.append(
+                    f"the request body must be JSON (Content-Type: application/json), "
+                    f"got Content-Type: {content_type}"
+                )
+            elif kind == "missing":
+                parts.append("the request body is missing: send a JSON object")
+            else:
+                parts.append(f"the request body must be a JSON object: {err.get('msg')}")
+            continue
+        param = param or loc[0]
+        union = _union_field(loc)
+        if union is not None:
+            path, hint = union
+            parts.append(f"{path}: must be {hint}")
+            continue
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if kind not in ("missing", "value_error", "json_invalid") and "input" in err:
+            shown = repr(err["input"])
+            if len(shown) <= 60:
+                msg = f"{msg} (got {shown})"
+        parts.append(f"{'.'.join(loc)}: {msg}")
+    # Unions report one error per alternative: keep the message short.
+    unique = list(dict.fromkeys(parts))
+    if len(unique) > 4:
+        unique = [*unique[:4], f"... ({len(unique) - 4} more)"]
+    return "; ".join(unique) or "invalid request", param
+
+
+# Fields that accept several shapes: pydantic reports one error per shape, we say what fits.
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+    "stop": "a string or a list of strings",
+    "tool_choice": "a string or an object",
+}
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _union_field(loc: list[str]) -> tuple[str, str] | None:
+    """(path, hint) when `loc` points into one alternative of a known union field."""
+    for j, part in enumerate(loc[:-1]):
+        tag = loc[j + 1]
+        if part in _UNION_HINTS and (tag in _SCALAR_TAGS or "[" in tag or tag[:1].isupper()):
+            return ".".join(loc[: j + 1]), _UNION_HINTS[part]
+    return None
+
+
+# --------------------------------------------------------------------------------- auth
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <api_key>`, except on OPEN_PATHS (pure ASGI, so
+    streaming and disconnect detection are untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("authorization", "").encode()
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        response = _error(
+            401,
+            "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+            code="invalid_api_key",
+        )
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def _mount_metrics(app: FastAPI, engine_client: EngineClient, settings: ServerSettings) -> None:
+    """GET /metrics from `model_server.metrics` (Prometheus, vLLM's metric names)."""
+    try:
+        from model_server.metrics import EngineMetrics, mount_metrics
+
+        metrics = EngineMetrics(settings.model_name, settings.max_model_len or 8192)
+    except ImportError as exc:
+        logger.warning("/metrics disabled: %s", exc)
+        return
+    engine_client.stat_loggers.append(metrics)
+    app.state.metrics = metrics
+    mount_metrics(app)
+
+
+# ------------------------------------------------------------------------------- server
+
+
+def run_server(settings: ServerSettings) -> int:
+    """Serve until SIGTERM/SIGINT (exit code 0) or an engine failure (exit code 1)."""
+    from model_server.engine.async_engine import AsyncLLM
+
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)
+    engine = AsyncLLM(settings.engine_config(), skip_warmup=settings.skip_warmup)
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # our logging setup (stderr), not uvicorn's
+        log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=settings.drain_timeout,
+    )
+    server = _GracefulServer(config, on_signal=engine.begin_shutdown)
+    app.state.on_engine_failed = server.fail
+    logger.info(
+        "serving %s on http://%s:%d (drain timeout %.0fs)",
+        settings.model_name,
+        settings.host,
+        settings.port,
+        settings.drain_timeout,
+    )
+    server.run()
+    return server.exit_code
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, with two changes: a signal first tells the engine to refuse new work,
+    and after a graceful shutdown the signal is not re-raised (uvicorn does, which would make
+    the process die of SIGTERM instead of exiting 0)."""
+
+    def __init__(self, config: Any, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self.exit_code = 0
+
+    def fail(self, message: str) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            logger.info("received %s: draining", signal.Signals(sig).name)
+            self._on_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

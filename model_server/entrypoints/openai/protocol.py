@@ -1,0 +1,325 @@
+"""OpenAI-compatible request models and errors (pydantic lives here, at the HTTP boundary only).
+
+Field names and defaults follow OpenAI's API and vLLM's extensions (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`). Unknown request fields are ignored, as vLLM does, so clients that
+send newer OpenAI fields keep working. Range checks live in `SamplingParams` (one place, one
+message); the models here only check shapes and types.
+
+Completion and chat response bodies are built as plain dicts in `serving_*.py` (once per token
+when streaming; OpenAI's exact keys and nulls); the e2e tests check them with the real `openai`
+client, whose own models are the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from model_server.sampling_params import SamplingParams
+
+# Most samples per request: n is multiplied into KV cache and compute, so cap the absurd.
+MAX_N = 128
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {...}}` with `status_code`."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type or _error_type(status_code)
+        self.param = param
+        self.code = code
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
+
+
+def _error_type(status_code: int) -> str:
+    # OpenAI's own error types: every client error is an invalid_request_error except auth.
+    if status_code == 401:
+        return "authentication_error"
+    if status_code < 500:
+        return "invalid_request_error"
+    return "server_error"
+
+
+# ---------------------------------------------------------------------------- common
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    # vLLM: also put the running usage into every chunk.
+    continuous_usage_stats: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "wick"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # vLLM: lets the caller pick the request id (also read from the X-Request-Id header).
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> _SamplingRequest:
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None
+    ) -> SamplingParams:
+        """Raises ValueError (-> 400) for out-of-range values, with SamplingParams' message."""
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+# ------------------------------------------------------------------------ completions
+
+# A prompt: text, a batch of texts, token ids, or a batch of token-id lists.
+CompletionPrompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: CompletionPrompt
+    # OpenAI's default for the legacy completions endpoint.
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must be unset or equal to n)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens=None)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one engine request each."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------- chat
+
+
+class ChatTextPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatOtherPart(OpenAIBaseModel):
+    """Any non-text part (image_url, input_audio, ...): parsed so the error can name it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+ChatContentPart = Annotated[ChatTextPart | ChatOtherPart, Field(union_mode="left_to_right")]
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines, as vLLM does."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if not isinstance(part, ChatTextPart):
+                raise ValueError(
+                    f"content part type {part.type!r} is not supported: this model takes text only"
+                )
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Chat-template controls (vLLM).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Not supported, but parsed so that a request using them gets a clear 400.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools:
+            raise ValueError("tools (function calling) are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported")
+        fmt = (self.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise ValueError(f"response_format {fmt!r} is not supported (only 'text')")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        # Chat has no token limit by default: up to the end of the context (max_tokens=None).
+        return self._sampling_params(max_tokens, logprobs, default_max_tokens=None)
+
+
+# ----------------------------------------------------------------------- tokenization
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,0 +1,254 @@
+"""What the OpenAI endpoints share: model check, request ids, tokenization, error mapping,
+running engine requests, logprobs formatting and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from model_server.engine.async_engine import (
+    EngineClient,
+    EngineDeadError,
+    EngineNotReadyError,
+    RequestAbortedError,
+)
+from model_server.engine.chat_template import render_chat
+from model_server.engine.model_runner import TokenLogprobs
+from model_server.engine.output_processor import RequestOutput
+from model_server.entrypoints.openai.protocol import APIError, ChatMessage
+from model_server.entrypoints.utils import prepend
+from model_server.sampling_params import SamplingParams
+
+# JSON has no -inf: a token the model rules out gets this logprob instead (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+SSE_DONE = "data: [DONE]\n\n"
+
+T = TypeVar("T")
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map engine exceptions to HTTP errors; anything unexpected is re-raised by the caller."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc), 400)
+    if isinstance(exc, EngineNotReadyError | RequestAbortedError):
+        return APIError(str(exc), 503, code="service_unavailable")
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), 500, code="engine_dead")
+    raise exc
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(body: dict[str, Any], status_code: int = 200) -> Response:
+    return Response(_dumps(body), status_code=status_code, media_type="application/json")
+
+
+async def _gather_all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all concurrently. If one fails (or we are cancelled: client gone), cancel the
+    others and wait for them, so their engine requests are aborted before this raises."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException as exc:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(exc, Exception):
+            raise to_api_error(exc) from None
+        raise
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {_dumps(payload)}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An error in the middle of a stream (the status line is long gone): one error event."""
+    try:
+        err = to_api_error(exc)
+    except BaseException:
+        err = APIError(f"internal error: {type(exc).__name__}: {exc}", 500)
+    return sse(err.to_response().model_dump())
+
+
+def clamp_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers; one instance per app, all on the event loop."""
+
+    def __init__(self, engine_client: EngineClient, model_name: str) -> None:
+        self.engine_client = engine_client
+        self.model_name = model_name
+        # Token id -> its text, for logprobs (bounded by the vocabulary).
+        self._token_text: dict[int, str] = {}
+
+    # -------------------------------------------------------------------- checks
+
+    def check_model(self, model: str | None) -> None:
+        # A missing/empty model means "the one you serve", which is what single-model servers
+        # are used for; a wrong one is a 404 like OpenAI's.
+        if model and model != self.model_name:
+            raise APIError(
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def tokenizer(self) -> Any:
+        engine = self.engine_client
+        try:
+            engine.check_ready()  # 503 while loading or draining, 500 once dead
+        except RuntimeError as exc:
+            raise to_api_error(exc) from None
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise APIError("this model has no tokenizer: send token ids instead", 400)
+        return tokenizer
+
+    @staticmethod
+    def request_id(raw_request: Request, prefix: str, requested: str | None = None) -> str:
+        """`<prefix>-<id>`: the client's id (body `request_id`, else the X-Request-Id header),
+        as vLLM does, so logs and traces line up; a random one otherwise. A client id already
+        in flight is refused by the engine (400)."""
+        given = requested or raw_request.headers.get("x-request-id")
+        return f"{prefix}-{given or uuid.uuid4().hex}"
+
+    # ---------------------------------------------------------------- prompts
+
+    def chat_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        tokenizer = self.tokenizer()
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            return render_chat(
+                tokenizer,
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="messages") from None
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer().decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    # ------------------------------------------------------------- generation
+
+    async def start_generation(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Submit every prompt and wait for each one's first output, so that a rejected request
+        answers 4xx before any response byte. Returns iterators that replay those first outputs.
+        On any failure, every submitted request is aborted."""
+        gens = self._generators(prompts, params, request_id)
+        try:
+            firsts = await _gather_all(anext(gen) for gen in gens)
+        except BaseException:
+            for gen in gens:  # those that did answer are parked at their first output
+                await gen.aclose()
+            raise
+        return [prepend(first, gen) for first, gen in zip(firsts, gens, strict=True)]
+
+    async def run_to_completion(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+    ) -> list[RequestOutput]:
+        """Every prompt's final output (cumulative text, token ids, logprobs)."""
+
+        async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+            out = None
+            async for out in gen:  # noqa: B007 - only the last (finished) output matters
+                pass
+            assert out is not None
+            return out
+
+        gens = self._generators(prompts, params, request_id)
+        return await _gather_all(last(gen) for gen in gens)
+
+    def _generators(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        # One engine request per prompt, each with all n samples.
+        return [
+            self.engine_client.generate(prompt, params, f"{request_id}-{i}")
+            for i, prompt in enumerate(prompts)
+        ]
+
+    # --------------------------------------------------------------- logprobs
+
+    def completion_logprobs(
+        self, entries: Sequence[TokenLogprobs], text_offset: int
+    ) -> tuple[dict[str, Any], int]:
+        """The legacy completions `logprobs` object for `entries`; returns it and the text offset
+        after the last token. `top_logprobs` holds the sampled token and the k likeliest."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for entry in entries:
+            text = self.token_text(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(clamp_logprob(entry.logprob))
+            top = {self.token_text(t): clamp_logprob(lp) for t, lp in entry.top}
+            top.setdefault(text, clamp_logprob(entry.logprob))
+            top_logprobs.append(top)
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": top_logprobs,
+        }, text_offset
+
+    def chat_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+        """The chat `logprobs` object: per token, its logprob and the top-k alternatives."""
+        content = []
+        for entry in entries:
+            text = self.token_text(entry.token_id)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": clamp_logprob(entry.logprob),
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {
+                            "token": (alt := self.token_text(t)),
+                            "logprob": clamp_logprob(lp),
+                            "bytes": list(alt.encode("utf-8")),
+                        }
+                        for t, lp in entry.top
+                    ],
+                }
+            )
+        return {"content": content}

@@ -1,0 +1,305 @@
+"""Prometheus metrics of the model server, with vLLM's names so its dashboards and rules work.
+
+`EngineMetrics` is a `StatLogger` (see `engine/stats.py`): the async engine calls `record()` on
+its engine thread after every step. Every instance owns its own `CollectorRegistry`, so tests
+(and several servers in one process) never collide on the global registry.
+`mount_metrics(app)` adds `GET /metrics` (Prometheus text format) to a FastAPI/Starlette app.
+
+Names and buckets follow vLLM v1's `PrometheusStatLogger`. prometheus-client appends `_total`
+to counter names in the exposition, so `vllm:prompt_tokens` is scraped as
+`vllm:prompt_tokens_total`, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from model_server.engine.stats import IterationStats, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# vLLM's bucket boundaries (seconds).
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+REQUEST_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
+
+# Finish reasons whose `vllm:request_success_total` series exist from the start (at 0), like
+# vLLM, so `rate()` works before the first request of each kind. Others are added on first use.
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, … up to and including `max_value` (vLLM's token-count buckets)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        scale *= 10
+
+
+class EngineMetrics:
+    """Prometheus metrics fed by the engine's per-step stats (a `StatLogger`).
+
+    Thread-safety: `record()` runs on the engine thread while `/metrics` renders on the event
+    loop; prometheus-client's metric objects are thread-safe, and the only state of our own
+    (the last cumulative totals) is guarded by a lock.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int = 8192,
+        *,
+        registry: CollectorRegistry | None = None,
+        include_process_metrics: bool = True,
+    ) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        if include_process_metrics:
+            _register_process_collectors(self.registry)
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Any) -> Any:
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+
+        # Scheduler state.
+        self.num_requests_running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.num_requests_waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_cache_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        # vLLM < 0.10's name, still used by many dashboards and autoscaling rules.
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage. "
+            "DEPRECATED: use vllm:kv_cache_usage_perc instead.",
+        )
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+
+        # Token counters.
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        for reason in FINISH_REASONS:
+            self._request_success.labels(model_name, reason)
+
+        # Per-request token counts.
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+        self.request_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        self.request_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", REQUEST_N_BUCKETS
+        )
+
+        # Latencies.
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        # vLLM's older name for the same observations (one per non-first token).
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds. "
+            "DEPRECATED: use vllm:inter_token_latency_seconds instead.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+        # Last seen running totals of SchedulerStats (turned into counter increments).
+        self._lock = threading.Lock()
+        self._last_preemptions = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+
+    # -- StatLogger -------------------------------------------------------------------------
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+    ) -> None:
+        """Update the metrics from one engine step. Never raises (a bad stat is logged)."""
+        try:
+            if scheduler_stats is not None:
+                self._record_scheduler(scheduler_stats)
+            if iteration_stats is not None:
+                self._record_iteration(iteration_stats)
+        except Exception:  # a metrics bug must never take the engine loop down
+            logger.exception("failed to record engine stats")
+
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
+        with self._lock:
+            d_preempt = _delta(stats.num_preemptions_total, self._last_preemptions)
+            d_queries = _delta(stats.prefix_cache_queries, self._last_prefix_queries)
+            d_hits = _delta(stats.prefix_cache_hits, self._last_prefix_hits)
+            self._last_preemptions = stats.num_preemptions_total
+            self._last_prefix_queries = stats.prefix_cache_queries
+            self._last_prefix_hits = stats.prefix_cache_hits
+        if d_preempt:
+            self.num_preemptions.inc(d_preempt)
+        if d_queries:
+            self.prefix_cache_queries.inc(d_queries)
+        if d_hits:
+            self.prefix_cache_hits.inc(d_hits)
+
+    def _record_iteration(self, stats: IterationStats) -> None:
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+            self.time_per_output_token.observe(itl)
+        for req in stats.finished:
+            self._request_success.labels(self.model_name, req.finish_reason).inc()
+            self.e2e_request_latency.observe(req.e2e_latency)
+            self.request_queue_time.observe(req.queued_time)
+            self.request_prefill_time.observe(req.prefill_time)
+            self.request_decode_time.observe(req.decode_time)
+            self.request_inference_time.observe(req.prefill_time + req.decode_time)
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+            self.request_generation_tokens.observe(req.num_generation_tokens)
+            self.request_n.observe(req.n)
+            if req.max_tokens_param:
+                self.request_max_tokens.observe(req.max_tokens_param)
+
+    # -- exposition -------------------------------------------------------------------------
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The registry as `(body, content_type)`, in the format the scraper's `Accept` header
+        asks for (OpenMetrics or the Prometheus text format); text 0.0.4 when it asks nothing."""
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+def _delta(total: int, last: int) -> int:
+    """Increment for a counter fed by a running total. A total that went down means the
+    engine restarted its count: everything since is new."""
+    return total - last if total >= last else total
+
+
+def _register_process_collectors(registry: CollectorRegistry) -> None:
+    """process_* (CPU, memory, fds), python_gc_* and python_info, as on the global registry."""
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
+
+def mount_metrics(app: Any, metrics: EngineMetrics | None = None, path: str = "/metrics") -> None:
+    """Add `GET {path}` to a FastAPI/Starlette `app`, serving Prometheus text.
+
+    With `metrics=None` the route reads `app.state.metrics` at each scrape, so the app factory
+    can mount the route before the engine (and its metrics) exist. Until then it answers an
+    empty exposition (200), so scrapers and probes never see an error during startup.
+    """
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+    from starlette.responses import Response
+
+    async def metrics_endpoint(request: Any) -> Response:
+        source = metrics if metrics is not None else getattr(request.app.state, "metrics", None)
+        if source is None:
+            return Response(content=b"", headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+        body, content_type = source.render(request.headers.get("accept"))
+        # `headers`, not `media_type`: the content type already carries its charset.
+        return Response(content=body, headers={"Content-Type": content_type})
+
+    app.add_route(path, metrics_endpoint, methods=["GET"], include_in_schema=False)

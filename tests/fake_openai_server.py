@@ -1,0 +1,130 @@
+"""A tiny fake OpenAI-compatible server for client-side tests (bench serve, examples/chat.py).
+
+Completions answer `max_tokens` words " w0 w1 …" (one SSE chunk per word), chat completions
+answer "you said: <last user message>" word by word after a role-only chunk. Usage counts words
+(prompt words, answer words). Every request body is kept in `FakeOpenAI.requests`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class FakeOpenAI:
+    model: str = "fake-model"
+    report_usage: bool = True  # honour stream_options.include_usage
+    delay_s: float = 0.0  # pause before every chunk
+    fail_every: int = 0  # every k-th generation request answers HTTP 500 (0: never)
+    unready_requests: int = 0  # the first k generation requests answer 503 (still starting)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
+
+        async def models(_: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+        async def generate(request: Request) -> Response:
+            body = await request.json()
+            self.requests.append(body)
+            if len(self.requests) <= self.unready_requests:
+                return JSONResponse({"error": {"message": "loading"}}, 503)
+            if self.fail_every and len(self.requests) % self.fail_every == 0:
+                return JSONResponse({"error": {"message": "boom", "type": "server_error"}}, 500)
+            chat = request.url.path.endswith("chat/completions")
+            if chat:
+                prompt = " ".join(str(m["content"]) for m in body["messages"])
+                user = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+                words = f"you said: {user}".split()
+            else:
+                prompt = body["prompt"]
+                words = [f"w{i}" for i in range(int(body.get("max_tokens") or 16))]
+            pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+            usage = {
+                "prompt_tokens": len(prompt.split()),
+                "completion_tokens": len(pieces),
+                "total_tokens": len(prompt.split()) + len(pieces),
+            }
+            if not body.get("stream"):
+                text = "".join(pieces)
+                choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                return JSONResponse({"id": "x", "choices": [choice], "usage": usage})
+            include_usage = self.report_usage and bool(
+                (body.get("stream_options") or {}).get("include_usage")
+            )
+            return StreamingResponse(
+                self._stream(pieces, chat, usage if include_usage else None),
+                media_type="text/event-stream",
+            )
+
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/v1/completions", generate, methods=["POST"]),
+                Route("/v1/chat/completions", generate, methods=["POST"]),
+            ]
+        )
+
+    async def _stream(
+        self, pieces: list[str], chat: bool, usage: dict[str, int] | None
+    ) -> AsyncIterator[str]:
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return "data: " + json.dumps({"id": "x", "choices": choices, **extra}) + "\n\n"
+
+        if chat:
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+        for i, piece in enumerate(pieces):
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            last = i == len(pieces) - 1
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+            if chat:
+                choice["delta"] = {"content": piece}
+            else:
+                choice["text"] = piece
+            yield event([choice])
+        if usage is not None:
+            yield event([], usage=usage)
+        yield "data: [DONE]\n\n"
+
+
+@contextmanager
+def serve(fake: FakeOpenAI) -> Iterator[str]:
+    """Run `fake` with uvicorn on a free loopback port in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(fake.app(), log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("fake OpenAI server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
