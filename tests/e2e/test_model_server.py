@@ -362,3 +362,37 @@ def test_health_503_until_warm_then_sigterm_drains(tmp_path: Any) -> None:
         assert "draining" in srv.log()
     finally:
         srv.stop()
+
+
+def test_real_metrics_scrape_passes_promtool(server: ServerProcess, http: httpx.Client) -> None:
+    """A scrape of the live server, after real traffic, is valid Prometheus exposition."""
+    from tests.promtool import promtool_check_metrics
+
+    done = http.post(
+        "/v1/completions",
+        json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
+    assert done.status_code == 200
+    body = httpx.get(f"{server.url}/metrics", timeout=10).content
+    assert promtool_check_metrics(body) == []
+    text = body.decode()
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:num_preemptions_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
+        assert name in text, name
+    generated = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:generation_tokens_total{")
+    ]
+    assert generated and generated[0] >= 4
