@@ -15,7 +15,7 @@ from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     json_response,
-    sse,
+    sse_chunk,
     sse_error,
     usage,
 )
@@ -88,16 +88,15 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = 0
 
         def chunk(choices: list[dict[str, Any]], usage_info: dict | None = None) -> str:
-            payload = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if usage_info is not None or request.include_usage:
-                payload["usage"] = usage_info
-            return sse(payload)
+            return sse_chunk(
+                request_id,
+                "chat.completion.chunk",
+                created,
+                self.model_name,
+                choices,
+                usage_info,
+                request.include_usage,
+            )
 
         try:
             first = True

@@ -19,7 +19,7 @@ from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     json_response,
-    sse,
+    sse_chunk,
     sse_error,
     usage,
 )
@@ -108,16 +108,15 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_pending = [""] * num_choices
 
         def chunk(choices: list[dict[str, Any]], usage_info: dict | None = None) -> str:
-            payload = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if usage_info is not None or request.include_usage:
-                payload["usage"] = usage_info
-            return sse(payload)
+            return sse_chunk(
+                request_id,
+                "text_completion",
+                created,
+                self.model_name,
+                choices,
+                usage_info,
+                request.include_usage,
+            )
 
         try:
             async for prompt_index, out in merge_async_iterators(*streams):

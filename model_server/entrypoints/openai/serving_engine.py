@@ -83,6 +83,28 @@ def sse_error(exc: BaseException) -> str:
     return sse(err.to_response().model_dump())
 
 
+def sse_chunk(
+    request_id: str,
+    obj: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_info: dict[str, int] | None,
+    include_usage: bool,
+) -> str:
+    """One streamed chunk; with include_usage every chunk carries `usage` (null until the end)."""
+    payload: dict[str, Any] = {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_info is not None or include_usage:
+        payload["usage"] = usage_info
+    return sse(payload)
+
+
 def clamp_logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
