@@ -85,8 +85,6 @@ def _graph_ms(fn: Callable[[], object]) -> float:
 
 
 def run_case(case: Case, shape: Shape, device: torch.device) -> str:
-    from model_server.kernels.paged_decode import choose_num_splits, paged_decode_attention
-    from model_server.kernels.paged_prefill import paged_prefill_attention
     from model_server.layers.attention.torch_backend import TorchAttentionBackend
     from model_server.layers.attention.triton_backend import TritonAttentionBackend
 
@@ -95,42 +93,9 @@ def run_case(case: Case, shape: Shape, device: torch.device) -> str:
     args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
     triton_be, torch_be = TritonAttentionBackend(*args), TorchAttentionBackend(*args)
     out = torch.empty_like(q)
-    nd = md.num_decodes
 
     def kernel_only() -> None:
-        if nd:
-            max_len = max(md.seq_lens_cpu[:nd])
-            splits = choose_num_splits(
-                nd,
-                shape.num_kv_heads,
-                max_len,
-                target_programs=triton_be._target_programs(device),
-            )
-            paged_decode_attention(
-                out[:nd],
-                q[:nd],
-                k_cache,
-                v_cache,
-                md.seq_lens[:nd],
-                md.block_tables[:nd],
-                scale,
-                max_len,
-                splits,
-            )
-        if md.num_prefills:
-            paged_prefill_attention(
-                out,
-                q,
-                k_cache,
-                v_cache,
-                md.query_start_loc,
-                md.seq_lens,
-                md.block_tables,
-                scale,
-                nd,
-                md.num_prefills,
-                md.max_query_len,
-            )
+        triton_be.attend(q, k_cache, v_cache, md, out=out)
 
     t_triton = _time_ms(lambda: triton_be.forward(q, k, v, k_cache, v_cache, md))
     t_kernel = _graph_ms(kernel_only)

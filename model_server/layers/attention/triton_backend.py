@@ -62,9 +62,21 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        store_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention part of `forward` (K/V already stored): decode, then prefill kernels."""
         md = metadata
-        store_kv_cache(k, v, k_cache, v_cache, md.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         if nd:
             # Decodes are the first nd tokens and the first nd requests (one token each).
