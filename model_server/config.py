@@ -54,7 +54,6 @@ class EngineConfig:
     """
 
     model: str | None = None  # None: the embedded SmolLM2 GGUF
-    tokenizer: str | None = None
     load_format: str = "auto"  # auto | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from model_server.config import EngineConfig
 
@@ -76,8 +76,7 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 def build_llm(config: EngineConfig):
     from model_server.engine.llm import LLM
 
-    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "model"}
-    return LLM(config.model, **kwargs)
+    return LLM.from_config(config)
 
 
 def run_wick(llm, workload: Workload) -> float:

@@ -85,7 +85,6 @@ def build_model_inputs(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
         block_tables=block_tables.to(device, non_blocking=True),
         num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
         max_query_len=max(query_start_loc[i + 1] - query_start_loc[i] for i in range(len(order))),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=query_start_loc,

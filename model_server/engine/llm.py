@@ -28,7 +28,16 @@ class LLM:
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._init(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(config)
+        return llm
+
+    def _init(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

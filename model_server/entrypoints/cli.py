@@ -14,7 +14,7 @@ def _generate(args: argparse.Namespace) -> int:
     from model_server.sampling_params import SamplingParams
 
     config = config_from_args(args)
-    llm = LLM(config.model, **_config_kwargs(config))
+    llm = LLM.from_config(config)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -35,12 +35,6 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write(output.outputs[0].text + "\n")
     sys.stdout.flush()
     return 0
-
-
-def _config_kwargs(config) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(config, f.name) for f in fields(config) if f.name != "model"}
 
 
 def _bench(args: argparse.Namespace) -> int:

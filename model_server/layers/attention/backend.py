@@ -35,7 +35,6 @@ class AttentionMetadata:
     # [B, max_num_blocks] int32: block ids per request, padded with 0, on the device.
     block_tables: torch.Tensor
     num_decodes: int
-    num_decode_tokens: int
     max_query_len: int
     max_seq_len: int
     # The same numbers as host lists, for backends that loop in Python (never synced from device).
