@@ -10,11 +10,10 @@ import time
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.e2e.conftest import ServerProcess, metric
-
-openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -24,7 +24,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def hf_model():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     path = embedded_model_path()
     # transformers dequantizes the GGUF itself (and un-permutes Q/K on its own): an independent
     # check of our loader as well as of the engine.

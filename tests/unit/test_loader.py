@@ -11,9 +11,11 @@ import os
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from model_server.loader import (
     ModelLoadError,
@@ -24,9 +26,6 @@ from model_server.loader import (
 from model_server.loader.dequant import dequantize
 from model_server.loader.gguf_loader import hf_name
 from model_server.loader.weight_cache import cache_file_for
-
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
 
 TINY_VOCAB = 96
 CHAT_TEMPLATE = (
