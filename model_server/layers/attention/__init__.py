@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "cpu", "triton")
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
@@ -13,6 +13,10 @@ def get_attention_backend(name: str) -> type[AttentionBackend]:
         from model_server.layers.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend
+    if name == "cpu":
+        from model_server.layers.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend
     if name == "triton":
         from model_server.layers.attention.triton_backend import TritonAttentionBackend
 

@@ -1,0 +1,1 @@
+"""Native CPU kernels (C, built on first use) and their loader."""
