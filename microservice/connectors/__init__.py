@@ -1,0 +1,7 @@
+"""Connectors: how a `GenerationRequest` reaches the model server (`LLM_CONNECTOR`)."""
+
+from __future__ import annotations
+
+from microservice.connectors.base import Connector, make_connector
+
+__all__ = ["Connector", "make_connector"]

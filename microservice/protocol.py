@@ -1,0 +1,328 @@
+"""Request and response bodies of `POST /v1/chat/completions`.
+
+Two request forms share one model: OPEA's (`messages` is `{"system", "user"}`; OPEA's defaults
+apply: `max_new_tokens` 1024, `top_k` 10, `top_p` 0.95, `typical_p` 0.95, `temperature` 0.01,
+`repetition_penalty` 1.03, `streaming` true) and OpenAI's (`messages` is a list; what is not given
+is not sent, so the model server's defaults apply, and `stream` defaults to false). Both become a
+`GenerationRequest`: OpenAI chat messages plus the sampling fields the model server takes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+
+from microservice.errors import ServiceError
+
+OPEA_DEFAULTS: dict[str, Any] = {
+    "max_tokens": 1024,
+    "top_k": 10,
+    "top_p": 0.95,
+    "typical_p": 0.95,
+    "temperature": 0.01,
+    "repetition_penalty": 1.03,
+}
+
+# Request fields forwarded to the model server as they are (OpenAI's and vLLM's names).
+FORWARDED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "user",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+)
+# Sampling fields the model server does not implement: accepted, named in a warning, dropped.
+# A value meaning "off" is no loss, so it is not worth a warning.
+UNSUPPORTED_NEUTRAL: dict[str, Any] = {"typical_p": 1.0}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class OpeaMessages(_Body):
+    system: str = ""
+    user: str
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    # "developer" is OpenAI's newer name for the system role.
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+def _messages_form(value: Any) -> str | None:
+    if isinstance(value, dict | OpeaMessages):
+        return "opea"
+    if isinstance(value, list):
+        return "openai"
+    return None
+
+
+Messages = Annotated[
+    Annotated[OpeaMessages, Tag("opea")]
+    | Annotated[list[ChatMessage], Field(min_length=1), Tag("openai")],
+    Discriminator(
+        _messages_form,
+        custom_error_type="messages_form",
+        custom_error_message=(
+            'must be {"system": "...", "user": "..."} or a list of {"role", "content"} messages'
+        ),
+    ),
+]
+
+
+class ChatRequest(BaseModel):
+    # Unknown fields are kept (not forwarded) so that a warning can name them.
+    model_config = ConfigDict(extra="allow")
+
+    messages: Messages | None = None
+    query: str | None = None  # OPEA's older LLMParamsDoc: the user message alone
+    model: str | None = None
+    max_new_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    streaming: bool | None = None
+    stream: bool | None = None
+    n: int = Field(1, ge=1, le=1)
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    temperature: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
+    output_guardrail_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatRequest:
+        if self.messages is None and self.query is None:
+            raise ValueError(
+                'messages is required: {"system": "...", "user": "..."} or a list of '
+                '{"role", "content"} messages'
+            )
+        limits = {
+            name: value
+            for name in ("max_new_tokens", "max_tokens", "max_completion_tokens")
+            if (value := getattr(self, name)) is not None
+        }
+        if len(set(limits.values())) > 1:
+            raise ValueError(f"token limits disagree: {limits}; send one of them")
+        if None not in (self.stream, self.streaming) and self.stream != self.streaming:
+            raise ValueError("stream and streaming disagree; send one of them")
+        return self
+
+    @property
+    def is_opea(self) -> bool:
+        return not isinstance(self.messages, list)
+
+    @property
+    def wants_stream(self) -> bool:
+        if self.stream is not None:
+            return self.stream
+        if self.streaming is not None:
+            return self.streaming
+        return self.is_opea
+
+    @property
+    def opea_messages(self) -> OpeaMessages | None:
+        if isinstance(self.messages, OpeaMessages):
+            return self.messages
+        if self.messages is None:
+            return OpeaMessages(user=self.query or "")
+        return None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """OpenAI chat messages with text content."""
+        opea = self.opea_messages
+        if opea is not None:
+            system = [{"role": "system", "content": opea.system}] if opea.system else []
+            return [*system, {"role": "user", "content": opea.user}]
+        assert isinstance(self.messages, list)
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
+
+    def prompt(self) -> str:
+        """The user's message, echoed back in the non-streaming answer (as OPEA does)."""
+        opea = self.opea_messages
+        if opea is not None:
+            return opea.user
+        users = [m for m in self.chat_messages() if m["role"] == "user"]
+        return users[-1]["content"] if users else ""
+
+    def _value(self, name: str) -> Any:
+        value = getattr(self, name)
+        if value is None and self.is_opea:
+            return OPEA_DEFAULTS.get(name)
+        return value
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The fields sent to the model server besides `model`, `messages` and `stream`."""
+        params: dict[str, Any] = {}
+        max_tokens = self.max_new_tokens or self.max_tokens or self.max_completion_tokens
+        if max_tokens is None and self.is_opea:
+            max_tokens = OPEA_DEFAULTS["max_tokens"]
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        for name in FORWARDED:
+            value = self._value(name)
+            if value is not None:
+                params[name] = value
+        return params
+
+    def unsupported_fields(self) -> list[str]:
+        """Fields that were given (or defaulted by OPEA) but are not forwarded."""
+        names = [
+            name
+            for name, neutral in UNSUPPORTED_NEUTRAL.items()
+            if self._value(name) not in (None, neutral)
+        ]
+        return names + sorted(self.model_extra or {})
+
+
+@dataclass
+class GenerationRequest:
+    """What a connector sends: `model` is already resolved, `params` never holds `model`,
+    `messages` or `stream`. `opea` is kept for connectors that template OPEA's two parts."""
+
+    model: str
+    messages: list[dict[str, str]]
+    params: dict[str, Any] = field(default_factory=dict)
+    opea: OpeaMessages | None = None
+
+    def payload(self, stream: bool) -> dict[str, Any]:
+        return {"model": self.model, "messages": self.messages, **self.params, "stream": stream}
+
+
+def parse_chat_request(body: bytes) -> ChatRequest:
+    """Raises ServiceError: 400 when the body is not UTF-8 JSON, 422 when a field is wrong."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ServiceError(
+            f"the request body is not valid UTF-8 (byte {exc.start}): send UTF-8 JSON", 400
+        ) from None
+    if not text.strip():
+        raise ServiceError("the request body is empty: send a JSON object", 400)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ServiceError(
+            f"the request body is not valid JSON: {exc.msg} "
+            f"(line {exc.lineno}, column {exc.colno})",
+            400,
+        ) from None
+    if not isinstance(data, dict):
+        raise ServiceError(
+            f"the request body must be a JSON object, got {type(data).__name__}", 400
+        )
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise ServiceError(message, 422, param=param) from None
+
+
+_TAGS = frozenset({"opea", "openai"})
+# Fields of several shapes: pydantic reports one error per shape; say once what fits.
+_UNION_HINTS = {
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
+}
+_UNION_MEMBERS = frozenset({"str", "list[str]", "list[TextPart]", "none"})
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    """One line naming each bad field, and the first bad field."""
+    parts: list[str] = []
+    param = None
+    hinted: set[str] = set()
+    for err in exc.errors(include_url=False):
+        loc = [str(x) for x in err["loc"] if x not in _TAGS]
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        shown = err["type"] not in ("missing", "value_error")
+        members = [i for i, x in enumerate(loc) if x in _UNION_MEMBERS]
+        if members and loc[members[0] - 1] in _UNION_HINTS:
+            loc = loc[: members[0]]
+            if ".".join(loc) in hinted:
+                continue
+            hinted.add(".".join(loc))
+            msg = f"must be {_UNION_HINTS[loc[-1]]}"
+        if shown and len(repr(err["input"])) <= 60:
+            msg = f"{msg} (got {err['input']!r})"
+        where = ".".join(loc)
+        param = param or where or None
+        parts.append(f"{where}: {msg}" if where else msg)
+    unique = list(dict.fromkeys(parts))
+    if len(unique) > 4:
+        unique = [*unique[:4], f"... ({len(unique) - 4} more)"]
+    return "; ".join(unique) or "invalid request", param
+
+
+def generated_doc(
+    request_id: str,
+    text: str,
+    request: ChatRequest,
+) -> dict[str, Any]:
+    """OPEA's GeneratedDoc: the non-streaming answer."""
+    return {
+        "id": request_id,
+        "text": text,
+        "prompt": request.prompt(),
+        "streaming": False,
+        "output_guardrail_params": request.output_guardrail_params,
+        "data": request.data,
+    }

@@ -1,0 +1,82 @@
+"""Microservice settings: the environment (names from DESIGN.md), overridden by CLI flags.
+
+Empty variables count as unset, so a compose file can pass `LLM_MODEL_NAME=` through.
+`LLM_API_KEY` is the model server's key (the same variable the model server reads), sent
+upstream as `Authorization: Bearer`; `LLM_USVC_API_KEY` protects this service itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _env(*names: str) -> Any:
+    return AliasChoices(*names)
+
+
+class MicroserviceSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        populate_by_name=True,  # CLI flags pass field names; the environment uses the aliases
+        env_ignore_empty=True,
+        extra="ignore",
+        case_sensitive=False,
+    )
+
+    host: str = Field("0.0.0.0", validation_alias=_env("LLM_USVC_HOST"))
+    port: int = Field(9000, validation_alias=_env("LLM_USVC_PORT"))
+    model_server_endpoint: str = Field(
+        "http://localhost:8008", validation_alias=_env("LLM_MODEL_SERVER_ENDPOINT")
+    )
+    connector: Literal["generic", "langchain"] = Field(
+        "generic", validation_alias=_env("LLM_CONNECTOR")
+    )
+    # Sent to the model server; unset: the request's `model`, else the model server's first.
+    model_name: str | None = Field(None, validation_alias=_env("LLM_MODEL_NAME"))
+    disable_streaming: bool = Field(False, validation_alias=_env("LLM_DISABLE_STREAMING"))
+    openai_format_streaming: bool = Field(
+        False, validation_alias=_env("LLM_OPENAI_FORMAT_STREAMING")
+    )
+    api_key: SecretStr | None = Field(None, validation_alias=_env("LLM_API_KEY"))
+    usvc_api_key: SecretStr | None = Field(None, validation_alias=_env("LLM_USVC_API_KEY"))
+    # Connect timeout bounds how fast a dead model server is reported (503); the read timeout
+    # is the longest silence allowed from it (504): a whole answer when not streaming.
+    connect_timeout: float = Field(
+        1.5, gt=0, validation_alias=_env("LLM_MODEL_SERVER_CONNECT_TIMEOUT")
+    )
+    read_timeout: float = Field(300.0, gt=0, validation_alias=_env("LLM_MODEL_SERVER_READ_TIMEOUT"))
+    health_cache_seconds: float = Field(
+        3.0, ge=0, validation_alias=_env("LLM_HEALTH_CHECK_CACHE_SECONDS")
+    )
+    log_level: str = Field("info", validation_alias=_env("LLM_USVC_LOG_LEVEL"))
+
+    @field_validator("connector", mode="before")
+    @classmethod
+    def _lower_connector(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("model_server_endpoint")
+    @classmethod
+    def _normalize_endpoint(cls, value: str) -> str:
+        value = value.strip().rstrip("/")
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {value!r}")
+        # OpenAI-style base URLs end in /v1; the routes below are added to the server root.
+        return value.removesuffix("/v1")
+
+    @field_validator("port")
+    @classmethod
+    def _check_port(cls, value: int) -> int:
+        if not 0 <= value <= 65535:
+            raise ValueError(f"port must be in 0-65535, got {value}")
+        return value
+
+    @property
+    def api_key_value(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    @property
+    def usvc_api_key_value(self) -> str | None:
+        return self.usvc_api_key.get_secret_value() if self.usvc_api_key is not None else None

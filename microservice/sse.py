@@ -1,0 +1,63 @@
+"""The two streaming formats: OPEA's (`data: '<repr of the piece>'`) and OpenAI's chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from microservice.errors import ServiceError
+from microservice.upstream import Piece
+
+DONE = "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(exc: ServiceError) -> str:
+    """An error after the status line was sent: an event in the stream instead."""
+    return _event({"error": exc.body()["error"]})
+
+
+class OpeaFormat:
+    """What OPEA clients parse: the repr of each text piece, then [DONE]."""
+
+    def start(self) -> list[str]:
+        return []
+
+    def piece(self, piece: Piece) -> list[str]:
+        return [f"data: {piece.text!r}\n\n"] if piece.text else []
+
+
+class OpenAIFormat:
+    """OpenAI's `chat.completion.chunk` events: the role first, then content deltas, the
+    finish reason in the last one."""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> str:
+        return _event(
+            {
+                "id": self.request_id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                ],
+            }
+        )
+
+    def start(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def piece(self, piece: Piece) -> list[str]:
+        delta = {"content": piece.text} if piece.text else {}
+        if not delta and piece.finish_reason is None:
+            return []
+        return [self._chunk(delta, piece.finish_reason)]

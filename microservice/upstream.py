@@ -1,0 +1,316 @@
+"""The model server's HTTP API as both connectors use it: clients with the right timeouts and
+credentials, error mapping, SSE parsing, model discovery and the readiness probe.
+
+Invariant: every failure leaves here as an `UpstreamError` (see errors.py), so the app maps
+them to statuses (before a stream starts) or error events (after) without knowing httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from microservice.errors import (
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamHTTPError,
+    UpstreamStreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+CHAT_PATH = "/v1/chat/completions"
+# Probes must answer fast even when the model server hangs.
+HEALTH_TIMEOUT_S = 1.5
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of the answer's text; the last one may carry only the finish reason."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+def timeouts(connect: float, read: float) -> httpx.Timeout:
+    # A full pool waits as long as a connect would: both mean "cannot reach it now" (503).
+    return httpx.Timeout(read, connect=connect, pool=connect, write=read)
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+# Streams are long-lived: the default limit of 100 connections would queue the 101st stream.
+LIMITS = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+
+
+def map_transport_error(exc: httpx.HTTPError, base_url: str) -> UpstreamError:
+    """An httpx failure as the error the client gets."""
+    where = f"the model server at {base_url}"
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return UpstreamUnavailable(f"{where} is unreachable: {_why(exc)}")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"{where} did not answer in time: {_why(exc)}")
+    return UpstreamBroken(f"the connection to {where} broke: {_why(exc)}")
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def error_from_response(status: int, body: bytes) -> UpstreamHTTPError:
+    """A non-200 answer: 4xx pass through (message, type, param, code), 503/504 stay, other
+    5xx become 502. 401/403 mean our LLM_API_KEY is wrong, which is not the client's fault."""
+    info = _error_info(body)
+    message = info.get("message") or f"the model server answered HTTP {status}"
+    kw = {"type": info.get("type"), "param": info.get("param"), "code": info.get("code")}
+    if status in (401, 403):
+        return UpstreamHTTPError(
+            f"the model server refused this service's credentials (check LLM_API_KEY): {message}",
+            502,
+            upstream_status=status,
+            code="model_server_auth",
+        )
+    if 400 <= status < 500:
+        return UpstreamHTTPError(message, status, upstream_status=status, **kw)
+    if status in (503, 504):
+        return UpstreamHTTPError(
+            f"the model server is not ready: {message}",
+            status,
+            upstream_status=status,
+            code="model_server_unavailable",
+        )
+    return UpstreamHTTPError(
+        f"the model server failed (HTTP {status}): {message}", 502, upstream_status=status
+    )
+
+
+def _error_info(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        text = body.decode("utf-8", "replace").strip()
+        return {"message": text[:500]} if text else {}
+    if isinstance(data, dict):
+        if isinstance(data.get("error"), dict):
+            return data["error"]
+        for key in ("message", "detail", "error"):
+            if isinstance(data.get(key), str):
+                return {"message": data[key]}
+    return {"message": json.dumps(data)[:500]}
+
+
+DONE = object()
+
+
+def parse_sse_line(line: str) -> Any:
+    """One SSE line: a chunk dict, DONE, or None (blank, comment, other fields). An error
+    event raises UpstreamStreamError."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return DONE
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        raise UpstreamBroken(f"the model server sent an unreadable event: {data[:200]!r}") from None
+    if isinstance(payload, dict) and "error" in payload:
+        err = payload["error"]
+        info = err if isinstance(err, dict) else {"message": str(err)}
+        raise UpstreamStreamError(
+            f"the model server failed mid-stream: {info.get('message', err)}", info.get("code")
+        )
+    if not isinstance(payload, dict):
+        raise UpstreamBroken(f"the model server sent an unexpected event: {data[:200]!r}")
+    return payload
+
+
+def chunk_piece(chunk: dict[str, Any]) -> Piece | None:
+    """The first choice's delta of an OpenAI chat chunk (None: nothing in it)."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    text = (choice.get("delta") or {}).get("content") or ""
+    reason = choice.get("finish_reason")
+    return Piece(text, reason) if text or reason else None
+
+
+def completion_text(body: bytes) -> tuple[str, str | None]:
+    """(text, finish reason) of a non-streaming chat completion."""
+    try:
+        choice = json.loads(body)["choices"][0]
+        return choice["message"]["content"] or "", choice.get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise UpstreamBroken(
+            f"the model server sent an unexpected answer: {body[:200]!r}"
+        ) from None
+
+
+async def aiter_pieces(response: httpx.Response, base_url: str) -> AsyncIterator[Piece]:
+    """The pieces of a streamed chat completion, until `[DONE]`."""
+    try:
+        async for line in response.aiter_lines():
+            item = parse_sse_line(line)
+            if item is DONE:
+                return
+            if item is not None and (piece := chunk_piece(item)) is not None:
+                yield piece
+    except httpx.HTTPError as exc:
+        raise map_transport_error(exc, base_url) from exc
+    raise UpstreamBroken("the model server ended the stream without [DONE]")
+
+
+def iter_pieces(response: httpx.Response, base_url: str) -> Iterator[Piece]:
+    """The sync twin of `aiter_pieces`."""
+    try:
+        for line in response.iter_lines():
+            item = parse_sse_line(line)
+            if item is DONE:
+                return
+            if item is not None and (piece := chunk_piece(item)) is not None:
+                yield piece
+    except httpx.HTTPError as exc:
+        raise map_transport_error(exc, base_url) from exc
+    raise UpstreamBroken("the model server ended the stream without [DONE]")
+
+
+async def post_chat(client: httpx.AsyncClient, payload: dict[str, Any], base_url: str) -> str:
+    """The text of a non-streaming chat completion."""
+    try:
+        response = await client.post(CHAT_PATH, json=payload)
+    except httpx.HTTPError as exc:
+        raise map_transport_error(exc, base_url) from exc
+    if response.status_code != 200:
+        raise error_from_response(response.status_code, response.content)
+    return completion_text(response.content)[0]
+
+
+# Pump tasks run unawaited: the event loop holds tasks weakly, so they are held here.
+_PUMPS: set[asyncio.Task[None]] = set()
+_END = object()
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, payload: dict[str, Any], base_url: str
+) -> AsyncIterator[Piece]:
+    """The pieces of a streamed chat completion; the request is sent on the first `__anext__`.
+
+    The HTTP exchange runs in a task of its own, which this generator cancels exactly once when
+    it ends early (closed, cancelled, garbage-collected). The reason: a caller can be cancelled
+    over and over (anyio cancel scopes, as in Starlette, re-cancel a task until it leaves the
+    scope, and langchain runs each step in a new task where anyio's shields do not apply), and a
+    second cancellation landing while httpcore closes the connection leaves it open: the model
+    server would keep generating for nobody.
+    """
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=16)
+    pump = asyncio.create_task(_pump(client, payload, base_url, queue))
+    _PUMPS.add(pump)
+    pump.add_done_callback(_PUMPS.discard)
+    try:
+        while (item := await queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        pump.cancel()  # a no-op once it has finished
+
+
+async def _pump(
+    client: httpx.AsyncClient, payload: dict[str, Any], base_url: str, queue: asyncio.Queue[Any]
+) -> None:
+    try:
+        # `async with`: a cancelled, unfinished response closes its connection.
+        async with client.stream("POST", CHAT_PATH, json=payload) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise error_from_response(response.status_code, response.content)
+            async for piece in aiter_pieces(response, base_url):
+                await queue.put(piece)
+    except httpx.HTTPError as exc:
+        await queue.put(map_transport_error(exc, base_url))
+    except Exception as exc:  # UpstreamError, or a bug: the consumer raises it
+        await queue.put(exc)
+    else:
+        await queue.put(_END)
+
+
+class ModelServer:
+    """The shared async client (connection pool) plus model discovery and the probe."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        connect_timeout: float = 1.5,
+        read_timeout: float = 300.0,
+        model_name: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self.api_key = api_key
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.configured_model = model_name
+        self._discovered: str | None = None
+        self.client = httpx.AsyncClient(
+            base_url=base_url,
+            headers=auth_headers(api_key),
+            timeout=timeouts(connect_timeout, read_timeout),
+            limits=LIMITS,
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def resolve_model(self, requested: str | None) -> str:
+        """LLM_MODEL_NAME, else the request's `model`, else the model server's first model
+        (asked once, then remembered)."""
+        name = self.configured_model or requested or self._discovered
+        if name:
+            return name
+        try:
+            response = await self.client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, self.base_url) from exc
+        if response.status_code != 200:
+            raise error_from_response(response.status_code, response.content)
+        try:
+            self._discovered = str(response.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise UpstreamBroken(
+                f"the model server's /v1/models lists no model: {response.text[:200]!r}"
+            ) from None
+        return self._discovered
+
+    async def probe(self) -> dict[str, Any]:
+        """The model server's readiness, as reported by its /health (never raises)."""
+        state: dict[str, Any] = {"endpoint": self.base_url}
+        started = time.monotonic()
+        try:
+            response = await self.client.get("/health", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            reason = map_transport_error(exc, self.base_url).message
+            return {**state, "ready": False, "status": "unreachable", "detail": reason}
+        state["latency_seconds"] = round(time.monotonic() - started, 4)
+        state["http_status"] = response.status_code
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        if isinstance(body, dict) and body.get("phase"):
+            state["phase"] = body["phase"]
+        if response.status_code == 200:
+            return {**state, "ready": True, "status": "ready"}
+        detail = body.get("message") if isinstance(body, dict) else None
+        return {**state, "ready": False, "status": "not_ready", "detail": detail}
