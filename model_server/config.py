@@ -45,6 +45,23 @@ def parse_size(text: str | int | float) -> int:
     return int(number * _SIZE_UNITS[unit])
 
 
+def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
+    """`0,1` -> [0, 1] (device indices, like candle-vllm's `--d 0,1`); empty -> None."""
+    if text is None:
+        return None
+    if isinstance(text, list):
+        ids = text
+    else:
+        parts = [p.strip() for p in str(text).split(",") if p.strip()]
+        try:
+            ids = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"device ids must be comma-separated integers, got {text!r}") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"device ids must be distinct non-negative integers, got {text!r}")
+    return ids or None
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start. Names mirror `vllm serve` flags.
@@ -56,7 +73,9 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2 GGUF
     load_format: str = "auto"  # auto | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda | gcu | hpu | auto
+    device_ids: list[int] | None = None  # local rank i uses device_ids[i]; None: 0, 1, ...
+    tensor_parallel_size: int = 1
     seed: int = 0
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -78,6 +97,10 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

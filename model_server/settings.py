@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model_server.config import EngineConfig, parse_size
+from model_server.config import EngineConfig, parse_device_ids, parse_size
 
 # The served name of the embedded default model (its Hugging Face id).
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -43,6 +43,7 @@ class ServerSettings(BaseSettings):
     )
     load_format: str = Field("auto", validation_alias=_env("LLM_LOAD_FORMAT"))
     device: str = Field("cpu", validation_alias=_env("LLM_DEVICE"))
+    device_ids: str | None = Field(None, validation_alias=_env("LLM_DEVICE_IDS"))
     dtype: str = Field("auto", validation_alias=_env("LLM_DTYPE", "VLLM_DTYPE"))
     seed: int = Field(0, validation_alias=_env("LLM_SEED"))
     quantization: str | None = Field(None, validation_alias=_env("LLM_QUANTIZATION"))
@@ -85,8 +86,14 @@ class ServerSettings(BaseSettings):
     @field_validator("tensor_parallel_size")
     @classmethod
     def _check_tp(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"tensor parallelism is not supported yet (got {value}); use 1")
+        if value < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {value}")
+        return value
+
+    @field_validator("device_ids")
+    @classmethod
+    def _check_device_ids(cls, value: str | None) -> str | None:
+        parse_device_ids(value)
         return value
 
     @field_validator("quantization")
@@ -133,6 +140,8 @@ class ServerSettings(BaseSettings):
             load_format=self.load_format,
             dtype=self.dtype,
             device=self.device,
+            device_ids=parse_device_ids(self.device_ids),
+            tensor_parallel_size=self.tensor_parallel_size,
             seed=self.seed,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,

@@ -429,10 +429,20 @@ class AsyncLLM(EngineClient):
                 logger.error("could not load the model: %s", exc)  # the message says it all
             else:
                 logger.exception("engine thread failed")
-            self._error = f"{type(exc).__name__}: {exc}"
-            self._phase = EnginePhase.ERROR  # before posting: generate() checks it
-            self._post(self._fail_all, self._error)
+            if self._phase is not EnginePhase.ERROR:  # a worker death reported it first
+                self._error = f"{type(exc).__name__}: {exc}"
+                self._phase = EnginePhase.ERROR  # before posting: generate() checks it
+                self._post(self._fail_all, self._error)
             self._drain_stop_commands()
+
+    def _on_engine_failure(self, message: str) -> None:
+        """From the executor's monitor thread: a tensor-parallel worker died. Fail now, even
+        while the engine thread is idle or blocked in a collective."""
+        if self._phase is EnginePhase.ERROR:
+            return
+        self._error = message
+        self._phase = EnginePhase.ERROR
+        self._post(self._fail_all, message)
 
     def _load(self) -> None:
         from model_server.engine.stats_tracker import StatsTracker
@@ -445,6 +455,9 @@ class AsyncLLM(EngineClient):
 
             engine = LLMEngine(self.config)
         self._engine = engine
+        add_failure_callback = getattr(engine, "add_failure_callback", None)
+        if add_failure_callback is not None:  # test doubles may have none
+            add_failure_callback(self._on_engine_failure)
         self._tracker = StatsTracker(engine.core.scheduler)
         self._tokenizer = engine.tokenizer
         self._max_model_len = engine.core.config.max_model_len
@@ -542,13 +555,24 @@ class AsyncLLM(EngineClient):
             engine.abort_request(request_id)
             self._tracker.aborted(request_id, now, stats)
         self._record(stats)
+        self._shutdown_engine()
         command.done.set()
+
+    def _shutdown_engine(self) -> None:
+        shutdown = getattr(self._engine, "shutdown", None)
+        if shutdown is None:
+            return
+        try:
+            shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
 
     def _drain_stop_commands(self) -> None:
         """After a crash, keep answering the command queue so shutdown() never waits for us."""
         while True:
             command = self._commands.get()
             if isinstance(command, _Stop):
+                self._shutdown_engine()
                 command.done.set()
                 return
             if isinstance(command, _AddRequest):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from model_server.config import EngineConfig
+from model_server.engine.executor import create_executor
 from model_server.engine.kv_cache_manager import KVCacheManager
-from model_server.engine.model_runner import ModelRunner, TokenLogprobs
+from model_server.engine.model_runner import TokenLogprobs
 from model_server.engine.request import Request, RequestStatus
 from model_server.engine.scheduler import Scheduler, SchedulerConfig
+from model_server.engine.worker import resolve_max_model_len
 from model_server.loader import ModelSource, load_model_source
 from model_server.platforms import get_platform
 
@@ -32,35 +35,23 @@ class EngineCore:
         config.validate()
         self.config = config
         self.platform = get_platform(config.device)
-        self.platform.prepare(config.num_threads)
         self.source = source or load_model_source(config.model, config.load_format)
         hf_config = self.source.hf_config
         model_max_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-        if config.max_model_len is None:
-            config.max_model_len = model_max_len
-        elif config.max_model_len > model_max_len:
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
             logger.warning(
                 "max_model_len %d exceeds the model's max_position_embeddings %d",
                 config.max_model_len,
                 model_max_len,
             )
-        self.model_runner = ModelRunner(config, self.source, self.platform)
-        bytes_per_block = self.model_runner.bytes_per_block()
-        budget = config.kv_cache_memory or self.platform.default_kv_cache_memory(bytes_per_block)
-        self.num_blocks = budget // bytes_per_block
-        if self.num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
-                f"{bytes_per_block} bytes; raise --kv-cache-memory"
-            )
-        self.model_runner.allocate_kv_cache(self.num_blocks)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
-            self.num_blocks,
-            config.block_size,
-            self.num_blocks * config.block_size,
-            self.num_blocks * bytes_per_block / 1024**3,
-        )
+        resolve_max_model_len(config, hf_config)
+        self.executor = create_executor(config, self.source, self.platform)
+        try:
+            self._init_kv_cache(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.model_runner = self.executor.model_runner
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.num_blocks,
             block_size=config.block_size,
@@ -70,6 +61,32 @@ class EngineCore:
             SchedulerConfig.from_engine_config(config, config.max_model_len),
             self.kv_cache_manager,
         )
+
+    def _init_kv_cache(self, config: EngineConfig) -> None:
+        self.num_blocks = self.executor.determine_num_blocks(config.kv_cache_memory)
+        bytes_per_block = self.executor.model_runner.bytes_per_block()
+        if self.num_blocks < 2:
+            budget = config.kv_cache_memory or self.num_blocks * bytes_per_block
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
+                f"{bytes_per_block} bytes; raise --kv-cache-memory"
+            )
+        self.executor.initialize_kv_cache(self.num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank)",
+            self.num_blocks,
+            config.block_size,
+            self.num_blocks * config.block_size,
+            self.num_blocks * bytes_per_block / 1024**3,
+        )
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """`callback(message)` runs on another thread if a tensor-parallel worker dies."""
+        self.executor.add_failure_callback(callback)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any). The core cannot step afterwards."""
+        self.executor.shutdown()
 
     @property
     def tokenizer(self):
@@ -113,7 +130,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled_requests:
             return []
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         logprobs_by_id = {
             r.request_id: lp
             for r, lp in zip(

@@ -40,6 +40,17 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when this process
+        exits). The LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from model_server.config import EngineConfig
 from model_server.engine.engine_core import EngineCore
 from model_server.engine.output_processor import OutputProcessor, RequestOutput
@@ -53,6 +55,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """`callback(message)` runs on another thread if a tensor-parallel worker dies."""
+        self.core.add_failure_callback(callback)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        self.core.shutdown()
 
     def step(self) -> list[RequestOutput]:
         outputs, to_stop = self.output_processor.process_outputs(self.core.step())

@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from model_server.config import EngineConfig
+from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
 from model_server.engine.input_batch import SeqChunk, build_model_inputs
 from model_server.engine.request import Request
 from model_server.engine.scheduler import SchedulerOutput
+from model_server.engine.step_input import StepInput
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
@@ -29,6 +31,12 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    logits: torch.Tensor | None  # [N, vocab] float32 on rank 0 when N > 0, else None
+    sample_indices: list[int]  # row j of logits belongs to chunk sample_indices[j]
 
 
 @dataclass(slots=True)
@@ -71,7 +79,8 @@ class ModelRunner:
             backend_name,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.sampler = Sampler(self.device)
+        # Only rank 0 samples (it alone gets logits), so only it keeps sampler state.
+        self.sampler = Sampler(self.device) if get_tensor_model_parallel_rank() == 0 else None
         self.kv_caches: list[torch.Tensor] = []
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -85,6 +94,12 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
+    def local_num_blocks(self, kv_cache_memory: int | None) -> int:
+        """KV blocks this rank's budget holds (`None`: the platform's default budget)."""
+        bytes_per_block = self.bytes_per_block()
+        budget = kv_cache_memory or self.platform.default_kv_cache_memory(bytes_per_block)
+        return budget // bytes_per_block
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
         # Per layer: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
@@ -95,45 +110,54 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> StepInput:
+        """Rank 0: what each scheduled request computes this step."""
+        chunks: list[SeqChunk] = []
+        sample: list[bool] = []
+        for r, n in zip(
+            scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens, strict=True
+        ):
+            start = r.num_computed_tokens
+            chunks.append(SeqChunk(r.all_token_ids[start : start + n], start, r.block_ids))
+            sample.append(start + n == r.num_tokens)
+        return StepInput(chunks, sample)
+
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        reqs = scheduler_output.scheduled_requests
-        chunks = [
-            SeqChunk(
-                token_ids=r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n],
-                num_computed_tokens=r.num_computed_tokens,
-                block_ids=r.block_ids,
-            )
-            for r, n in zip(reqs, scheduler_output.num_scheduled_tokens, strict=True)
-        ]
-        inputs = build_model_inputs(chunks, self.block_size, self.device)
+    def execute_step(self, step: StepInput) -> StepOutput:
+        """Every rank: the forward pass, and the logits of the sampling rows ([N, vocab] on rank
+        0, None elsewhere; the LM head's gather is a collective, so every rank calls it)."""
+        inputs = build_model_inputs(step.chunks, self.block_size, self.device)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
         )
         # Rows (in batch order) whose step reaches the end of their tokens: those sample.
-        sample_rows = [
-            row
-            for row, idx in enumerate(inputs.order)
-            if reqs[idx].num_computed_tokens + scheduler_output.num_scheduled_tokens[idx]
-            == reqs[idx].num_tokens
-        ]
+        sample_rows = [row for row, idx in enumerate(inputs.order) if step.sample[idx]]
+        logits = None
+        if sample_rows:
+            row_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[inputs.last_token_indices[row_index]])
+        self.platform.mark_step()
+        return StepOutput(logits, [inputs.order[row] for row in sample_rows])
+
+    @torch.inference_mode()
+    def sample(self, reqs: list[Request], out: StepOutput) -> ModelRunnerOutput:
+        """Rank 0: sample the next token of each sampling request (`reqs`: scheduled order)."""
         sampled: list[int | None] = [None] * len(reqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
-        if not sample_rows:
+        if out.logits is None:
             return ModelRunnerOutput(sampled, logprobs)
-        sample_reqs = [reqs[inputs.order[row]] for row in sample_rows]
-        row_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[inputs.last_token_indices[row_index]])
+        sample_reqs = [reqs[idx] for idx in out.sample_indices]
         metadata = self.sampler.build_metadata(sample_reqs, self.vocab_size)
-        out = self.sampler(logits, metadata)
-        token_ids = out.sampled_token_ids.tolist()
-        want_logprobs = out.logprobs is not None
+        result = self.sampler(out.logits, metadata)
+        token_ids = result.sampled_token_ids.tolist()
+        want_logprobs = result.logprobs is not None
         if want_logprobs:
-            lp = out.logprobs.tolist()
-            top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for j, row in enumerate(sample_rows):
-            idx = inputs.order[row]
+            lp = result.logprobs.tolist()
+            top_ids = (
+                result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
+            )
+            top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        for j, idx in enumerate(out.sample_indices):
             sampled[idx] = token_ids[j]
             k = reqs[idx].sampling_params.logprobs
             if want_logprobs and k is not None:
@@ -141,9 +165,15 @@ class ModelRunner:
                 logprobs[idx] = TokenLogprobs(token_ids[j], lp[j], top)
         return ModelRunnerOutput(sampled, logprobs)
 
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on a single rank: prepare, forward, sample."""
+        out = self.execute_step(self.prepare_step(scheduler_output))
+        return self.sample(scheduler_output.scheduled_requests, out)
+
     def release(self, request: Request) -> None:
         """Drop per-request sampler state (seeded generators) once a request is finished."""
-        self.sampler.release(request.request_id)
+        if self.sampler is not None:
+            self.sampler.release(request.request_id)
 
 
 def _with_progress(weights, total: int):

@@ -31,7 +31,10 @@ def _generate(args: argparse.Namespace) -> int:
         if use_chat
         else args.prompt
     )
-    output = llm.generate([prompt], params)[0]
+    try:
+        output = llm.generate([prompt], params)[0]
+    finally:
+        llm.shutdown()
     sys.stdout.write(output.outputs[0].text + "\n")
     sys.stdout.flush()
     return 0
@@ -52,8 +55,17 @@ def _bench_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from model_server.entrypoints.openai.api_server import run_server
     from model_server.entrypoints.openai.cli_args import settings_from_args
+    from model_server.platforms import get_platform
 
-    return run_server(settings_from_args(args))
+    settings = settings_from_args(args)
+    get_platform(settings.device)  # a missing runtime: one clear error before the server starts
+    return run_server(settings)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from model_server.engine.worker import run_worker_node
+
+    return run_worker_node(config_from_args(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_args(serve)
     serve.set_defaults(func=_serve)
+
+    worker = sub.add_parser(
+        "worker",
+        help="Run this node's tensor-parallel ranks of a multi-node engine (nodes 1..NNODES-1).",
+        description="Join the engine that node 0 runs (`serve` or `generate`) through "
+        "MASTER_ADDR, MASTER_PORT, NNODES and NODE_RANK; pass the same model flags as node 0.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_engine_args(worker)
+    worker.set_defaults(func=_worker)
 
     bench = sub.add_parser("bench", help="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from model_server.config import EngineConfig, parse_size
+from model_server.config import EngineConfig, parse_device_ids, parse_size
+from model_server.layers.attention import ATTENTION_BACKENDS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (fp32 on CPUs without native bf16, bf16 on GPUs), float32, bfloat16, float16.",
     )
-    g.add_argument("--device", default="cpu", help="cpu, cuda or auto. Default: cpu.")
+    g.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda, gcu (Enflame, needs torch_gcu), hpu (Intel Gaudi, needs "
+        "habana_frameworks) or auto (the best present: cuda > hpu > gcu > cpu). Default: cpu.",
+    )
+    g.add_argument(
+        "--device-ids",
+        default=None,
+        help="Comma-separated device indices for this node's ranks, e.g. 0,1 (after the vendor's "
+        "CUDA_VISIBLE_DEVICES / TOPS_VISIBLE_DEVICES / HABANA_VISIBLE_MODULES). Default: 0, 1, ...",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="Ranks (devices) to shard the model over; more than one node through MASTER_ADDR, "
+        "MASTER_PORT, NNODES and NODE_RANK. Default: 1.",
+    )
     g.add_argument("--seed", type=int, default=0, help="Seed for dummy weights. Default: 0.")
     g.add_argument(
         "--max-model-len",
@@ -67,8 +87,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--attention-backend",
         default=None,
-        choices=["torch", "triton"],
-        help="Attention implementation. Default: the device's (torch on CPU, triton on CUDA).",
+        choices=list(ATTENTION_BACKENDS),
+        help="Attention implementation: torch (portable PyTorch), cpu (native C decode kernel, "
+        "built on first use; falls back to torch without a C compiler), triton (GPU). "
+        "Default: the device's (cpu on CPU, triton on CUDA).",
     )
     g.add_argument(
         "--enforce-eager", action="store_true", help="Never capture CUDA graphs (GPU only)."
@@ -90,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         dtype=args.dtype,
         device=args.device,
+        device_ids=parse_device_ids(args.device_ids),
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

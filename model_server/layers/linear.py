@@ -1,9 +1,14 @@
-"""Linear layers with vLLM's names and weight-loading hooks.
+"""Linear layers with vLLM's names, tensor-parallel sharding and weight-loading hooks.
 
-Wick runs on one rank today, so every layer holds the whole matrix; the vLLM names (and the
-`weight_loader(param, loaded_weight[, shard_id])` hook attached to each parameter) mark where
-tensor parallelism would shard. Fused layers (`QKVParallelLinear`, `MergedColumnParallelLinear`)
-hold several HF matrices stacked along the output dim so one matmul replaces two or three.
+Under tensor parallelism (see `model_server.distributed`) each rank holds a shard:
+  - ColumnParallelLinear: rows of W (output features); its output stays sharded.
+  - RowParallelLinear: columns of W (input features); partial outputs are all-reduced.
+  - MergedColumnParallelLinear (gate_up) and QKVParallelLinear: several HF matrices stacked along
+    the output dim, sharded per part (rank r holds gate_r | up_r, or q_r | k_r | v_r), so the
+    local matmul output splits exactly like the unsharded one.
+Every parameter carries `weight_loader(param, full_checkpoint_tensor[, shard_id])`, which copies
+this rank's slice: a rank never keeps more than its shard. With one rank nothing is split and
+no collective runs.
 
 Parameters are allocated with `torch.empty` (no init pass: checkpoints or
 `init_dummy_weights` fill them), on the default device and dtype, and never require grad.
@@ -16,6 +21,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model_server.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from model_server.distributed.partition import HeadShard, divide, shard_heads
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _linear_impl: LinearFn = F.linear
@@ -46,11 +58,27 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def _copy_rows(
+    target: torch.Tensor, loaded: torch.Tensor, start: int, total: int, name: str, dim: int = 0
+) -> None:
+    """Copy this rank's slice loaded[start : start + target.shape[dim]] (along `dim`) into
+    target, after checking `loaded` is the whole tensor (`total` long along `dim`)."""
+    expected = list(target.shape)
+    expected[dim] = total
+    if list(loaded.shape) != expected:
+        raise ValueError(
+            f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}"
+        )
+    target.copy_(loaded.narrow(dim, start, target.shape[dim]))
+
+
 class LinearBase(nn.Module):
-    """y = x W^T + b with W: [output_size, input_size]."""
+    """y = x W^T + b with this rank's W: [output_size, input_size] (local sizes)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -70,7 +98,9 @@ class LinearBase(nn.Module):
         return dense(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
+        return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}" + (
+            f", tp={self.tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
+        )
 
 
 class ReplicatedLinear(LinearBase):
@@ -78,39 +108,95 @@ class ReplicatedLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input dim under tensor parallelism (o_proj, down_proj); whole on one rank."""
+    """Splits the input dim (o_proj, down_proj): x [T, in_local] -> all-reduced [T, out].
+
+    `input_partition=(start, size)` gives this rank's input features when they are not an even
+    split (o_proj after uneven head groups); the bias is whole and added after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        input_partition: tuple[int, int] | None = None,
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        if input_partition is None:
+            local = divide(input_size, tp_size, "input features of a row-parallel layer")
+            input_partition = (get_tensor_model_parallel_rank() * local, local)
+        self.input_start = input_partition[0]
+        self.total_input_size = input_size
+        super().__init__(input_partition[1], output_size, bias)
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_size == 1:
+            default_weight_loader(param, loaded_weight)
+        else:
+            _copy_rows(
+                param.data, loaded_weight, self.input_start, self.total_input_size, "weight", 1
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return dense(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(dense(x, self.weight))  # [T, out]
+        if self.bias is not None:
+            out += self.bias
+        return out
 
 
 class ColumnParallelLinear(LinearBase):
-    """Splits the output dim under tensor parallelism; whole on one rank."""
+    """Splits the output dim evenly: x [T, in] -> [T, out / tp] (this rank's columns)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        local = divide(output_size, tp_size, "output features of a column-parallel layer")
+        super().__init__(input_size, local, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        local = param.shape[0]
+        _copy_rows(param.data, loaded_weight, self.tp_rank * local, self.tp_size * local, "weight")
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel matrices with the same input stacked along the output dim.
 
-    Used for gate_up_proj: shard 0 is gate_proj, shard 1 is up_proj, so the output is
-    [T, sum(output_sizes)] with each shard's columns contiguous in that order.
+    Used for gate_up_proj: shard 0 is gate_proj, shard 1 is up_proj. Each part is split evenly
+    over the ranks, so the local output is [T, sum(output_sizes) / tp] laid out gate_r | up_r.
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
-        self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(self.output_sizes), bias)
+        tp_size = get_tensor_model_parallel_world_size()
+        self.output_sizes = list(output_sizes)  # whole-model sizes
+        self.local_sizes = [
+            divide(size, tp_size, "intermediate_size") for size in self.output_sizes
+        ]
+        super().__init__(input_size, sum(self.local_sizes), bias)
 
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None
     ) -> None:
         if shard_id is None:  # a checkpoint that already stores the fused matrix
-            default_weight_loader(param, loaded_weight)
+            if self.tp_size == 1:
+                default_weight_loader(param, loaded_weight)
+                return
+            offset = 0
+            for i, size in enumerate(self.output_sizes):
+                self.weight_loader(param, loaded_weight.narrow(0, offset, size), i)
+                offset += size
             return
-        offset = sum(self.output_sizes[:shard_id])
-        size = self.output_sizes[shard_id]
-        target = param.data.narrow(0, offset, size)
-        _check_shape(f"shard {shard_id}", target, loaded_weight)
-        target.copy_(loaded_weight)
+        size = self.local_sizes[shard_id]
+        target = param.data.narrow(0, sum(self.local_sizes[:shard_id]), size)
+        total = self.output_sizes[shard_id]
+        _copy_rows(target, loaded_weight, self.tp_rank * size, total, f"shard {shard_id}")
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """q_proj, k_proj and v_proj fused: output [T, (H + 2 * Hkv) * D] laid out as q | k | v."""
+class QKVParallelLinear(LinearBase):
+    """q_proj, k_proj and v_proj fused: output [T, (H + 2 * Hkv) * D] laid out q | k | v, where
+    H and Hkv are this rank's heads (see `model_server.distributed.partition.shard_heads`)."""
 
     def __init__(
         self,
@@ -120,15 +206,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
     ) -> None:
+        self.shard: HeadShard = shard_heads(
+            total_num_heads,
+            total_num_kv_heads,
+            get_tensor_model_parallel_world_size(),
+            get_tensor_model_parallel_rank(),
+        )
         self.head_size = head_size
-        self.num_heads = total_num_heads
-        self.num_kv_heads = total_num_kv_heads
-        self.q_size = total_num_heads * head_size
-        self.kv_size = total_num_kv_heads * head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = self.shard.num_heads
+        self.num_kv_heads = self.shard.num_kv_heads
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
 
     def shard_range(self, shard_id: str) -> tuple[int, int]:
-        """(offset, size) of shard "q", "k" or "v" along the output dim."""
+        """(offset, size) of shard "q", "k" or "v" along this rank's output dim."""
         if shard_id == "q":
             return 0, self.q_size
         if shard_id == "k":
@@ -141,9 +235,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
     ) -> None:
         if shard_id is None:  # a checkpoint that already stores the fused matrix
-            default_weight_loader(param, loaded_weight)
+            if self.tp_size == 1:
+                default_weight_loader(param, loaded_weight)
+                return
+            q, kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+            for sid, offset, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                self.weight_loader(param, loaded_weight.narrow(0, offset, size), sid)
             return
         offset, size = self.shard_range(shard_id)
         target = param.data.narrow(0, offset, size)
-        _check_shape(f"{shard_id}_proj", target, loaded_weight)
-        target.copy_(loaded_weight)
+        d = self.head_size
+        if shard_id == "q":
+            start, total = self.shard.q_start * d, self.total_num_heads * d
+        else:
+            start, total = self.shard.kv_start * d, self.total_num_kv_heads * d
+        _copy_rows(target, loaded_weight, start, total, f"{shard_id}_proj")

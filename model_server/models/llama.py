@@ -10,6 +10,10 @@ One implementation, switched on the HF config:
 Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: the
 model attends to the whole context and warns when the context can exceed the window.
 
+Tensor parallelism (model_server.distributed): attention split by KV-head group (groups may be
+uneven across ranks, KV heads replicated when there are fewer than ranks), the MLP split evenly,
+the vocabulary split for the embedding and the (possibly tied) LM head.
+
 Module names mirror HF's (`model.layers.N.self_attn...`) except the fused `qkv_proj` and
 `gate_up_proj`, so `load_weights` maps checkpoint names with a small stacking table.
 """
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_server.distributed.partition import divide, shard_heads
 from model_server.layers.activation import get_act_and_mul_fn
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.attention.layer import Attention
@@ -86,6 +91,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """Under tensor parallelism this rank's heads only (`qkv_proj.shard`): whole KV-head groups,
+    so attention is local and o_proj's all-reduce sums the heads' contributions."""
+
     def __init__(
         self,
         config: Any,
@@ -93,17 +101,27 @@ class LlamaAttention(nn.Module):
         attn_backend: type[AttentionBackend],
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = get_num_kv_heads(config)
         self.head_dim = get_head_dim(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            get_num_kv_heads(config),
+            bias=qkv_bias,
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=attention_bias)
+        shard = self.qkv_proj.shard
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=attention_bias,
+            input_partition=(shard.q_start * self.head_dim, self.q_size),
+        )
         # Qwen3: RMSNorm over each head's vector, applied before rotary.
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
@@ -242,9 +260,17 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
+    @classmethod
+    def check_tensor_parallel(cls, config: Any, world_size: int) -> None:
+        """Raise TensorParallelSplitError unless the model splits over `world_size` ranks."""
+        for rank in range(world_size):
+            shard_heads(config.num_attention_heads, get_num_kv_heads(config), world_size, rank)
+        divide(config.intermediate_size, world_size, "intermediate_size")
+
     @property
     def num_kv_heads(self) -> int:
-        return get_num_kv_heads(self.config)
+        """KV heads held by this rank (all of them without tensor parallelism)."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     @property
     def head_dim(self) -> int:
@@ -261,9 +287,11 @@ class LlamaForCausalLM(nn.Module):
         layer. Returns the final-norm hidden states [T, hidden]."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32. Pass only the rows that are sampled."""
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] float32. Pass only the rows that are sampled. Under tensor
+        parallelism every rank calls it (the vocabulary is split); only rank 0 gets logits."""
+        logits = self.lm_head(hidden_states)
+        return None if logits is None else logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors, fusing q/k/v and gate/up, casting to each param's dtype.

@@ -41,6 +41,15 @@ def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     )
 
 
+def check_tensor_parallel(config: Any, world_size: int) -> None:
+    """Raise TensorParallelSplitError (a ValueError) unless the model for `config` splits over
+    `world_size` tensor-parallel ranks. Cheap: reads the config only."""
+    if world_size > 1:
+        get_model_class(getattr(config, "architectures", None)).check_tensor_parallel(
+            config, world_size
+        )
+
+
 def build_model(
     config: Any,
     attn_backend: type[AttentionBackend],

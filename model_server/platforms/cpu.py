@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from functools import cache
 
 import numpy as np
@@ -58,10 +59,18 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
-    default_attention_backend = "torch"
+    default_attention_backend = "cpu"
+
+    @classmethod
+    def check_available(cls) -> None:
+        return None  # always
 
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]
+
+    def mem_get_info(self) -> tuple[int, int]:
+        pages = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * pages, os.sysconf("SC_PHYS_PAGES") * pages
 
     def default_dtype(self) -> torch.dtype:
         # Without native bf16 (avx512_bf16 / AMX) bf16 runs 3-10x slower than fp32 on CPUs.
@@ -77,7 +86,11 @@ class CpuPlatform(Platform):
         nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
-    def prepare(self, num_threads: int | None) -> None:
-        threads = num_threads or len(os.sched_getaffinity(0))
+    def select_device(self, local_rank: int, device_ids: Sequence[int] | None) -> None:
+        return None  # every rank computes on the host's cores (see prepare)
+
+    def prepare(self, num_threads: int | None, local_world_size: int = 1) -> None:
+        # Tensor-parallel ranks on one machine share its cores: each gets an equal part.
+        threads = num_threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
         torch.set_num_threads(threads)
         set_linear_impl(skinny_linear)

@@ -1,28 +1,111 @@
-"""The interface every device platform implements."""
+"""The interface every device platform implements.
+
+A platform module imports its vendor runtime (torch_gcu, habana_frameworks, ...) only inside
+methods, never at import time: `import model_server.platforms.gcu` works on any machine, and
+`check_available()` turns a missing runtime into one `PlatformUnavailable` naming what to install.
+"""
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
 
+class PlatformUnavailable(ValueError):
+    """The device was asked for but its runtime (package, driver or device) is missing."""
+
+
+_DTYPE_ALIASES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
 class Platform(ABC):
     name: str
-    device_type: str
-    dist_backend: str
-    default_attention_backend: str
+    device_type: str  # torch's device type string
+    dist_backend: str  # torch.distributed backend for tensor collectives
+    default_attention_backend: str = "torch"
     supports_graphs: bool = False
+    # The vendor's variable that restricts which devices the runtime sees; None on CPU.
+    visible_devices_env: str | None = None
+
+    def __init__(self) -> None:
+        # Index of this process's device among the visible ones (None: the runtime's default).
+        self.device_index: int | None = None
+
+    # ---- availability -----------------------------------------------------------------------
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether the runtime and at least one device are present (used by `auto`)."""
+        try:
+            cls.check_available()
+        except PlatformUnavailable:
+            return False
+        return True
+
+    @classmethod
+    @abstractmethod
+    def check_available(cls) -> None:
+        """Raise PlatformUnavailable (saying what to install) unless the device can be used."""
+
+    # ---- devices ----------------------------------------------------------------------------
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.device_type)
+        return torch.device(self.device_type, self.device_index)
+
+    def set_device(self, index: int) -> None:
+        """Bind this process to visible device `index` (one device per tensor-parallel rank)."""
+        self.device_index = index
+
+    def device_count(self) -> int:
+        return 1
+
+    def visible_device_ids(self) -> list[str] | None:
+        """The vendor's visible-devices list (e.g. CUDA_VISIBLE_DEVICES=2,3), None when unset."""
+        if self.visible_devices_env is None:
+            return None
+        value = os.environ.get(self.visible_devices_env, "").strip()
+        return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+    def select_device(self, local_rank: int, device_ids: Sequence[int] | None) -> None:
+        """Bind local rank `local_rank` to `device_ids[local_rank]` (default: `local_rank`).
+
+        Ids index the devices the runtime sees, i.e. after the visible-devices variable.
+        """
+        index = device_ids[local_rank] if device_ids else local_rank
+        count = self.device_count()
+        if not 0 <= index < count:
+            visible = self.visible_device_ids()
+            seen = f" ({self.visible_devices_env}={','.join(visible)})" if visible else ""
+            raise ValueError(
+                f"{self.name} device {index} does not exist: {count} visible{seen}; "
+                "check --device-ids and --tensor-parallel-size"
+            )
+        self.set_device(index)
+
+    # ---- dtypes and memory ------------------------------------------------------------------
 
     @abstractmethod
     def supported_dtypes(self) -> list[torch.dtype]: ...
 
     @abstractmethod
     def default_dtype(self) -> torch.dtype: ...
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        raise NotImplementedError(f"{self.name} has no device memory query")
 
     @abstractmethod
     def default_kv_cache_memory(self, bytes_per_block: int) -> int:
@@ -33,29 +116,37 @@ class Platform(ABC):
         length are masked out of the softmax, but NaN bits there would still poison probs @ V."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
+    # ---- execution --------------------------------------------------------------------------
+
     def synchronize(self) -> None:
         return None
 
-    def prepare(self, num_threads: int | None) -> None:
-        """Process-wide setup before the model loads (threads, allocator settings)."""
+    def mark_step(self) -> None:
+        """Called by every rank at the end of each model step (HPU lazy mode flushes its graph)."""
+        return None
+
+    def prepare(self, num_threads: int | None, local_world_size: int = 1) -> None:
+        """Process-wide setup before the model loads (threads, allocator, runtime import).
+
+        `local_world_size`: how many tensor-parallel ranks share this machine's CPU cores.
+        """
+        return None
+
+    def init_distributed_backend(self) -> None:
+        """Import whatever registers `dist_backend` with torch.distributed (eccl, hccl)."""
+        return None
+
+    @classmethod
+    def compute_units(cls, device: torch.device) -> int | None:
+        """Streaming multiprocessors (or the device's equivalent) of `device`; None: unknown."""
         return None
 
     def resolve_dtype(self, name: str) -> torch.dtype:
         if name in ("auto", "", None):
             return self.default_dtype()
-        aliases = {
-            "float32": torch.float32,
-            "fp32": torch.float32,
-            "float": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16,
-            "float16": torch.float16,
-            "fp16": torch.float16,
-            "half": torch.float16,
-        }
-        if name not in aliases:
+        if name not in _DTYPE_ALIASES:
             raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
-        dtype = aliases[name]
+        dtype = _DTYPE_ALIASES[name]
         if dtype not in self.supported_dtypes():
             raise ValueError(f"dtype {name} is not supported on {self.name}")
         return dtype

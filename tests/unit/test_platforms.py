@@ -1,12 +1,30 @@
-"""CPU platform: the skinny-batch matmul equals F.linear; KV memory comes back zeroed."""
+"""Platforms: the CPU skinny-batch matmul equals F.linear; KV memory comes back zeroed; every
+platform module's contract (descriptions, missing-runtime errors, `auto` selection, device ids,
+step hooks) with the vendor runtimes absent or faked."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model_server.platforms import get_platform
+from model_server.config import parse_device_ids
+from model_server.platforms import (
+    AUTO_ORDER,
+    Platform,
+    PlatformUnavailable,
+    get_platform,
+    platform_class,
+    resolve_device,
+)
 from model_server.platforms.cpu import skinny_linear
 
 
@@ -44,3 +62,259 @@ def test_cpu_kv_memory_is_zeroed() -> None:
 def test_unknown_device_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         get_platform("tpu")
+
+
+# ---------------------------------------------------------------- the platform contract
+
+
+def _no_runtime(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
+    """Make `modules` unimportable, as on a machine without the vendor stack."""
+    real_find_spec = importlib.util.find_spec
+    for name in modules:
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+
+    def find_spec(name: str, *args: object, **kwargs: object):
+        if name.split(".")[0] in modules:
+            return None
+        return real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def test_importing_every_platform_module_does_no_work() -> None:
+    code = (
+        "import sys\n"
+        "from model_server.platforms import DEVICES, platform_class\n"
+        "classes = [platform_class(d) for d in DEVICES if d != 'auto']\n"
+        "assert not {'torch_gcu', 'habana_frameworks'} & set(sys.modules), sys.modules.keys()\n"
+        "print(' '.join(c.__name__ for c in classes))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["CpuPlatform", "CudaPlatform", "GcuPlatform", "HpuPlatform"]
+
+
+@pytest.mark.parametrize(
+    ("device", "modules", "needles"),
+    [
+        ("gcu", ("torch_gcu",), ("device gcu", "torch_gcu", "TopsRider", "TOPS_VISIBLE_DEVICES")),
+        ("hpu", ("habana_frameworks",), ("device hpu", "habana_frameworks", "Gaudi")),
+    ],
+)
+def test_missing_runtime_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, device: str, modules: tuple[str, ...], needles: tuple
+) -> None:
+    _no_runtime(monkeypatch, *modules)
+    with pytest.raises(PlatformUnavailable) as info:
+        get_platform(device)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in message
+    for needle in needles:
+        assert needle in message
+    assert not platform_class(device).is_available()
+
+
+def test_missing_cuda_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(PlatformUnavailable, match=r"no CUDA device is visible.*NVIDIA driver"):
+        get_platform("cuda")
+
+
+@pytest.mark.parametrize(
+    ("present", "expected"),
+    [
+        ((), "cpu"),
+        (("gcu",), "gcu"),
+        (("hpu", "gcu"), "hpu"),
+        (("cuda", "hpu", "gcu"), "cuda"),
+        (("cuda",), "cuda"),
+    ],
+)
+def test_auto_picks_the_best_device_present(
+    monkeypatch: pytest.MonkeyPatch, present: tuple[str, ...], expected: str
+) -> None:
+    for name in AUTO_ORDER:
+        available = name in present
+        monkeypatch.setattr(
+            platform_class(name), "is_available", classmethod(lambda c, a=available: a)
+        )
+    assert resolve_device("auto") == expected
+    assert resolve_device("cpu") == "cpu"  # an explicit choice is never second-guessed
+
+
+def test_auto_on_this_machine_is_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_runtime(monkeypatch, "torch_gcu", "habana_frameworks")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert get_platform("auto").name == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "visible_env", "default_dtype"),
+    [
+        ("cpu", "gloo", None, None),
+        ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", None),
+        ("gcu", "eccl", "TOPS_VISIBLE_DEVICES", torch.bfloat16),
+        ("hpu", "hccl", "HABANA_VISIBLE_MODULES", torch.bfloat16),
+    ],
+)
+def test_platform_descriptions(
+    device: str, backend: str, visible_env: str | None, default_dtype: torch.dtype | None
+) -> None:
+    cls = platform_class(device)
+    assert cls.name == cls.device_type == device
+    assert cls.dist_backend == backend and cls.visible_devices_env == visible_env
+    if default_dtype is not None:  # no runtime needed to answer
+        platform = cls.__new__(cls)
+        Platform.__init__(platform)
+        assert platform.default_dtype() == default_dtype
+        assert default_dtype in platform.supported_dtypes()
+
+
+def test_cpu_platform_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    platform = get_platform("cpu")
+    assert platform.device == torch.device("cpu") and not platform.supports_graphs
+    assert platform.default_dtype() in platform.supported_dtypes()
+    free, total = platform.mem_get_info()
+    assert 0 < free <= total
+    platform.synchronize()
+    platform.mark_step()
+    platform.select_device(1, [0, 1])  # every rank computes on the host
+    assert platform.device == torch.device("cpu")
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    try:
+        platform.prepare(None, local_world_size=2)  # two ranks share 8 cores
+        assert torch.get_num_threads() == 4
+        platform.prepare(None, local_world_size=16)
+        assert torch.get_num_threads() == 1
+        platform.prepare(3, local_world_size=2)  # an explicit count is per rank
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+class _FakeGcu(types.SimpleNamespace):
+    pass
+
+
+@pytest.fixture
+def fake_torch_gcu(monkeypatch: pytest.MonkeyPatch) -> _FakeGcu:
+    """A stand-in for Enflame's runtime: `torch_gcu` importable, `torch.gcu` a cuda look-alike."""
+    calls: list[tuple] = []
+    gcu = _FakeGcu(
+        calls=calls,
+        is_available=lambda: True,
+        device_count=lambda: 2,
+        set_device=lambda i: calls.append(("set_device", i)),
+        synchronize=lambda: calls.append(("synchronize",)),
+        mem_get_info=lambda device: (3 * 2**30, 16 * 2**30),
+    )
+    monkeypatch.setitem(sys.modules, "torch_gcu", types.ModuleType("torch_gcu"))
+    # torch_gcu names torch's out-of-tree device slot "gcu"; that can happen once per process
+    # and touches nothing else here.
+    if torch._C._get_privateuse1_backend_name() == "privateuseone":
+        torch.utils.rename_privateuse1_backend("gcu")
+    monkeypatch.setattr(torch, "gcu", gcu, raising=False)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: object() if name == "torch_gcu" else real_find_spec(name, *a, **k),
+    )
+    return gcu
+
+
+def test_gcu_platform_with_a_runtime(
+    fake_torch_gcu: _FakeGcu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from model_server.platforms import gcu
+
+    platform = get_platform("gcu")
+    assert platform.device_count() == 2
+    platform.select_device(1, None)
+    assert platform.device == torch.device("gcu", 1)
+    assert ("set_device", 1) in fake_torch_gcu.calls
+    assert platform.mem_get_info() == (3 * 2**30, 16 * 2**30)
+    assert platform.default_kv_cache_memory(1024) == int(3 * 2**30 * 0.8)
+    platform.synchronize()
+    assert ("synchronize",) in fake_torch_gcu.calls
+    monkeypatch.setattr(gcu, "enflame_triton_available", lambda: False)
+    assert platform.default_attention_backend == "torch"
+    monkeypatch.setattr(gcu, "enflame_triton_available", lambda: True)
+    assert platform.default_attention_backend == "triton"
+    with pytest.raises(ValueError, match="gcu device 2 does not exist: 2 visible"):
+        platform.select_device(1, [0, 2])
+
+
+def test_gcu_without_enflame_triton_uses_the_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    from model_server.platforms import gcu
+
+    gcu.enflame_triton_available.cache_clear()
+    _no_runtime(monkeypatch, "triton_gcu")
+    try:
+        # Stock triton (if any) has no gcu backend.
+        assert gcu.enflame_triton_available() is False
+    finally:
+        gcu.enflame_triton_available.cache_clear()
+
+
+def test_hpu_marks_a_step_through_htcore(monkeypatch: pytest.MonkeyPatch) -> None:
+    marks: list[int] = []
+    pkg = types.ModuleType("habana_frameworks")
+    torch_pkg = types.ModuleType("habana_frameworks.torch")
+    core = types.ModuleType("habana_frameworks.torch.core")
+    core.mark_step = lambda: marks.append(1)  # type: ignore[attr-defined]
+    hpu = types.ModuleType("habana_frameworks.torch.hpu")
+    hpu.is_available = lambda: True  # type: ignore[attr-defined]
+    hpu.device_count = lambda: 8  # type: ignore[attr-defined]
+    hpu.set_device = lambda i: None  # type: ignore[attr-defined]
+    pkg.torch = torch_pkg  # type: ignore[attr-defined]
+    torch_pkg.core, torch_pkg.hpu = core, hpu  # type: ignore[attr-defined]
+    for name, module in [
+        ("habana_frameworks", pkg),
+        ("habana_frameworks.torch", torch_pkg),
+        ("habana_frameworks.torch.core", core),
+        ("habana_frameworks.torch.hpu", hpu),
+    ]:
+        monkeypatch.setitem(sys.modules, name, module)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a, **k: object() if n == "habana_frameworks" else real_find_spec(n, *a, **k),
+    )
+    platform = get_platform("hpu")
+    assert platform.default_dtype() == torch.bfloat16 and platform.dist_backend == "hccl"
+    platform.select_device(3, [4, 5, 6, 7])
+    assert platform.device == torch.device("hpu", 7)
+    platform.mark_step()
+    platform.mark_step()
+    assert marks == [1, 1]
+
+
+def test_visible_devices_and_device_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    cuda = platform_class("cuda").__new__(platform_class("cuda"))
+    Platform.__init__(cuda)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert cuda.visible_device_ids() == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cuda.visible_device_ids() is None
+    assert parse_device_ids("0,1") == [0, 1] and parse_device_ids("") is None
+    for bad in ("0,a", "1,1", "-1"):
+        with pytest.raises(ValueError, match="device ids"):
+            parse_device_ids(bad)
+
+
+def test_no_device_name_branches_outside_platforms() -> None:
+    """Nothing outside model_server/platforms branches on a device name (kernels/, which hold
+    per-device implementations, and the CUDA-only kernel benchmark excepted)."""
+    root = Path(__file__).parents[2] / "model_server"
+    pattern = re.compile(r"""(device\w*|\.type)\s*(==|!=|\bin\b)\s*\(?\s*["'](cuda|cpu|gcu|hpu)""")
+    offenders = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in root.rglob("*.py")
+        if not {"platforms", "kernels"} & set(path.relative_to(root).parts)
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not offenders, offenders

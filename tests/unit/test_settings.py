@@ -87,6 +87,16 @@ def test_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert s.max_num_seqs == 4  # not given as a flag: the environment's value stays
 
 
+def test_tensor_parallel_settings_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_TP_SIZE", "2")  # OPEA's name
+    monkeypatch.setenv("LLM_DEVICE_IDS", "2,3")
+    config = serve_settings().engine_config()
+    assert config.tensor_parallel_size == 2 and config.device_ids == [2, 3]
+    monkeypatch.setenv("LLM_TP_SIZE", "4")  # LLM_* wins over the alias
+    assert serve_settings("--device-ids", "0,1").engine_config().device_ids == [0, 1]
+    assert serve_settings().tensor_parallel_size == 4
+
+
 def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLM_MAX_MODEL_LEN", "")
     monkeypatch.setenv("LLM_MODEL", "")
@@ -97,7 +107,9 @@ def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize(
     ("argv", "env", "needle"),
     [
-        (["--tensor-parallel-size", "2"], {}, "--tensor-parallel-size: tensor parallelism"),
+        (["--tensor-parallel-size", "0"], {}, "--tensor-parallel-size: tensor_parallel_size"),
+        ([], {"LLM_DEVICE_IDS": "0,x"}, "device ids must be comma-separated integers"),
+        (["--device-ids", "1,1"], {}, "--device-ids: device ids must be distinct"),
         ([], {"LLM_MODEL_SERVER_PORT": "abc"}, "LLM_MODEL_SERVER_PORT"),
         ([], {"LLM_KV_CACHE_MEMORY": "lots"}, "cannot parse memory size"),
         (["--kv-cache-dtype", "fp8"], {}, "kv_cache_dtype 'fp8' is not supported"),
@@ -122,7 +134,8 @@ def test_serve_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
         "--model", "--host", "--port", "--dtype", "--max-model-len", "--max-num-seqs",
         "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
         "--enable-prefix-caching", "--served-model-name", "--api-key", "--skip-warmup",
-        "--drain-timeout", "--tensor-parallel-size", "LLM_MODEL_SERVER_PORT",
+        "--drain-timeout", "--tensor-parallel-size", "--device-ids", "LLM_MODEL_SERVER_PORT",
+        "LLM_TP_SIZE", "LLM_DEVICE_IDS",
         "VLLM_CPU_KVCACHE_SPACE",
     ):  # fmt: skip
         assert flag in out, flag

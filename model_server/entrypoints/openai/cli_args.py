@@ -48,12 +48,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "aborted. Default: 30.",
     )
     g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        help="Devices to shard the model over. Only 1 is supported for now. Default: 1.",
-    )
-    g.add_argument(
         "--quantization",
         help="Weight quantization. GGUF files are read in their own format; nothing else is "
         "supported yet. Default: none.",

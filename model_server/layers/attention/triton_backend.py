@@ -46,11 +46,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _target_programs(self, device: torch.device) -> int:
         if self._sm_count is None:
-            if device.type == "cuda":
-                # A host-side driver query, cached: no device sync.
-                self._sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-            else:
-                self._sm_count = _DEFAULT_SM_COUNT
+            from model_server.platforms import platform_class
+
+            # A host-side driver query, cached: no device sync.
+            units = platform_class(device.type).compute_units(device)
+            self._sm_count = units or _DEFAULT_SM_COUNT
         return _PROGRAMS_PER_SM * self._sm_count
 
     def forward(

@@ -1,0 +1,91 @@
+"""Intel Gaudi (HPU) platform through `habana_frameworks.torch`: hccl collectives, bf16.
+
+Gaudi runs in lazy mode by default (PT_HPU_LAZY_MODE=1): ops are recorded into a graph that
+`htcore.mark_step()` compiles and runs, so every rank marks a step at the end of each model step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+import torch
+
+from model_server.platforms.interface import Platform, PlatformUnavailable
+
+_INSTALL_HINT = (
+    "install the Intel Gaudi software stack (the habanalabs driver, then "
+    "`pip install habana-torch-plugin` from Intel's Gaudi PyTorch packages), or check "
+    "HABANA_VISIBLE_MODULES"
+)
+
+
+def _htcore() -> ModuleType:
+    try:
+        import habana_frameworks.torch.core as htcore
+    except ImportError as exc:
+        raise PlatformUnavailable(
+            f"device hpu: habana_frameworks.torch is not installed ({exc}); {_INSTALL_HINT}"
+        ) from None
+    return htcore
+
+
+def _hthpu() -> ModuleType:
+    _htcore()
+    import habana_frameworks.torch.hpu as hthpu
+
+    return hthpu
+
+
+class HpuPlatform(Platform):
+    name = "hpu"
+    device_type = "hpu"
+    dist_backend = "hccl"
+    visible_devices_env = "HABANA_VISIBLE_MODULES"
+
+    @classmethod
+    def check_available(cls) -> None:
+        if importlib.util.find_spec("habana_frameworks") is None:
+            raise PlatformUnavailable(
+                f"device hpu: habana_frameworks.torch is not installed; {_INSTALL_HINT}"
+            )
+        if not _hthpu().is_available():
+            raise PlatformUnavailable(f"device hpu: no Gaudi device is visible; {_INSTALL_HINT}")
+
+    def set_device(self, index: int) -> None:
+        super().set_device(index)
+        _hthpu().set_device(index)
+
+    def device_count(self) -> int:
+        return int(_hthpu().device_count())
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float32]
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def mem_get_info(self) -> tuple[int, int]:
+        hthpu = _hthpu()
+        if hasattr(hthpu, "mem_get_info"):
+            free, total = hthpu.mem_get_info()
+            return int(free), int(total)
+        stats = hthpu.memory_stats(self.device)
+        total = int(stats.get("Limit", 0))
+        return total - int(stats.get("InUse", 0)), total
+
+    def default_kv_cache_memory(self, bytes_per_block: int) -> int:
+        free, _ = self.mem_get_info()
+        return int(free * 0.8)
+
+    def synchronize(self) -> None:
+        _hthpu().synchronize()
+
+    def mark_step(self) -> None:
+        _htcore().mark_step()  # one dict lookup once imported
+
+    def prepare(self, num_threads: int | None, local_world_size: int = 1) -> None:
+        _htcore()
+
+    def init_distributed_backend(self) -> None:
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401 (registers hccl)
