@@ -4,9 +4,15 @@ Builds the cpu model-server image and the microservice image with podman on a De
 by debootstrap (no registry is needed), brings the stack up with the real compose v2 binary on
 podman's Docker-compatible socket, sends a chat request through the microservice's port and
 tears everything down. Needs root and Debian's `podman buildah runc debootstrap netavark
-aardvark-dns`; PyPI (for the images' packages) and deb.debian.org (for the base). Everything
-podman stores goes to its own folder (vfs driver, netavark for the compose network's DNS), so
-the host's podman setup is untouched. Takes several minutes (see the README).
+aardvark-dns`; PyPI (for the images' packages) and deb.debian.org (for the base and gcc). The
+CPU torch wheel comes from WICK_WHEELS_DIR (/opt/wheels) when it holds one, else from
+download.pytorch.org. Everything podman stores goes to its own folder, WICK_CONTAINER_WORKDIR
+(/var/tmp/wick-container-test: vfs storage, networks, logs/ with each step's output), so the
+host's podman setup is untouched; the base image and the built images stay there (about 2.5 GB;
+`podman system reset` with CONTAINERS_STORAGE_CONF=<workdir>/storage.conf removes them), and
+WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on 2 cores (base 1,
+model-server image 2.5, microservice image 1, stack up 1, chat and teardown under 0.5); peak
+disk use about 6 GB.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ MIRROR = os.environ.get("WICK_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 # A CPU torch wheel on local disk (pip's find-links), used when download.pytorch.org is not
 # reachable; mounted read-only into the build.
 WHEELS = os.environ.get("WICK_WHEELS_DIR", "/opt/wheels")
+# WICK_CONTAINER_REUSE=1 keeps images built by an earlier run (the base is always reused).
+REUSE = os.environ.get("WICK_CONTAINER_REUSE", "") == "1"
 
 
 def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, **kw) -> str:
@@ -41,6 +49,32 @@ def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None, **kw)
         raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout[-3000:]}"
                              f"\n{proc.stderr[-3000:]}")  # fmt: skip
     return proc.stdout
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float, **kw) -> str:
+    """Run `cmd` with its output going to `log` (`tail -f` it to follow a long build)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, **kw)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} -> {proc.returncode} (log: {log})\n{text[-4000:]}"
+    )
+    return text
+
+
+def host_ca_bundle() -> str | None:
+    """The CA bundle the host's pip trusts (a TLS-intercepting proxy's CA lives there)."""
+    for candidate in (os.environ.get("PIP_CERT"), os.environ.get("SSL_CERT_FILE"),
+                      "/etc/ssl/certs/ca-certificates.crt"):  # fmt: skip
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def phase(timings: dict[str, float], name: str, start: float) -> None:
+    timings[name] = round(time.monotonic() - start, 1)
+    print(f"\n[container smoke] {name}: {timings[name]:.0f} s", flush=True)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +88,10 @@ def podman_env() -> dict[str, str]:
     )
     (WORK / "containers.conf").write_text(
         '[containers]\ndefault_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]\n'
-        '[network]\nnetwork_backend = "netavark"\n[engine]\nruntime = "runc"\n'
+        '[network]\nnetwork_backend = "netavark"\n'
+        f'network_config_dir = "{WORK}/networks"\n[engine]\nruntime = "runc"\n'
         'cgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
+        f'tmp_dir = "{WORK}/tmp"\n'
     )
     return clean_env(
         CONTAINERS_STORAGE_CONF=str(WORK / "storage.conf"),
@@ -67,36 +103,57 @@ def podman_env() -> dict[str, str]:
 def images(podman_env: dict[str, str]) -> dict[str, float]:
     """Build (or reuse) the base and the two images; returns seconds per step."""
     timings: dict[str, float] = {}
+    logs = WORK / "logs"
     start = time.monotonic()
     exists = subprocess.run(["podman", "image", "exists", BASE_IMAGE], env=podman_env)
     if exists.returncode != 0:
         rootfs = WORK / "rootfs"
         shutil.rmtree(rootfs, ignore_errors=True)
-        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
-             "bookworm", str(rootfs), MIRROR], timeout=1200)  # fmt: skip
+        debootstrap = ["debootstrap", "--variant=minbase",
+                       "--include=python3,python3-venv,ca-certificates",
+                       "bookworm", str(rootfs), MIRROR]  # fmt: skip
+        run_logged(debootstrap, logs / "debootstrap.log", timeout=1200)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         run(["podman", "import", "-", BASE_IMAGE], timeout=600, env=podman_env, stdin=tar.stdout)
         assert tar.wait() == 0
         shutil.rmtree(rootfs, ignore_errors=True)
-    timings["base"] = time.monotonic() - start
+    phase(timings, "base", start)
     # --layers=false: with the vfs driver every layer is a full copy of the tree (tens of GB
-    # for the torch image otherwise); one layer per stage keeps it to a few GB.
-    build = ["podman", "build", "--layers=false", "--network", "host",
+    # for the torch image otherwise); one layer per stage keeps it to a few GB. --format docker
+    # keeps HEALTHCHECK (OCI image configs have no field for it).
+    build = ["podman", "build", "--layers=false", "--format", "docker", "--network", "host",
              "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
              "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]  # fmt: skip
-    # A TLS-intercepting proxy's CA (pip on the host trusts it through PIP_CERT).
-    if os.environ.get("PIP_CERT") and Path(os.environ["PIP_CERT"]).is_file():
-        build += ["-v", f"{os.environ['PIP_CERT']}:/host-ca.crt:ro",
-                  "--build-arg", "PIP_CERT=/host-ca.crt"]  # fmt: skip
-    if Path(WHEELS).is_dir():
-        build += ["-v", f"{WHEELS}:/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/wheels",
-                  "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]  # fmt: skip
-    for name, dockerfile in (("model-server-cpu", "Dockerfile.cpu"),
-                             ("llm-microservice", "Dockerfile.microservice")):  # fmt: skip
+    # A TLS-intercepting proxy's CA: pip in the build trusts it through PIP_CERT.
+    ca = host_ca_bundle()
+    if ca:
+        build += ["-v", f"{ca}:/host-ca.crt:ro", "--build-arg", "PIP_CERT=/host-ca.crt"]
+    # The CPU torch wheel from local disk when download.pytorch.org is not reachable: pip finds
+    # torch==<version>+cpu there and everything else on PyPI.
+    torch_args: list[str] = []
+    if Path(WHEELS).is_dir() and any(Path(WHEELS).glob("torch-*+cpu-*.whl")):
+        torch_args = ["-v", f"{WHEELS}:/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/wheels",
+                      "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]  # fmt: skip
+    steps = [("model-server-cpu", "Dockerfile.cpu", torch_args),
+             ("llm-microservice", "Dockerfile.microservice", [])]  # fmt: skip
+    for name, dockerfile, extra in steps:
         start = time.monotonic()
-        run([*build, "-f", f"docker/{dockerfile}", "-t", f"wick/{name}:{TAG}", "."],
-            timeout=2400, env=podman_env, cwd=ROOT)  # fmt: skip
-        timings[name] = time.monotonic() - start
+        image = f"wick/{name}:{TAG}"
+        if (
+            REUSE
+            and subprocess.run(["podman", "image", "exists", image], env=podman_env).returncode == 0
+        ):
+            continue
+        cmd = [*build, *extra, "-f", f"docker/{dockerfile}", "-t", image, "."]
+        log = run_logged(cmd, logs / f"build-{name}.log", timeout=2400, env=podman_env, cwd=ROOT)
+        phase(timings, f"build {name}", start)
+        # The CPU build of torch only: never the CUDA one with its nvidia-* wheels (GBs).
+        assert "nvidia" not in log.lower(), f"the {name} build pulled CUDA packages"
+    # A rebuild leaves the previous images untagged: drop them (vfs copies are GBs each).
+    run(["podman", "image", "prune", "--force"], timeout=300, env=podman_env)
+    sizes = run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}} {{.Size}}"],
+                timeout=60, env=podman_env)  # fmt: skip
+    print(f"\n[container smoke] images:\n{sizes}", flush=True)
     return timings
 
 
@@ -133,6 +190,7 @@ def drive_healthchecks(env: dict[str, str], project: str, stop: threading.Event)
 def test_stack_in_containers(
     images: dict[str, float], podman_env: dict[str, str], podman_socket: str
 ) -> None:
+    timings = dict(images)
     project = f"wick-smoke-{os.getpid()}"
     ms_port, usvc_port = free_port(), free_port()
     env = {**podman_env, "DOCKER_HOST": podman_socket, "COMPOSE_PROJECT_NAME": project,
@@ -141,6 +199,7 @@ def test_stack_in_containers(
            "LLM_MAX_MODEL_LEN": "2048"}  # fmt: skip
     compose = [str(compose_binary()), "-f", str(ROOT / "compose" / "docker-compose.yaml"),
                "--env-file", str(ROOT / "compose" / "cpu.env"), "--profile", "cpu"]  # fmt: skip
+    logs = WORK / "logs"
     stop = threading.Event()
     driver = threading.Thread(target=drive_healthchecks, args=(env, project, stop), daemon=True)
     driver.start()
@@ -148,7 +207,8 @@ def test_stack_in_containers(
     try:
         # `up -d` returns once the microservice has started, i.e. after the model server is
         # healthy (depends_on: service_healthy).
-        run([*compose, "up", "-d", "--no-build"], timeout=900, env=env, cwd=ROOT)
+        run_logged([*compose, "up", "-d", "--no-build"], logs / "compose-up.log", timeout=900,
+                   env=env, cwd=ROOT)  # fmt: skip
         deadline = time.monotonic() + 300
         while True:
             try:
@@ -159,7 +219,8 @@ def test_stack_in_containers(
                 pass
             assert time.monotonic() < deadline, run([*compose, "logs"], 60, env=env, cwd=ROOT)
             time.sleep(2)
-        up_seconds = time.monotonic() - start
+        phase(timings, "compose up to healthy", start)
+        start = time.monotonic()
         answer = httpx.post(
             f"http://127.0.0.1:{usvc_port}/v1/chat/completions",
             json={"messages": {"system": "You are a helpful assistant.",
@@ -168,17 +229,32 @@ def test_stack_in_containers(
             timeout=120,
         )  # fmt: skip
         assert answer.status_code == 200, answer.text
-        assert answer.json()["text"].strip()
+        text = answer.json()["text"]
+        assert text.strip()
+        phase(timings, "chat", start)
+        print(f"[container smoke] answer: {text!r}", flush=True)
         ps = run(["podman", "ps", "--format", "{{.Names}} {{.Status}}"], 60, env=env)
         assert f"{project}-model-server-cpu-1" in ps and f"{project}-llm-microservice-1" in ps
-        # The containers run as uid 1000.
-        whoami = run(["podman", "exec", f"{project}-model-server-cpu-1", "id", "-u"], 60, env=env)
-        assert whoami.strip() == "1000"
+        for service in ("model-server-cpu", "llm-microservice"):
+            # The containers run as uid 1000.
+            whoami = run(["podman", "exec", f"{project}-{service}-1", "id", "-u"], 60, env=env)
+            assert whoami.strip() == "1000", service
+        # The CPU build of torch (no CUDA), and no torch at all in the microservice.
+        probe = "import importlib.util as u; print(u.find_spec('torch') is not None)"
+        version = "import torch; print(torch.__version__, torch.version.cuda)"
+        cuda = run(["podman", "exec", f"{project}-model-server-cpu-1", "python3", "-c", version],
+                   120, env=env)  # fmt: skip
+        assert cuda.split()[-1] == "None" and "+cpu" in cuda, cuda
+        no_torch = run(["podman", "exec", f"{project}-llm-microservice-1", "python3", "-c", probe],
+                       60, env=env)  # fmt: skip
+        assert no_torch.strip() == "False"
     finally:
         stop.set()
+        start = time.monotonic()
         subprocess.run([*compose, "down", "-v", "--timeout", "40"], env=env, cwd=ROOT,
                        capture_output=True, timeout=300)  # fmt: skip
+        phase(timings, "teardown", start)
     left = run(["podman", "ps", "-a", "--filter", f"label=com.docker.compose.project={project}",
                 "--format", "{{.Names}}"], 60, env=env)  # fmt: skip
     assert left.strip() == ""
-    print(f"\ncontainer smoke timings (s): {images} stack up: {up_seconds:.0f}")
+    print(f"\n[container smoke] timings (s): {timings}", flush=True)

@@ -74,18 +74,10 @@ LONG = {
 
 
 @dataclass
-class Microservice:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
+class Microservice(ServerProcess):
+    """`ServerProcess` (url, log, stop) for the microservice, which is up before it is ready."""
+
     connector: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def wait_up(self, timeout: float = 60) -> None:
         """Until it answers (any status: the model server may well be down)."""
@@ -101,15 +93,6 @@ class Microservice:
             except httpx.HTTPError:
                 time.sleep(0.1)
         raise TimeoutError(f"microservice not up after {timeout}s:\n{self.log()}")
-
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
 
 
 def start_microservice(log_dir: Path, endpoint: str, connector: str, **env: str) -> Microservice:
