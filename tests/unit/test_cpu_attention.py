@@ -159,3 +159,34 @@ def test_broken_compiler_falls_back(tmp_path, monkeypatch, caplog) -> None:
         assert "broken" in caplog.text and "falling back to PyTorch" in caplog.text
     finally:
         native.load_library.cache_clear()
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 48)])
+def test_large_batches_take_whole_sequence_items(
+    num_threads: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """With >= 4 sequences per thread a work item covers all kv heads of a sequence (the other
+    code path of the kernel): same results."""
+    block_size = 8
+    shapes = [(n, 1) for n in (0, 5, 7, 8, 9, 15, 16, 17, 30, 41, 63, 64)]
+    k_cache, v_cache, inputs, gen = _paged_batch(
+        shapes, num_kv_heads, head_dim, block_size, num_blocks=128
+    )
+    md = inputs.attn_metadata
+    q = torch.randn(len(shapes), num_heads, head_dim, generator=gen)
+    k = torch.randn(len(shapes), num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(len(shapes), num_kv_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    expected = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
+        q, k, v, k_cache.clone(), v_cache.clone(), md
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
+            q, k, v, k_cache, v_cache, md
+        )
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
