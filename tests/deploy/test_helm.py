@@ -438,3 +438,16 @@ def test_helm_test_pod_sends_a_chat_request(chart: helm_python.Chart) -> None:
     compile(script, "helm-test", "exec")  # valid Python
     assert '"streaming": False' in script and "max_new_tokens" in script
     assert find(render(chart, TOGGLES["no-tests"]), "Pod") == []
+
+
+def test_tensor_parallel_size_needs_that_many_accelerators(chart: helm_python.Chart) -> None:
+    values = {"device": "cuda", "modelServer": {"config": {"LLM_TP_SIZE": 4}}}
+    with pytest.raises(Exception, match="LLM_TP_SIZE=4 .* accelerator.count gives the pod 1"):
+        render(chart, values)
+    docs = render(chart, merge(values, {"accelerator": {"count": 4}}))
+    c = container(one(docs, "Deployment", MS))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    config = one(docs, "ConfigMap", MS)
+    assert config["data"]["LLM_TP_SIZE"] == "4"
+    # CPU ranks share the pod's cores: no accelerator count applies.
+    render(chart, {"device": "cpu", "modelServer": {"config": {"LLM_TP_SIZE": 2}}})
