@@ -442,7 +442,7 @@ def test_helm_test_pod_sends_a_chat_request(chart: helm_python.Chart) -> None:
 
 def test_tensor_parallel_size_needs_that_many_accelerators(chart: helm_python.Chart) -> None:
     values = {"device": "cuda", "modelServer": {"config": {"LLM_TP_SIZE": 4}}}
-    with pytest.raises(Exception, match="LLM_TP_SIZE=4 .* accelerator.count gives the pod 1"):
+    with pytest.raises(Exception, match=r"LLM_TP_SIZE=4 .* accelerator\.count gives the pod 1"):
         render(chart, values)
     docs = render(chart, merge(values, {"accelerator": {"count": 4}}))
     c = container(one(docs, "Deployment", MS))
