@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -88,6 +88,15 @@ class EngineConfig:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     num_threads: int | None = None
+
+    @classmethod
+    def from_attrs(cls, source: object) -> EngineConfig:
+        """The config from any object with an attribute per field (parsed CLI flags,
+        `ServerSettings`); `device_ids` may still be the raw "0,1" text. A missing attribute is
+        an error, so a new field cannot be silently left at its default by one entry point."""
+        values = {f.name: getattr(source, f.name) for f in fields(cls)}
+        values["device_ids"] = parse_device_ids(values["device_ids"])
+        return cls(**values)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

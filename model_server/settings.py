@@ -135,26 +135,7 @@ class ServerSettings(BaseSettings):
         return self.api_key.get_secret_value() if self.api_key is not None else None
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model,
-            load_format=self.load_format,
-            dtype=self.dtype,
-            device=self.device,
-            device_ids=parse_device_ids(self.device_ids),
-            tensor_parallel_size=self.tensor_parallel_size,
-            seed=self.seed,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
-            enable_prefix_caching=self.enable_prefix_caching,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            num_threads=self.num_threads,
-        )
+        return EngineConfig.from_attrs(self)
 
 
 def env_names(field_name: str) -> list[str]:

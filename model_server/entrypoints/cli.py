@@ -6,14 +6,15 @@ import argparse
 import logging
 import sys
 
-from model_server.entrypoints.engine_args import add_engine_args, config_from_args
+from model_server.config import EngineConfig
+from model_server.entrypoints.engine_args import add_engine_args
 
 
 def _generate(args: argparse.Namespace) -> int:
     from model_server.engine.llm import LLM
     from model_server.sampling_params import SamplingParams
 
-    config = config_from_args(args)
+    config = EngineConfig.from_attrs(args)
     llm = LLM.from_config(config)
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -43,7 +44,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from model_server.benchmarks.throughput import run_throughput_benchmark
 
-    return run_throughput_benchmark(args, config_from_args(args))
+    return run_throughput_benchmark(args, EngineConfig.from_attrs(args))
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -65,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from model_server.engine.worker import run_worker_node
 
-    return run_worker_node(config_from_args(args))
+    return run_worker_node(EngineConfig.from_attrs(args))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from model_server.config import EngineConfig, parse_device_ids, parse_size
+from model_server.config import parse_size
 from model_server.layers.attention import ATTENTION_BACKENDS
 
 
@@ -103,27 +103,4 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads. Default: all available cores."
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        device=args.device,
-        device_ids=parse_device_ids(args.device_ids),
-        tensor_parallel_size=args.tensor_parallel_size,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_threads=args.num_threads,
     )
