@@ -34,6 +34,41 @@ def _paged_batch(shapes, num_kv_heads, head_dim, block_size, num_blocks, seed=0)
     return k_cache, v_cache, build_model_inputs(chunks, block_size), gen
 
 
+def _run_both(
+    shapes: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One step of `shapes` (cached, new) through the portable and the CPU backends; returns
+    (cpu output, portable output, how many times the native kernel ran)."""
+    k_cache, v_cache, inputs, gen = _paged_batch(
+        shapes, num_kv_heads, head_dim, block_size, num_blocks
+    )
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    md = inputs.attn_metadata
+    total = md.query_start_loc_cpu[-1]
+    q = torch.randn(total, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    expected = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
+        q, k, v, k_cache.clone(), v_cache.clone(), md
+    )
+    calls = []
+    kernel = native.paged_decode
+    monkeypatch.setattr(native, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
+    out = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
+        q, k, v, k_cache, v_cache, md
+    )
+    monkeypatch.setattr(native, "paged_decode", kernel)
+    return out, expected, len(calls)
+
+
 def test_kernel_builds_here() -> None:
     # CI machines have a C compiler: the fast path must really be taken, not silently skipped.
     assert native.load_library() is not None
@@ -45,66 +80,30 @@ def test_kernel_builds_here() -> None:
 )
 @pytest.mark.parametrize("block_size", [1, 8, 16])
 def test_decode_matches_portable_backend(
-    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, monkeypatch
 ) -> None:
     # Context lengths on both sides of block boundaries, incl. a one-token context.
     shapes = [(0, 1), (block_size - 1, 1), (block_size, 1), (3 * block_size + 2, 1), (70, 1)]
-    k_cache, v_cache, inputs, gen = _paged_batch(
-        shapes, num_kv_heads, head_dim, block_size, num_blocks=256
+    out, expected, calls = _run_both(
+        shapes, num_heads, num_kv_heads, head_dim, block_size, 256, monkeypatch
     )
-    md = inputs.attn_metadata
-    assert md.num_decodes == len(shapes)
-    q = torch.randn(len(shapes), num_heads, head_dim, generator=gen)
-    k = torch.randn(len(shapes), num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(len(shapes), num_kv_heads, head_dim, generator=gen)
-    scale = head_dim**-0.5
-    expected = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-        q, k, v, k_cache.clone(), v_cache.clone(), md
-    )
-    backend = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
-    out = backend.forward(q, k, v, k_cache, v_cache, md)
+    assert calls == 1  # all five are decodes, computed by the kernel in one call
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_mixed_batch_prefills_unchanged() -> None:
+def test_mixed_batch_prefills_unchanged(monkeypatch) -> None:
     """Decodes go to the kernel, prefills (fresh and after a cache hit) to SDPA, in one step."""
-    num_heads, num_kv_heads, head_dim, block_size = 6, 2, 32, 4
     shapes = [(9, 1), (0, 11), (3, 1), (8, 7), (16, 1)]
-    k_cache, v_cache, inputs, gen = _paged_batch(
-        shapes, num_kv_heads, head_dim, block_size, num_blocks=64
-    )
-    md = inputs.attn_metadata
-    total = md.query_start_loc_cpu[-1]
-    q = torch.randn(total, num_heads, head_dim, generator=gen)
-    k = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    scale = head_dim**-0.5
-    expected = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-        q, k, v, k_cache.clone(), v_cache.clone(), md
-    )
-    out = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-        q, k, v, k_cache, v_cache, md
-    )
+    out, expected, calls = _run_both(shapes, 6, 2, 32, 4, 64, monkeypatch)
+    assert calls == 1
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
-def test_non_fp32_falls_back_to_portable_path() -> None:
-    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 8
-    k_cache, v_cache, inputs, gen = _paged_batch(
-        [(5, 1), (12, 1)], num_kv_heads, head_dim, block_size, num_blocks=16
+def test_non_fp32_falls_back_to_portable_path(monkeypatch) -> None:
+    out, expected, calls = _run_both(
+        [(5, 1), (12, 1)], 4, 2, 16, 8, 16, monkeypatch, dtype=torch.bfloat16
     )
-    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
-    md = inputs.attn_metadata
-    q = torch.randn(2, num_heads, head_dim, generator=gen).bfloat16()
-    k = torch.randn(2, num_kv_heads, head_dim, generator=gen).bfloat16()
-    v = torch.randn(2, num_kv_heads, head_dim, generator=gen).bfloat16()
-    scale = head_dim**-0.5
-    expected = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-        q, k, v, k_cache.clone(), v_cache.clone(), md
-    )
-    out = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-        q, k, v, k_cache, v_cache, md
-    )
+    assert calls == 0
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected)
 
@@ -133,14 +132,8 @@ def test_no_compiler_falls_back_with_a_warning(tmp_path, monkeypatch, caplog) ->
             backend = CpuAttentionBackend(4, 2, 16, 0.25)
         assert backend.lib is None
         assert "no C compiler" in caplog.text
-        k_cache, v_cache, inputs, gen = _paged_batch([(7, 1)], 2, 16, 4, num_blocks=8)
-        q = torch.randn(1, 4, 16, generator=gen)
-        k = torch.randn(1, 2, 16, generator=gen)
-        v = torch.randn(1, 2, 16, generator=gen)
-        expected = TorchAttentionBackend(4, 2, 16, 0.25).forward(
-            q, k, v, k_cache.clone(), v_cache.clone(), inputs.attn_metadata
-        )
-        out = backend.forward(q, k, v, k_cache, v_cache, inputs.attn_metadata)
+        out, expected, calls = _run_both([(7, 1)], 4, 2, 16, 4, 8, monkeypatch)
+        assert calls == 0
         torch.testing.assert_close(out, expected)
     finally:
         native.load_library.cache_clear()
@@ -164,29 +157,18 @@ def test_broken_compiler_falls_back(tmp_path, monkeypatch, caplog) -> None:
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 48)])
 def test_large_batches_take_whole_sequence_items(
-    num_threads: int, num_heads: int, num_kv_heads: int, head_dim: int
+    num_threads: int, num_heads: int, num_kv_heads: int, head_dim: int, monkeypatch
 ) -> None:
     """With >= 4 sequences per thread a work item covers all kv heads of a sequence (the other
     code path of the kernel): same results."""
-    block_size = 8
     shapes = [(n, 1) for n in (0, 5, 7, 8, 9, 15, 16, 17, 30, 41, 63, 64)]
-    k_cache, v_cache, inputs, gen = _paged_batch(
-        shapes, num_kv_heads, head_dim, block_size, num_blocks=128
-    )
-    md = inputs.attn_metadata
-    q = torch.randn(len(shapes), num_heads, head_dim, generator=gen)
-    k = torch.randn(len(shapes), num_kv_heads, head_dim, generator=gen)
-    v = torch.randn(len(shapes), num_kv_heads, head_dim, generator=gen)
-    scale = head_dim**-0.5
-    expected = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-        q, k, v, k_cache.clone(), v_cache.clone(), md
-    )
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        out = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
-            q, k, v, k_cache, v_cache, md
+        out, expected, calls = _run_both(
+            shapes, num_heads, num_kv_heads, head_dim, 8, 128, monkeypatch
         )
     finally:
         torch.set_num_threads(previous)
+    assert calls == 1
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
