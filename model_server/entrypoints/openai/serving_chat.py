@@ -13,9 +13,9 @@ from model_server.engine.output_processor import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    ChunkWriter,
     OpenAIServing,
     json_response,
-    sse_chunk,
     sse_error,
     usage,
 )
@@ -87,16 +87,9 @@ class OpenAIServingChat(OpenAIServing):
         num_tokens = [0] * n
         prompt_tokens = 0
 
-        def chunk(choices: list[dict[str, Any]], usage_info: dict | None = None) -> str:
-            return sse_chunk(
-                request_id,
-                "chat.completion.chunk",
-                created,
-                self.model_name,
-                choices,
-                usage_info,
-                request.include_usage,
-            )
+        chunk = ChunkWriter(
+            request_id, "chat.completion.chunk", created, self.model_name, request.include_usage
+        )
 
         try:
             first = True

@@ -17,9 +17,9 @@ from model_server.engine.output_processor import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, CompletionRequest
 from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    ChunkWriter,
     OpenAIServing,
     json_response,
-    sse_chunk,
     sse_error,
     usage,
 )
@@ -107,16 +107,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # echo: the prompt text, sent ahead of each choice's first chunk.
         echo_pending = [""] * num_choices
 
-        def chunk(choices: list[dict[str, Any]], usage_info: dict | None = None) -> str:
-            return sse_chunk(
-                request_id,
-                "text_completion",
-                created,
-                self.model_name,
-                choices,
-                usage_info,
-                request.include_usage,
-            )
+        chunk = ChunkWriter(
+            request_id, "text_completion", created, self.model_name, request.include_usage
+        )
 
         try:
             async for prompt_index, out in merge_async_iterators(*streams):

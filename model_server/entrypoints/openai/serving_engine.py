@@ -8,6 +8,7 @@ import json
 import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -83,26 +84,30 @@ def sse_error(exc: BaseException) -> str:
     return sse(err.to_response().model_dump())
 
 
-def sse_chunk(
-    request_id: str,
-    obj: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_info: dict[str, int] | None,
-    include_usage: bool,
-) -> str:
-    """One streamed chunk; with include_usage every chunk carries `usage` (null until the end)."""
-    payload: dict[str, Any] = {
-        "id": request_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_info is not None or include_usage:
-        payload["usage"] = usage_info
-    return sse(payload)
+@dataclass(slots=True)
+class ChunkWriter:
+    """Streamed chunks of one response: `writer(choices, usage_info)` is one SSE line; with
+    include_usage every chunk carries `usage` (null until the end)."""
+
+    request_id: str
+    obj: str  # "chat.completion.chunk" | "text_completion"
+    created: int
+    model: str
+    include_usage: bool
+
+    def __call__(
+        self, choices: list[dict[str, Any]], usage_info: dict[str, int] | None = None
+    ) -> str:
+        payload: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage_info is not None or self.include_usage:
+            payload["usage"] = usage_info
+        return sse(payload)
 
 
 def clamp_logprob(value: float) -> float:
