@@ -66,8 +66,10 @@ def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
 class EngineConfig:
     """Everything the engine needs to start. Names mirror `vllm serve` flags.
 
-    `max_model_len=None` takes the model's own context length; `kv_cache_memory=None` lets the
-    platform choose (a fixed budget on CPU, a fraction of free memory on GPUs).
+    `max_model_len=None` takes the model's own context length; `kv_cache_memory=None` sizes the
+    KV cache on accelerators from a profiled forward: what `gpu_memory_utilization` of the
+    device leaves after weights, activations and runtime memory (engine/memory_profiler.py); on
+    CPU it is a fixed budget.
     """
 
     model: str | None = None  # None: the embedded SmolLM2 GGUF

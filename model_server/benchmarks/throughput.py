@@ -2,8 +2,9 @@
 
 N requests with random prompt token ids and random input/output lengths (fixed seed,
 ignore_eos), all submitted at once; prints output tokens/s. With `--baseline transformers` the
-same requests also run through HF transformers `generate` in padded batches in the same process,
-and the last line is `ratio: X.XXx` (Wick / transformers).
+same requests also run through HF transformers `generate` in padded batches in the same process
+(on the engine's device, in its dtype, after the engine is released), and the last line is
+`ratio: X.XXx` (Wick / transformers).
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import random
 import time
 from dataclasses import dataclass
 
+from model_server.benchmarks.hf_baseline import (
+    BaselineTarget,
+    HFGenerator,
+    baseline_target,
+    default_baseline_batch_size,
+    free_device_memory,
+)
 from model_server.config import EngineConfig
 
 
@@ -53,8 +61,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-batch-size",
         type=int,
-        default=16,
-        help="Padded batch size of the transformers baseline.",
+        default=None,
+        help="Padded batch size of the transformers baseline; unset: 16 on CPU, 64 on CUDA (and "
+        "other accelerators), which needs wide batches to be busy.",
     )
 
 
@@ -82,13 +91,16 @@ def build_llm(config: EngineConfig):
 def run_wick(llm, workload: Workload) -> float:
     from model_server.sampling_params import SamplingParams
 
+    sync = llm.engine.core.model_runner.platform.synchronize
     # Warm up allocators and kernels outside the timed region.
     llm.generate([workload.prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True))
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens
     ]
+    sync()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
+    sync()
     elapsed = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != workload.num_output_tokens:
@@ -98,49 +110,19 @@ def run_wick(llm, workload: Workload) -> float:
     return elapsed
 
 
-def run_transformers(llm, workload: Workload, batch_size: int) -> float:
-    """The same requests through HF `generate` with left-padded batches of `batch_size`.
+def run_transformers(target: BaselineTarget, workload: Workload, batch_size: int) -> float:
+    """The same requests through HF `generate` with left-padded batches of `batch_size`, on the
+    engine's device in its dtype.
 
     Each batch runs until its longest requested output; only requested tokens are counted.
     """
-    import torch
-    import transformers
-
-    source = llm.engine.core.source
-    runner = llm.engine.core.model_runner
-    model = transformers.AutoModelForCausalLM.from_config(source.hf_config, dtype=runner.dtype)
-    if source.weights is not None:
-        state = dict(source.weights())
-        missing, _ = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.endswith("lm_head.weight")]
-        if missing:
-            raise RuntimeError(f"transformers baseline is missing weights: {missing[:4]}")
-        if getattr(source.hf_config, "tie_word_embeddings", False):
-            model.tie_weights()
-    model.eval()
-    pad_id = 0
-
-    def generate(batch: list[list[int]], max_new: int) -> None:
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=pad_id,
-        )
-
-    with torch.inference_mode():
-        generate([workload.prompts[0][:16]], 4)
-        start = time.perf_counter()
-        for i in range(0, len(workload.prompts), batch_size):
-            generate(
-                workload.prompts[i : i + batch_size], max(workload.output_lens[i : i + batch_size])
-            )
-        return time.perf_counter() - start
+    hf = HFGenerator(target)
+    hf.generate([workload.prompts[0][:16]], 4)  # warm-up
+    batches = [
+        (workload.prompts[i : i + batch_size], max(workload.output_lens[i : i + batch_size]))
+        for i in range(0, len(workload.prompts), batch_size)
+    ]
+    return hf.timed(batches)
 
 
 def run_throughput_benchmark(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -159,11 +141,15 @@ def run_throughput_benchmark(args: argparse.Namespace, config: EngineConfig) -> 
         flush=True,
     )
     if args.baseline == "transformers":
-        hf_elapsed = run_transformers(llm, workload, args.baseline_batch_size)
+        target = baseline_target(llm)
+        batch_size = args.baseline_batch_size or default_baseline_batch_size(target.platform)
+        llm.shutdown()
+        del llm
+        free_device_memory(target.platform)
+        hf_elapsed = run_transformers(target, workload, batch_size)
         hf_tps = workload.num_output_tokens / hf_elapsed
         print(
-            f"transformers (batch {args.baseline_batch_size}): {hf_elapsed:.2f} s, "
-            f"{hf_tps:.1f} output tok/s",
+            f"transformers (batch {batch_size}): {hf_elapsed:.2f} s, {hf_tps:.1f} output tok/s",
             flush=True,
         )
         print(f"ratio: {wick_tps / hf_tps:.2f}x", flush=True)

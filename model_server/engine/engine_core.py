@@ -63,8 +63,13 @@ class EngineCore:
         )
 
     def _init_kv_cache(self, config: EngineConfig) -> None:
+        # Without --kv-cache-memory every rank may profile a forward here (memory_profiler.py).
         self.num_blocks = self.executor.determine_num_blocks(config.kv_cache_memory)
-        bytes_per_block = self.executor.model_runner.bytes_per_block()
+        runner = self.executor.model_runner
+        bytes_per_block = runner.bytes_per_block()
+        # Checked once the count is the smallest over the ranks, so that no rank raises alone
+        # while the others wait in the reduction.
+        runner.check_num_blocks(self.num_blocks)
         if self.num_blocks < 2:
             budget = config.kv_cache_memory or self.num_blocks * bytes_per_block
             raise ValueError(

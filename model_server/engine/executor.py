@@ -29,7 +29,9 @@ class Executor(ABC):
 
     @abstractmethod
     def determine_num_blocks(self, kv_cache_memory: int | None) -> int:
-        """KV blocks every rank can hold (the same count everywhere: the scheduler's)."""
+        """KV blocks every rank can hold (the same count everywhere: the scheduler's). With no
+        `kv_cache_memory`, every rank may first profile a forward (ModelRunner.local_num_blocks).
+        """
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int) -> None: ...

@@ -11,7 +11,17 @@ import torch
 
 from model_server.config import EngineConfig
 from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
+from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.memory_profiler import (
+    MemoryProfile,
+    MemorySnapshot,
+    check_kv_blocks,
+    profile_chunks,
+    profile_memory,
+    profile_sampling_requests,
+    take_memory_snapshot,
+)
 from model_server.engine.request import Request
 from model_server.engine.scheduler import SchedulerOutput
 from model_server.engine.step_input import StepInput
@@ -55,6 +65,11 @@ class ModelRunner:
         self.dtype = platform.resolve_dtype(config.dtype)
         self.hf_config = source.hf_config
         self.block_size = config.block_size
+        # Device memory in use before our weights load is not ours: neither charged to our
+        # budget nor taken (engine/memory_profiler.py). None where memory cannot be profiled.
+        self.memory_baseline: MemorySnapshot | None = take_memory_snapshot(platform)
+        # This rank's budget once `local_num_blocks` has profiled it.
+        self.memory_profile: MemoryProfile | None = None
         backend_name = config.attention_backend or platform.default_attention_backend
         self.attn_backend = get_attention_backend(backend_name)
         start = time.perf_counter()
@@ -82,6 +97,8 @@ class ModelRunner:
         # Only rank 0 samples (it alone gets logits), so only it keeps sampler state.
         self.sampler = Sampler(self.device) if get_tensor_model_parallel_rank() == 0 else None
         self.kv_caches: list[torch.Tensor] = []
+        # Set by `capture_graphs` once the KV cache exists (None: every step runs eagerly).
+        self.graph_runner: CUDAGraphRunner | None = None
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -95,10 +112,30 @@ class ModelRunner:
         return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
 
     def local_num_blocks(self, kv_cache_memory: int | None) -> int:
-        """KV blocks this rank's budget holds (`None`: the platform's default budget)."""
+        """KV blocks this rank's budget holds: `kv_cache_memory` bytes when given; else, where
+        the platform can profile memory, what `gpu_memory_utilization` leaves after a profiled
+        forward (engine/memory_profiler.py; 0 when nothing is left: the caller checks the
+        count, once reduced over the ranks, with `check_num_blocks`); else the platform's
+        default budget. Every rank calls this at the same time: the profile holds collectives.
+        """
         bytes_per_block = self.bytes_per_block()
-        budget = kv_cache_memory or self.platform.default_kv_cache_memory(bytes_per_block)
-        return budget // bytes_per_block
+        if kv_cache_memory:
+            return kv_cache_memory // bytes_per_block
+        if not self.platform.can_profile_memory():
+            return self.platform.default_kv_cache_memory(bytes_per_block) // bytes_per_block
+        utilization = self.config.gpu_memory_utilization
+        profile = profile_memory(self.platform, self.profile_run, self.memory_baseline, utilization)
+        self.memory_profile = profile
+        num_blocks = max(0, profile.kv_cache_memory // bytes_per_block)
+        if profile.capped:
+            logger.warning(
+                "gpu_memory_utilization %.2f asks for more than was free when the engine "
+                "started: using the free %.2f GiB instead, with no headroom left on the device",
+                profile.utilization,
+                profile.usable / 1024**3,
+            )
+        logger.info("%s: %d blocks of %.2f MiB", profile, num_blocks, bytes_per_block / 1024**2)
+        return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
@@ -107,6 +144,69 @@ class ModelRunner:
         self.kv_caches = [
             self.platform.allocate_zeros(shape, self.kv_cache_dtype) for _ in range(m.num_layers)
         ]
+        self.capture_graphs()  # the graphs hold the caches' addresses: capture after allocating
+
+    def check_num_blocks(self, num_blocks: int) -> None:
+        """Raise ValueError (with the budget's numbers) when `num_blocks`, a profiled count
+        reduced over the ranks, cannot hold one max_model_len sequence. A given
+        `--kv-cache-memory` is the user's call: nothing to check then."""
+        if self.memory_profile is None:
+            return
+        max_model_len = self.config.max_model_len or self.model.max_position
+        check_kv_blocks(
+            self.memory_profile, num_blocks, self.bytes_per_block(), max_model_len, self.block_size
+        )
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Every rank: the largest step the scheduler can issue, for its peak memory. A forward
+        of the step's token budget as prefills (`profile_chunks`) on a one-block scratch KV
+        cache, then the LM head and (rank 0) the sampler on `max_num_seqs` rows, the most a
+        step samples. Nothing is kept; the scratch cache is freed on return."""
+        m = self.model
+        max_model_len = self.config.max_model_len or m.max_position
+        chunks = profile_chunks(self.config, max_model_len, self.block_size)
+        scratch_shape = (2, 1, self.block_size, m.num_kv_heads, m.head_dim)
+        scratch = [
+            self.platform.allocate_zeros(scratch_shape, self.kv_cache_dtype)
+            for _ in range(m.num_layers)
+        ]
+        inputs = build_model_inputs(chunks, self.block_size, self.device)
+        hidden = m(inputs.input_ids, inputs.positions, scratch, inputs.attn_metadata)
+        rows = torch.arange(min(self.config.max_num_seqs, hidden.shape[0]), device=self.device)
+        logits = m.compute_logits(hidden[rows])  # a collective under tensor parallelism
+        if logits is not None and self.sampler is not None:
+            requests = profile_sampling_requests(logits.shape[0])
+            self.sampler(logits, self.sampler.build_metadata(requests, self.vocab_size))
+        self.platform.mark_step()
+
+    # ---- device graphs ----------------------------------------------------------------------
+
+    def graphs_enabled(self) -> bool:
+        """Decode steps replay device graphs unless `enforce_eager`, the platform cannot
+        capture, or the attention backend reads host values that change every step."""
+        return (
+            not self.config.enforce_eager
+            and self.platform.supports_graphs
+            and self.attn_backend.supports_graphs
+        )
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (after `allocate_kv_cache`; every rank at the same time,
+        since the forward holds collectives). A no-op when graphs are disabled."""
+        if not self.graphs_enabled():
+            return
+        self.graph_runner = CUDAGraphRunner(
+            lambda ids, positions, md: self.model(ids, positions, self.kv_caches, md),
+            self.platform.graph_capturer(),
+            sizes=capture_sizes(self.config.max_num_seqs),
+            block_size=self.block_size,
+            max_model_len=self.model.max_position,
+            device=self.device,
+        )
+        self.graph_runner.capture()
+        self.platform.synchronize()
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -122,22 +222,34 @@ class ModelRunner:
             sample.append(start + n == r.num_tokens)
         return StepInput(chunks, sample)
 
+    def _forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Hidden states [T, hidden], the flat index of each request's last token [B] (batch
+        order) and the batch order (batch row -> index in `chunks`)."""
+        bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner else None
+        if bucket is not None:
+            # Decodes only: one token per request, batch order = chunk order.
+            hidden = self.graph_runner.run(chunks, bucket)
+            last = torch.arange(len(chunks), dtype=torch.int64, device=self.device)
+            return hidden, last, list(range(len(chunks)))
+        inputs = build_model_inputs(chunks, self.block_size, self.device)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+        )
+        return hidden, inputs.last_token_indices, inputs.order
+
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
         """Every rank: the forward pass, and the logits of the sampling rows ([N, vocab] on rank
         0, None elsewhere; the LM head's gather is a collective, so every rank calls it)."""
-        inputs = build_model_inputs(step.chunks, self.block_size, self.device)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-        )
+        hidden, last_token_indices, order = self._forward(step.chunks)
         # Rows (in batch order) whose step reaches the end of their tokens: those sample.
-        sample_rows = [row for row, idx in enumerate(inputs.order) if step.sample[idx]]
+        sample_rows = [row for row, idx in enumerate(order) if step.sample[idx]]
         logits = None
         if sample_rows:
             row_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden[inputs.last_token_indices[row_index]])
+            logits = self.model.compute_logits(hidden[last_token_indices[row_index]])
         self.platform.mark_step()
-        return StepOutput(logits, [inputs.order[row] for row in sample_rows])
+        return StepOutput(logits, [order[row] for row in sample_rows])
 
     @torch.inference_mode()
     def sample(self, reqs: list[Request], out: StepOutput) -> ModelRunnerOutput:

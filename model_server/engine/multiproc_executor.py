@@ -129,9 +129,11 @@ class MultiprocExecutor(Executor):
         return runner.sample(scheduler_output.scheduled_requests, out)
 
     def determine_num_blocks(self, kv_cache_memory: int | None) -> int:
-        local = self.model_runner.local_num_blocks(kv_cache_memory)
         with self._lock:
             try:
+                # Every worker does the same after loading (worker.py): the profile forward,
+                # if any, and this reduction are collectives.
+                local = self.model_runner.local_num_blocks(kv_cache_memory)
                 return cpu_all_reduce_min(local)
             except RuntimeError as exc:
                 raise self._explain(exc) from exc

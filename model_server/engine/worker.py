@@ -99,9 +99,11 @@ def _serve_steps(spec: WorkerSpec) -> None:
         source = load_model_source(config.model, config.load_format)
         resolve_max_model_len(config, source.hf_config)
         runner = ModelRunner(config, source, platform)
-        runner.allocate_kv_cache(
-            cpu_all_reduce_min(runner.local_num_blocks(config.kv_cache_memory))
-        )
+        # In step with rank 0's determine_num_blocks: a profile forward (collectives) and the
+        # reduction; then every rank checks the same count (rank 0 raises the same error).
+        num_blocks = cpu_all_reduce_min(runner.local_num_blocks(config.kv_cache_memory))
+        runner.check_num_blocks(num_blocks)
+        runner.allocate_kv_cache(num_blocks)
         channel = StepChannel(get_tp_group().cpu_group)
         logger.info("rank %d ready", tp.rank)
         while True:

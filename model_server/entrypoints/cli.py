@@ -1,4 +1,5 @@
-"""Command line: `generate`, `serve`, `bench throughput`, `bench serve`. Logs go to stderr."""
+"""Command line: `generate`, `serve`, `bench throughput`, `bench latency`, `bench serve`. Logs go
+to stderr."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ def _bench(args: argparse.Namespace) -> int:
     return run_throughput_benchmark(args, EngineConfig.from_attrs(args))
 
 
+def _bench_latency(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.latency import run_latency_benchmark
+
+    return run_latency_benchmark(args, EngineConfig.from_attrs(args))
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from model_server.benchmarks.serve import run_serve_benchmark
 
@@ -69,7 +76,19 @@ def _worker(args: argparse.Namespace) -> int:
     return run_worker_node(EngineConfig.from_attrs(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
+_COMMANDS = ("generate", "serve", "worker", "bench")
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (its first word), None when there is none or it is unknown."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in _COMMANDS else None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser. Given the `command` about to be parsed (not `serve`), the `serve` flags
+    (whose settings import pydantic) are left out, so `bench` and `generate` run where only the
+    engine's dependencies are installed (a bare GPU image)."""
     parser = argparse.ArgumentParser(
         prog="python -m model_server",
         description="Wick model server: a paged-attention LLM engine.",
@@ -100,16 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    from model_server.entrypoints.openai.cli_args import SERVE_EPILOG, add_serve_args
+    serve_help = "Serve the model over an OpenAI-compatible HTTP API (like `vllm serve`)."
+    serve_description = "Start the OpenAI-compatible model server (default port 8008)."
+    if command in (None, "serve"):
+        from model_server.entrypoints.openai.cli_args import SERVE_EPILOG, add_serve_args
 
-    serve = sub.add_parser(
-        "serve",
-        help="Serve the model over an OpenAI-compatible HTTP API (like `vllm serve`).",
-        description="Start the OpenAI-compatible model server (default port 8008).",
-        epilog=SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_serve_args(serve)
+        serve = sub.add_parser(
+            "serve",
+            help=serve_help,
+            description=serve_description,
+            epilog=SERVE_EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_serve_args(serve)
+    else:
+        serve = sub.add_parser("serve", help=serve_help, description=serve_description)
     serve.set_defaults(func=_serve)
 
     worker = sub.add_parser(
@@ -137,6 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(tp)
     tp.set_defaults(func=_bench)
 
+    from model_server.benchmarks.latency import add_latency_args
+
+    lat = bench_sub.add_parser(
+        "latency",
+        help="Latency of one batch (prefill, decode per token) and the decode step's "
+        "memory-bandwidth bound, like vLLM's benchmark_latency.",
+        description="Time one batch of random prompts: prefill (max_tokens=1) and a full "
+        "generation (--output-len tokens, greedy, ignore_eos); print prefill latency, decode "
+        "time per token and tok/s (medians over iterations), and the decode rate against the "
+        "memory-bandwidth bound: bytes one step reads (weights + KV cache) over the device's "
+        "spec bandwidth and over a measured device copy.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_latency_args(lat)
+    add_engine_args(lat)
+    lat.set_defaults(func=_bench_latency)
+
     from model_server.benchmarks.serve import add_bench_serve_args
 
     bs = bench_sub.add_parser(
@@ -152,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
+    parser = build_parser(_command_of(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     # `serve` leaves --log-level unset unless given (its settings may come from the env).
     log_level = str(getattr(args, "log_level", None) or "WARNING").upper()

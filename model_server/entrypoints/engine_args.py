@@ -93,13 +93,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "Default: the device's (cpu on CPU, triton on CUDA).",
     )
     g.add_argument(
-        "--enforce-eager", action="store_true", help="Never capture CUDA graphs (GPU only)."
+        "--enforce-eager",
+        action="store_true",
+        help="Never capture CUDA graphs: decode steps run eagerly (CUDA only; by default they "
+        "replay a graph captured per batch-size bucket 1, 2, 4, 8, 16, ... up to max_num_seqs, "
+        "at most 512).",
     )
     g.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=0.9,
-        help="Fraction of GPU memory for weights, activations and KV cache. Default: 0.9.",
+        help="Share of each accelerator's memory this server may use, in (0, 1]. At startup a "
+        "forward of the largest step (--max-num-batched-tokens) is profiled, and the KV cache "
+        "gets what the share leaves after weights, activations and runtime memory; memory in "
+        "use before startup is not counted (nor taken). Unused with --kv-cache-memory and on "
+        "CPU. Default: 0.9.",
     )
     g.add_argument(
         "--num-threads", type=int, default=None, help="CPU threads. Default: all available cores."

@@ -8,6 +8,8 @@ triton by accident):
   - `paged_prefill`: causal attention for chunked prefills / prefix-cache hits, K/V read from the
     paged cache (`paged_prefill_attention`).
   - `attention_tile`: the online-softmax tile step both attention kernels share.
+  - `rms_norm`, `activation`: one-pass RMSNorm (+ residual add) and SiluAndMul, installed on
+    CUDA by `layers.fused_ops.enable_triton_fused_ops`.
   - `reference`: slow per-request PyTorch references the tests compare against.
   - `bench`: `python -m model_server.kernels.bench` times the kernels against the torch backend.
 """

@@ -9,6 +9,13 @@ backend forward (store + attention) for both backends, timed eagerly (launch ove
 small batches are host-bound) and replayed from a CUDA graph (GPU time only), then the attention
 kernels alone (graph) with the achieved KV bandwidth (decode) or attention TFLOP/s (prefill,
 causal FLOPs only).
+
+    python -m model_server.kernels.bench --fused-ops          # RMSNorm / add+RMSNorm / SiluAndMul
+
+`--fused-ops` times the one-pass Triton kernels of `rms_norm.py` and `activation.py` against the
+PyTorch layer code they replace (`layers/norm.py`, `layers/activation.py`) at `--rows` x
+`--hidden` (`--act-dims` for SiluAndMul's d), replayed from CUDA graphs as decode steps are, and
+eagerly; GB/s counts the bytes each op must move at least (inputs read once, outputs written once).
 """
 
 from __future__ import annotations
@@ -142,6 +149,79 @@ def default_cases(args: argparse.Namespace) -> list[Case]:
     ]
 
 
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part]
+
+
+def run_fused_op(
+    name: str,
+    triton_fn: Callable[[], object],
+    torch_fn: Callable[[], object],
+    num_bytes: int,
+) -> str:
+    """One line: graph and eager time of the Triton kernel and of the PyTorch ops it replaces."""
+    e_triton, e_torch = _time_ms(triton_fn), _time_ms(torch_fn)  # also compiles before capture
+    g_triton, g_torch = _graph_ms(triton_fn), _graph_ms(torch_fn)
+    return (
+        f"{name:<36} graph: triton {g_triton * 1e3:8.1f} us {num_bytes / g_triton / 1e6:7.1f} GB/s"
+        f" | torch {g_torch * 1e3:8.1f} us {num_bytes / g_torch / 1e6:7.1f} GB/s"
+        f" (x{g_torch / g_triton:5.2f}) | eager: triton {e_triton * 1e3:8.1f} torch "
+        f"{e_torch * 1e3:8.1f} us"
+    )
+
+
+def run_fused_ops(
+    rows: Sequence[int],
+    hiddens: Sequence[int],
+    act_dims: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Prints a line per (op, rows, width); see `run_fused_op`."""
+    from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from model_server.layers.activation import silu_and_mul_torch
+    from model_server.layers.norm import fused_add_rms_norm_torch, rms_norm_torch
+
+    elt = torch.finfo(dtype).bits // 8
+    eps = 1e-6
+    for hidden in hiddens:
+        weight = 1.0 + 0.1 * torch.randn(hidden, device=device, dtype=dtype)
+        for t in rows:
+            x = torch.randn(t, hidden, device=device, dtype=dtype)
+            residual = torch.randn(t, hidden, device=device, dtype=dtype)
+            print(
+                run_fused_op(
+                    f"rms_norm rows {t} hidden {hidden}",
+                    lambda x=x, w=weight: rms_norm(x, w, eps),
+                    lambda x=x, w=weight: rms_norm_torch(x, w, eps),
+                    (2 * t + 1) * hidden * elt,  # read x, write out, read weight
+                ),
+                flush=True,
+            )
+            print(
+                run_fused_op(
+                    f"add+rms_norm rows {t} hidden {hidden}",
+                    lambda x=x, r=residual, w=weight: fused_add_rms_norm(x, r, w, eps),
+                    lambda x=x, r=residual, w=weight: fused_add_rms_norm_torch(x, r, w, eps),
+                    (4 * t + 1) * hidden * elt,  # read x, residual; write out, sum; weight
+                ),
+                flush=True,
+            )
+    for d in act_dims:
+        for t in rows:
+            gate_up = torch.randn(t, 2 * d, device=device, dtype=dtype)
+            print(
+                run_fused_op(
+                    f"silu_and_mul rows {t} d {d}",
+                    lambda x=gate_up: silu_and_mul(x),
+                    lambda x=gate_up: silu_and_mul_torch(x),
+                    3 * t * d * elt,  # read gate and up, write out
+                ),
+                flush=True,
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=64, help="decode batch size")
@@ -159,6 +239,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--eager-only", action="store_true", help="time without CUDA graphs (graph columns too)"
     )
+    p.add_argument(
+        "--fused-ops",
+        action="store_true",
+        help="time the fused RMSNorm / add+RMSNorm / SiluAndMul kernels instead of attention",
+    )
+    p.add_argument("--rows", default="1,32,256,2048", help="--fused-ops: token rows (a list)")
+    p.add_argument("--hidden", default="1024,4096", help="--fused-ops: RMSNorm widths (a list)")
+    p.add_argument(
+        "--act-dims",
+        default="3072,14336",
+        help="--fused-ops: SiluAndMul output widths d (Qwen3-0.6B's and Llama-3.1-8B's "
+        "intermediate sizes; the input is 2d wide)",
+    )
     args = p.parse_args(argv)
     global USE_GRAPHS
     USE_GRAPHS = not args.eager_only
@@ -167,6 +260,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench needs a CUDA GPU (kernels would run under the Triton interpreter)")
         return 2
     device = torch.device("cuda")
+    if args.fused_ops:
+        torch.manual_seed(0)
+        print(f"{torch.cuda.get_device_name(device)} | fused small ops, {args.dtype}")
+        run_fused_ops(
+            _int_list(args.rows),
+            _int_list(args.hidden),
+            _int_list(args.act_dims),
+            DTYPES[args.dtype],
+            device,
+        )
+        return 0
     shape = Shape(
         args.num_heads, args.num_kv_heads, args.head_dim, args.block_size, DTYPES[args.dtype]
     )

@@ -1,16 +1,22 @@
 """Paged decode attention (one query token per request) with grouped-query heads and split-K.
 
 Grid: (num_seqs, num_kv_heads, num_splits). A program takes one request, one KV head and one
-contiguous range of `split_size` context positions, and processes the whole group of
-`num_heads // num_kv_heads` query heads at once: the group is the M dimension of `tl.dot`
+contiguous range of that request's context (its `split_size`, below), and processes the whole
+group of `num_heads // num_kv_heads` query heads at once: the group is the M dimension of `tl.dot`
 (padded to BLOCK_H >= 16 rows), so every K/V tile is read from memory once per KV head.
 
 With num_splits == 1 the program normalises and writes the output directly. Otherwise
 (flash-decoding) each split writes its normalised partial output and log-sum-exp into fp32
-scratch buffers, and a second kernel, grid (num_seqs, num_heads), combines the splits. Splits
-that start past a request's context length exit at once; the reduce kernel skips them. The
-number of splits is chosen on the host from host integers only (see `choose_num_splits`), so the
-launch never syncs the device.
+scratch buffers, and a second kernel, grid (num_seqs, num_heads), combines the splits.
+
+Each request's context is cut into `num_splits` tile-aligned ranges of its OWN length
+(`split_size = roundup(cdiv(seq_len, num_splits), TILE_N)`, computed in the kernel from
+`seq_lens`), so the grid and every host argument depend only on the batch size and an upper
+bound of the context length: a CUDA graph captured once per batch size replays correctly for
+any lengths. Splits past a request's end exit at once; the reduce kernel skips them. A request
+of length 0 (a padding row of a graph batch) reads nothing and gets zeros. The number of splits
+is chosen on the host from host integers only (see `choose_num_splits`), so the launch never
+syncs the device.
 """
 
 from __future__ import annotations
@@ -26,8 +32,14 @@ from model_server.kernels.attention_tile import attend_paged_tile, dot_config
 LOG2E = math.log2(math.e)
 
 
+@triton.jit
+def _split_size(seq_len, num_splits, TILE_N: tl.constexpr):
+    """Context positions per split of a request of `seq_len` tokens (>= TILE_N, tile-aligned)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N), 1) * TILE_N
+
+
 # Ints that change from step to step are not specialised (a recompile mid-serving costs seconds).
-@triton.jit(do_not_specialize=["split_size", "num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
     out_ptr,  # [num_seqs, H, D] (used when not SPLIT)
     partial_out_ptr,  # [num_seqs, H, num_splits, D] fp32 (used when SPLIT)
@@ -38,8 +50,7 @@ def _paged_decode_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
-    split_size,  # context positions per split (a multiple of TILE_N)
-    num_splits,  # partial buffers' split stride
+    num_splits,  # splits per request (the partial buffers' split stride)
     stride_q_tok: tl.int64,
     stride_q_head: tl.int64,
     stride_o_tok: tl.int64,
@@ -64,8 +75,10 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_size = _split_size(seq_len, num_splits, TILE_N)
     split_start = split * split_size
-    if split_start >= seq_len:
+    # Split 0 always runs, so an empty (padding) request still writes its row (zeros).
+    if split > 0 and split_start >= seq_len:
         return
     split_end = tl.minimum(split_start + split_size, seq_len)
 
@@ -116,7 +129,8 @@ def _paged_decode_kernel(
             DOT_PRECISION,
         )
 
-    acc = acc / l_i[:, None]
+    # l_i >= 1 whenever a position was read (the max contributes exp2(0)); 0 only when empty.
+    acc = acc / tl.maximum(l_i, 1e-30)[:, None]
     if SPLIT:
         # Partial rows are (seq, head, split); the lse lets the reduce kernel reweight them.
         row = (seq * NUM_HEADS + heads) * num_splits + split  # [BLOCK_H]
@@ -127,13 +141,12 @@ def _paged_decode_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["split_size", "num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     out_ptr,  # [num_seqs, H, D]
     partial_out_ptr,  # [num_seqs, H, num_splits, D] fp32
     partial_lse_ptr,  # [num_seqs, H, num_splits] fp32, log2 domain
     seq_lens_ptr,  # [num_seqs] int32
-    split_size,
     num_splits,
     stride_o_tok: tl.int64,
     stride_o_head: tl.int64,
@@ -141,12 +154,13 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    TILE_N: tl.constexpr,  # the decode kernel's, so both derive the same split_size
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits past this request's context were never written.
-    num_valid = tl.cdiv(seq_len, split_size)
+    # Splits past this request's context were never written (none for an empty request).
+    num_valid = tl.cdiv(seq_len, _split_size(seq_len, num_splits, TILE_N))
 
     splits = tl.arange(0, BLOCK_S)
     s_mask = splits < num_valid
@@ -162,7 +176,8 @@ def _reduce_splits_kernel(
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    result = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    # An empty request has no valid split: all weights 0, and it gets zeros, not 0/0.
+    result = tl.sum(partial * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
     out = out_ptr + seq * stride_o_tok + head * stride_o_head + dims
     tl.store(out, result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -205,9 +220,11 @@ def paged_decode_attention(
 
     query, out: [num_seqs, H, D] (row i is request i's token; any token/head strides);
     key_cache, value_cache: [num_blocks, block_size, Hkv, D]; seq_lens: [num_seqs] int32 context
-    lengths (>= 1, including the token being decoded, whose K/V must already be stored);
-    block_tables: [num_seqs, >= cdiv(max_seq_len, block_size)] int32. `max_seq_len` is a host
-    int >= every seq_len; `num_splits` is an upper bound on context splits (1: no reduce pass).
+    lengths (including the token being decoded, whose K/V must already be stored; 0 marks a
+    padding row, whose output is zeros); block_tables: [num_seqs, >= cdiv(max_seq_len,
+    block_size)] int32. `max_seq_len` is a host int >= every seq_len (an upper bound such as
+    max_model_len is fine: nothing else depends on the real lengths); `num_splits` is an upper
+    bound on context splits per request (1: no reduce pass).
     """
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -225,11 +242,8 @@ def paged_decode_attention(
     upcast_dot, dot_precision = dot_config(query.dtype)
     block_h = max(16, triton.next_power_of_2(group))
 
-    # Split boundaries are tile-aligned; recompute the count so no split is empty for the
-    # longest request.
-    split_size = -(-max(max_seq_len, 1) // max(num_splits, 1))
-    split_size = -(-split_size // tile_n) * tile_n
-    num_splits = -(-max(max_seq_len, 1) // split_size)
+    # Splits are tile-aligned: more splits than the longest request has tiles would be empty.
+    num_splits = max(1, min(num_splits, -(-max(max_seq_len, 1) // tile_n)))
     split = num_splits > 1
 
     if split:
@@ -252,7 +266,6 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         scale * LOG2E,
-        split_size,
         num_splits,
         query.stride(0),
         query.stride(1),
@@ -281,7 +294,6 @@ def paged_decode_attention(
             partial_out,
             partial_lse,
             seq_lens,
-            split_size,
             num_splits,
             out.stride(0),
             out.stride(1),
@@ -289,5 +301,6 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            TILE_N=tile_n,
             num_warps=4 if head_dim >= 128 else 2,
         )

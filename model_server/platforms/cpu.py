@@ -60,6 +60,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_attention_backend = "cpu"
+    shares_host_memory = True
 
     @classmethod
     def check_available(cls) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+
 import torch
 
+from model_server.layers.fused_ops import enable_triton_fused_ops
 from model_server.platforms.interface import Platform, PlatformUnavailable
 
 
@@ -32,6 +36,9 @@ class CudaPlatform(Platform):
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
+    def device_name(self) -> str | None:
+        return torch.cuda.get_device_name(self.device)
+
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16, torch.float32]
 
@@ -41,15 +48,39 @@ class CudaPlatform(Platform):
     def mem_get_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self.device)
 
-    def default_kv_cache_memory(self, bytes_per_block: int) -> int:
-        # Replaced by profiling against gpu_memory_utilization in the model runner.
-        free, _ = self.mem_get_info()
-        return int(free * 0.8)
+    def memory_stats_api(self) -> ModuleType:
+        # Always complete: the KV cache is sized by profiling (engine/memory_profiler.py).
+        return torch.cuda
+
+    def prepare(self, num_threads: int | None, local_world_size: int = 1) -> None:
+        # One-pass Triton RMSNorm (+ residual add) and SiluAndMul: at large decode batches the
+        # PyTorch versions' ~8 kernels per call each move the whole activation.
+        enable_triton_fused_ops()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def graph_capturer(self) -> CudaGraphCapturer:
+        return CudaGraphCapturer(self.device)
 
     @classmethod
     def compute_units(cls, device: torch.device) -> int | None:
         # A host-side driver query: no device sync.
         return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class CudaGraphCapturer:
+    """torch.cuda graphs sharing one memory pool, captured on a side stream (see GraphCapturer
+    in engine/cuda_graph.py)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pool = None
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            output = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph.replay, output

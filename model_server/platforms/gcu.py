@@ -87,9 +87,12 @@ class GcuPlatform(Platform):
         total = int(gcu.get_device_properties(self.device_index or 0).total_memory)
         return total - int(gcu.memory_reserved(self.device)), total
 
-    def default_kv_cache_memory(self, bytes_per_block: int) -> int:
-        free, _ = self.mem_get_info()
-        return int(free * 0.8)
+    def memory_stats_api(self) -> ModuleType | None:
+        # torch.gcu mirrors torch.cuda's allocator statistics (can_profile_memory() checks).
+        try:
+            return _torch_gcu()
+        except PlatformUnavailable:
+            return None
 
     def synchronize(self) -> None:
         _torch_gcu().synchronize()

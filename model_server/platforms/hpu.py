@@ -74,9 +74,13 @@ class HpuPlatform(Platform):
         total = int(stats.get("Limit", 0))
         return total - int(stats.get("InUse", 0)), total
 
-    def default_kv_cache_memory(self, bytes_per_block: int) -> int:
-        free, _ = self.mem_get_info()
-        return int(free * 0.8)
+    def memory_stats_api(self) -> ModuleType | None:
+        # Recent Habana releases mirror torch.cuda's allocator statistics here; older ones lack
+        # some (then can_profile_memory() is False and the default budget applies).
+        try:
+            return _hthpu()
+        except (PlatformUnavailable, ImportError):
+            return None
 
     def synchronize(self) -> None:
         _hthpu().synchronize()

@@ -10,8 +10,13 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from model_server.engine.cuda_graph import GraphCapturer
 
 
 class PlatformUnavailable(ValueError):
@@ -30,6 +35,16 @@ _DTYPE_ALIASES = {
 }
 
 
+# The torch.cuda-style allocator calls that memory profiling needs (torch.gcu mirrors them; recent
+# Habana releases offer them in habana_frameworks.torch.hpu).
+_PROFILING_CALLS = (
+    "reset_peak_memory_stats",
+    "max_memory_allocated",
+    "memory_allocated",
+    "memory_reserved",
+)
+
+
 class Platform(ABC):
     name: str
     device_type: str  # torch's device type string
@@ -38,6 +53,8 @@ class Platform(ABC):
     supports_graphs: bool = False
     # The vendor's variable that restricts which devices the runtime sees; None on CPU.
     visible_devices_env: str | None = None
+    # Device memory is the host's RAM (CPU): sizes that assume accelerator memory shrink.
+    shares_host_memory: bool = False
 
     def __init__(self) -> None:
         # Index of this process's device among the visible ones (None: the runtime's default).
@@ -71,6 +88,11 @@ class Platform(ABC):
 
     def device_count(self) -> int:
         return 1
+
+    def device_name(self) -> str | None:
+        """The device's product name as its runtime reports it (e.g. "NVIDIA H100 80GB HBM3");
+        None where there is none."""
+        return None
 
     def visible_device_ids(self) -> list[str] | None:
         """The vendor's visible-devices list (e.g. CUDA_VISIBLE_DEVICES=2,3), None when unset."""
@@ -107,9 +129,56 @@ class Platform(ABC):
         """(free, total) bytes of device memory."""
         raise NotImplementedError(f"{self.name} has no device memory query")
 
-    @abstractmethod
     def default_kv_cache_memory(self, bytes_per_block: int) -> int:
-        """Bytes for the KV cache when the user gives no `--kv-cache-memory`."""
+        """Bytes for the KV cache when the user gives no `--kv-cache-memory` and the platform
+        cannot profile memory (where it can, engine/memory_profiler.py sizes the cache).
+
+        This fallback, for accelerator runtimes without allocator statistics, is a guess: 80%
+        of the memory free now, after the weights loaded."""
+        free, _ = self.mem_get_info()
+        return int(free * 0.8)
+
+    # ---- memory profiling -------------------------------------------------------------------
+
+    def memory_stats_api(self) -> ModuleType | None:
+        """The torch.cuda-like namespace with this device's allocator statistics (torch.cuda,
+        torch.gcu, habana_frameworks.torch.hpu), or None where there is none (CPU)."""
+        return None
+
+    def can_profile_memory(self) -> bool:
+        """Whether the KV cache can be sized by profiling a forward pass: the namespace offers
+        every call below and `mem_get_info` works."""
+        api = self.memory_stats_api()
+        return api is not None and all(callable(getattr(api, n, None)) for n in _PROFILING_CALLS)
+
+    def reset_peak_memory_stats(self) -> None:
+        """Restart `max_memory_allocated` from the memory allocated now."""
+        self._memory_api().reset_peak_memory_stats(self.device)
+
+    def max_memory_allocated(self) -> int:
+        """Peak bytes held by tensors since the last `reset_peak_memory_stats`."""
+        return int(self._memory_api().max_memory_allocated(self.device))
+
+    def memory_allocated(self) -> int:
+        """Bytes held by tensors now."""
+        return int(self._memory_api().memory_allocated(self.device))
+
+    def memory_reserved(self) -> int:
+        """Bytes torch's caching allocator holds from the device (tensors plus its cache)."""
+        return int(self._memory_api().memory_reserved(self.device))
+
+    def empty_cache(self) -> None:
+        """Give the allocator's cached, unused blocks back to the device (no-op without one)."""
+        api = self.memory_stats_api()
+        empty = getattr(api, "empty_cache", None) if api is not None else None
+        if callable(empty):
+            empty()
+
+    def _memory_api(self) -> ModuleType:
+        api = self.memory_stats_api()
+        if api is None:
+            raise NotImplementedError(f"{self.name} has no allocator statistics")
+        return api
 
     def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Zeroed memory for the KV cache. It must be zeros, not garbage: slots past a sequence's
@@ -120,6 +189,11 @@ class Platform(ABC):
 
     def synchronize(self) -> None:
         return None
+
+    def graph_capturer(self) -> GraphCapturer:
+        """What records and replays device graphs (engine/cuda_graph.py); only called when
+        `supports_graphs`."""
+        raise NotImplementedError(f"{self.name} cannot capture device graphs")
 
     def mark_step(self) -> None:
         """Called by every rank at the end of each model step (HPU lazy mode flushes its graph)."""

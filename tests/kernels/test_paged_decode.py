@@ -93,3 +93,37 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 8192, target_programs=528, max_splits=16) == 16
     # Short context: never below min_split_tokens per split.
     assert choose_num_splits(1, 8, 300, min_split_tokens=256, target_programs=528) == 2
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_graph_batch_padding_and_length_bound(num_splits, device):
+    """A CUDA-graph batch: real rows, then padding rows of length 0, launched with an upper
+    bound (max_model_len) instead of the real max length. Real rows match the reference;
+    padding rows read nothing (the cache is NaN-filled) and come out as zeros."""
+    requests = [(0, 1), (37, 1), (130, 1)]
+    b = make_batch(
+        requests,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        device=device,
+        fill=float("nan"),
+    )
+    md = b.metadata
+    store_kv_cache(b.k, b.v, b.k_cache, b.v_cache, md.slot_mapping)
+    pad = 2
+    q = torch.cat([b.q, torch.randn(pad, 8, 64, device=device)])
+    seq_lens = torch.cat([md.seq_lens, torch.zeros(pad, dtype=torch.int32, device=device)])
+    width = 4096 // 16
+    tables = torch.zeros((len(requests) + pad, width), dtype=torch.int32, device=device)
+    tables[: len(requests), : md.block_tables.shape[1]] = md.block_tables
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        out, q, b.k_cache, b.v_cache, seq_lens, tables, 0.125, 4096, num_splits, tile_n=16
+    )
+    ref = paged_attention_reference(
+        b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables, 0.125
+    )
+    torch.testing.assert_close(out[: len(requests)], ref, **tolerance(torch.float32))
+    assert torch.equal(out[len(requests) :], torch.zeros_like(out[len(requests) :]))

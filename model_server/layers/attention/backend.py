@@ -38,6 +38,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     # The same numbers as host lists, for backends that loop in Python (never synced from device).
+    # In a captured decode graph (engine/cuda_graph.py) seq_lens_cpu and max_seq_len hold the
+    # bound max_model_len instead, since the real lengths change with every replay.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
 
@@ -63,6 +65,10 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether a forward can be captured in a device graph and replayed for other inputs: it
+    # reads only the metadata's device tensors, using its host values (`seq_lens_cpu`,
+    # `max_seq_len`) as upper bounds at most, and skips slots < 0 (padding rows) when storing.
+    supports_graphs: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads:

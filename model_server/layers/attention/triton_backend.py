@@ -28,6 +28,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_graphs = True
 
     def __init__(
         self,

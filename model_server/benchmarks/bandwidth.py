@@ -1,0 +1,152 @@
+"""The memory-bandwidth bound of a decode step, for `bench latency`.
+
+At small batches a decode step is bound by memory bandwidth: it must stream every weight once
+(and the KV cache of every sequence) from device memory, whatever the kernels do. So
+`bandwidth / bytes per step` steps per second is the ceiling; the benchmark prints how close the
+engine gets, against two bandwidths: the device's datasheet figure and a measured device copy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch stays out of import time
+    import torch
+    from torch import nn
+
+# Peak memory bandwidth in GB/s (1e9 bytes/s) by `torch.cuda.get_device_name()`. A row matches
+# when every one of its words appears among the name's words (lowercase, split on anything but
+# letters and digits), so "NVIDIA A100-SXM4-80GB" and "a100 80gb" both match ("a100", "80gb").
+# The first matching row wins: more specific rows come first ("L4" is a whole word, so it never
+# matches "L40S"). Sources: NVIDIA's datasheets for the data-center parts; the GDDR parts are
+# bus width x data rate.
+PEAK_BANDWIDTH_GBS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("h100", "nvl"), 3900.0),  # H100 NVL 94 GB HBM3
+    (("h100", "pcie"), 2000.0),  # H100 PCIe 80 GB HBM2e
+    (("h100",), 3350.0),  # H100 SXM5 80 GB HBM3, named "NVIDIA H100 80GB HBM3"
+    (("h200",), 4800.0),  # H200 (SXM and NVL) 141 GB HBM3e
+    (("a100", "80gb", "pcie"), 1935.0),  # A100 80 GB PCIe HBM2e
+    (("a100", "80gb"), 2039.0),  # A100-SXM4-80GB HBM2e
+    (("a100",), 1555.0),  # A100 40 GB (SXM4 and PCIe) HBM2
+    (("l40s",), 864.0),  # L40S 48 GB GDDR6, 384-bit at 18 Gbps
+    (("l4",), 300.0),  # L4 24 GB GDDR6, 192-bit
+    (("4090", "laptop"), 576.0),  # RTX 4090 Laptop: 256-bit GDDR6 at 18 Gbps
+    (("4090",), 1008.0),  # RTX 4090: 384-bit GDDR6X at 21 Gbps
+    (("4070", "laptop"), 256.0),  # RTX 4070 Laptop (nano-vllm's bench GPU): 128-bit at 16 Gbps
+    (("4070", "ti", "super"), 672.0),  # RTX 4070 Ti Super: 256-bit GDDR6X at 21 Gbps
+    (("4070",), 504.0),  # RTX 4070 / 4070 Ti / 4070 Super: 192-bit GDDR6X at 21 Gbps
+)
+
+GB = 1e9
+# The copy buffer: large enough to defeat caches (50 MB L2 on an H100, tens of MB of L3 on CPUs)
+# and to make launch and timer overheads negligible.
+GPU_COPY_BYTES = 1 << 30
+CPU_COPY_BYTES = 256 << 20
+
+
+def peak_bandwidth_gbs(device_name: str | None) -> float | None:
+    """The datasheet bandwidth (GB/s) of a device named like `torch.cuda.get_device_name()`, or
+    None when the name is unknown (the measured-copy bound is still printed then)."""
+    if not device_name:
+        return None
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    for required, gbs in PEAK_BANDWIDTH_GBS:
+        if words.issuperset(required):
+            return gbs
+    return None
+
+
+@dataclass(slots=True)
+class StepBytes:
+    """Bytes one decode step must read from device memory (this rank's share)."""
+
+    weights: int
+    kv_cache: int
+    mean_context: float
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache
+
+
+def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
+    """Parameter bytes a decode step of `batch_size` sequences reads: every parameter once,
+    except an input embedding table that is not shared with the LM head, of which the step only
+    gathers `batch_size` rows. A tied table is read whole by the LM head. Under tensor
+    parallelism `model` holds this rank's shards, so this is this rank's share."""
+    from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+
+    head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    gathered: dict[int, int] = {}  # id(embedding weight) -> bytes the step reads of it
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead):
+            w = m.weight
+            if id(w) not in head_weights:
+                rows = min(batch_size, w.shape[0])
+                gathered[id(w)] = rows * w[0].numel() * w.element_size()
+    # parameters() yields a shared (tied) parameter once.
+    return sum(gathered.get(id(p), p.numel() * p.element_size()) for p in model.parameters())
+
+
+def decode_step_bytes(
+    model: nn.Module,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    kv_bytes_per_token: int,
+) -> StepBytes:
+    """Bytes of the average decode step of `batch_size` sequences with `input_len` prompt and
+    `output_len` output tokens. Decode step j (1..output_len-1) attends to input_len + j tokens,
+    so the mean context is input_len + output_len / 2. `kv_bytes_per_token`: K and V of one
+    token over all layers on this rank."""
+    mean_context = input_len + output_len / 2
+    kv = round(batch_size * mean_context * kv_bytes_per_token)
+    return StepBytes(weight_bytes_per_step(model, batch_size), kv, mean_context)
+
+
+def measure_copy_bandwidth(
+    device: torch.device,
+    synchronize: Callable[[], None],
+    nbytes: int | None = None,
+    trials: int = 5,
+    *,
+    host_memory: bool = False,
+) -> float:
+    """Achieved device-memory bandwidth in bytes/s of copying a large buffer: bytes read plus
+    bytes written over the best of `trials` timings. `nbytes` defaults to 1 GiB on accelerators
+    and 256 MiB on CPUs (`host_memory`). Needs 2 x `nbytes` of free device memory."""
+    import torch
+
+    if nbytes is None:
+        nbytes = CPU_COPY_BYTES if host_memory else GPU_COPY_BYTES
+    # Filled, not empty: untouched CPU pages would all read the shared zero page.
+    src = torch.full((nbytes,), 1, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of dst, first-launch costs
+    synchronize()
+    start = time.perf_counter()
+    dst.copy_(src)
+    synchronize()
+    single = time.perf_counter() - start
+    # Several copies per timing when one is short (a GPU copies 2 GiB in under a millisecond),
+    # so the host timer and synchronize overhead stay small against it.
+    repeats = max(1, min(50, math.ceil(0.02 / max(single, 1e-9))))
+    best = single
+    for _ in range(trials):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        synchronize()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return 2 * nbytes / best
+
+
+def bound_tokens_per_s(bandwidth_bytes_per_s: float, step: StepBytes, batch_size: int) -> float:
+    """Output tokens/s of the whole batch if every step ran at `bandwidth`."""
+    return batch_size * bandwidth_bytes_per_s / step.total

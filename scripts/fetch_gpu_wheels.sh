@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Download into .whl/ (run on a machine with internet) the wheels that scripts/bench_gpu.sh
+# installs on a GPU machine that has none. That image has python 3.12 with torch, triton,
+# transformers, tokenizers, safetensors, huggingface_hub, numpy, tqdm, pyyaml, jinja2, psutil,
+# prometheus-client, httpx and pytest, but not the rest of the model-server extra.
+#
+# `bench throughput`, `bench latency` and the gpu tests need nothing beyond that image (they
+# import torch, triton, transformers and its dependencies, numpy and pytest only: the `serve`
+# flags, which import pydantic, are not built for `bench`). These wheels are a safety net for the
+# rest of the CLI: pydantic and pydantic-settings (`serve` flags, settings) and gguf (.gguf models),
+# with the newer typing-extensions pydantic needs (torch pins none). Versions: those this repo
+# is tested with. fastapi and uvicorn (the HTTP server) are left out.
+#
+# Usage: bash scripts/fetch_gpu_wheels.sh [NAME==VERSION ...]   (extra wheels to add)
+# Environment: PYTHON (python3, with pip), WHEEL_DIR (.whl), WHEEL_PYTHON_VERSION (3.12).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+DEST="${WHEEL_DIR:-$ROOT/.whl}"
+PYVER="${WHEEL_PYTHON_VERSION:-3.12}"
+
+WHEELS=(
+  pydantic==2.14.3
+  pydantic-core==2.50.4          # compiled: the cp312 manylinux wheel
+  pydantic-settings==2.16.3
+  annotated-types==0.8.0
+  typing-inspection==0.4.5
+  typing-extensions==4.16.0
+  python-dotenv==1.2.4
+  gguf==0.19.0                   # imports numpy and pyyaml only (requests: its scripts only)
+)
+
+mkdir -p "$DEST"
+# --no-deps: the list above is the closure over what the image lacks. Pure-python wheels
+# (py3-none-any) satisfy any --platform.
+"$PY" -m pip download --no-deps --only-binary=:all: \
+  --python-version "$PYVER" --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 \
+  -d "$DEST" "${WHEELS[@]}" "$@"
+echo "wheels in $DEST:"
+ls -1 "$DEST"

@@ -1,0 +1,161 @@
+"""Decode graphs (engine/cuda_graph.py): bucketing, padding and greedy parity with eager runs.
+
+On the CPU the Triton backend runs interpreted and a stand-in capturer "replays" by rerunning
+the captured function on the static buffers: everything but the CUDA recording itself is the
+real code path (static inputs, padding rows, bucket choice, output slicing). With a GPU the
+`gpu` test does the same with real CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
+from model_server.engine.input_batch import SeqChunk
+from model_server.engine.llm import LLM
+from model_server.platforms.cpu import CpuPlatform
+from model_server.sampling_params import SamplingParams
+from tests.kernels.test_model_triton import CONFIGS
+
+pytestmark = pytest.mark.kernels
+
+
+class RerunCapturer:
+    """Replays by calling the function again and writing its result into the first output."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []
+        self.replays = 0
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        output = fn()
+        self.captured.append(output.shape[0])
+
+        def replay() -> None:
+            self.replays += 1
+            output.copy_(fn())
+
+        return replay, output
+
+
+@pytest.fixture
+def rerun_graphs(monkeypatch) -> RerunCapturer:
+    """Make the CPU platform "support graphs" with the stand-in capturer."""
+    capturer = RerunCapturer()
+    monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
+    monkeypatch.setattr(CpuPlatform, "graph_capturer", lambda self: capturer, raising=False)
+    return capturer
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(10) == [1, 2, 4, 8, 16]
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert capture_sizes(1000)[-1] == 512
+
+
+def test_bucket_choice() -> None:
+    runner = CUDAGraphRunner(
+        lambda ids, positions, md: torch.zeros(ids.shape[0], 4),
+        RerunCapturer(),
+        sizes=[1, 2, 4, 8],
+        block_size=4,
+        max_model_len=32,
+        device=torch.device("cpu"),
+    )
+    decode = SeqChunk([5], 3, [0])
+    assert runner.bucket_for([decode]) is None  # nothing captured yet
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    assert runner.bucket_for([decode] * 3) == 4
+    assert runner.bucket_for([decode] * 8) == 8
+    assert runner.bucket_for([decode] * 9) is None  # larger than the largest bucket: eager
+    assert runner.bucket_for([decode, SeqChunk([1, 2], 0, [1])]) is None  # a prefill: eager
+    assert runner.bucket_for([]) is None
+
+
+def _llm(tmp_path, name: str, **overrides) -> LLM:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[name]))
+    options = dict(
+        load_format="dummy",
+        dtype="float32",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        attention_backend="triton",
+        block_size=8,
+        kv_cache_memory=2 * 1024**2,
+        max_num_batched_tokens=24,  # chunked prefill: mixed steps run eagerly
+        max_num_seqs=6,  # buckets 1, 2, 4, 8
+        seed=3,
+    )
+    options.update(overrides)
+    return LLM(str(tmp_path), **options)
+
+
+PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 19, 11, 3, 8))]
+# Different lengths, so the decode batch shrinks through the buckets as requests finish.
+PARAMS = [
+    SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 9, 20, 5, 11)
+]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_output_identical_with_and_without_graphs(tmp_path, rerun_graphs, name) -> None:
+    eager = _llm(tmp_path, name, enforce_eager=True)
+    assert eager.engine.core.model_runner.graph_runner is None
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, PARAMS)]
+
+    llm = _llm(tmp_path, name)
+    runner = llm.engine.core.model_runner
+    assert runner.graph_runner is not None
+    assert rerun_graphs.captured == [8, 4, 2, 1]  # largest first
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert got == expected
+    assert [len(t) for t in got] == [14, 9, 20, 5, 11]
+    # Most decode steps replayed a graph (prefill and mixed steps ran eagerly).
+    assert rerun_graphs.replays >= 10
+
+
+def test_padding_rows_write_no_kv(tmp_path, rerun_graphs) -> None:
+    """Three decodes in the 4-bucket: exactly their three slots change in the KV cache."""
+    llm = _llm(tmp_path, "llama-gqa")
+    runner = llm.engine.core.model_runner
+    before = [c.clone() for c in runner.kv_caches]
+    chunks = [SeqChunk([11], 0, [2]), SeqChunk([12], 9, [0, 5]), SeqChunk([13], 3, [7])]
+    assert runner.graph_runner.bucket_for(chunks) == 4
+    with torch.inference_mode():  # as in ModelRunner.execute_step
+        hidden = runner.graph_runner.run(chunks, 4)
+    assert hidden.shape[0] == 3 and torch.isfinite(hidden).all()
+    bs = runner.block_size
+    expected_slots = {2 * bs + 0, 5 * bs + 1, 7 * bs + 3}
+    for layer_before, layer_after in zip(before, runner.kv_caches, strict=True):
+        # [2, num_blocks, block_size, Hkv, D] -> changed slots (over K and V)
+        changed = (layer_before != layer_after).flatten(3).any(-1).any(0).flatten()
+        assert set(changed.nonzero().flatten().tolist()) == expected_slots
+
+
+def test_graphs_off_for_enforce_eager_and_host_bound_backends(tmp_path, rerun_graphs) -> None:
+    assert (
+        _llm(tmp_path, "llama-gqa", enforce_eager=True).engine.core.model_runner.graph_runner
+        is None
+    )
+    torch_llm = _llm(tmp_path, "llama-gqa", attention_backend="torch")
+    assert torch_llm.engine.core.model_runner.graph_runner is None
+    assert rerun_graphs.captured == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_real_cuda_graphs_match_eager(tmp_path, name) -> None:
+    expected = [
+        o.outputs[0].token_ids
+        for o in _llm(tmp_path, name, enforce_eager=True).generate(PROMPTS, PARAMS)
+    ]
+    llm = _llm(tmp_path, name)
+    assert llm.engine.core.model_runner.graph_runner is not None
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
