@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from model_server.engine.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.llm import LLM
 from model_server.layers.attention.backend import AttentionMetadata
 
 
@@ -91,3 +94,59 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     if dtype == torch.float16:
         return {"atol": 2e-3, "rtol": 2e-3}
     return {"atol": 2e-2, "rtol": 2e-2}
+
+
+# Tiny random configs of real architectures for whole-model runs on the Triton backend.
+TINY_CONFIGS = {
+    "llama-gqa": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Prompts of mixed lengths (5, 19 and 11 tokens) for TINY_CONFIGS' 256-token vocabulary.
+MIXED_PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 19, 11))]
+
+
+def tiny_llm(folder: Path, name: str, **overrides) -> LLM:
+    """An fp32 LLM with dummy weights for TINY_CONFIGS[name] (config written into `folder`):
+    Triton attention, 8-token blocks and a 24-token step budget, so prompts prefill in chunks.
+    On the GPU when there is one."""
+    (folder / "config.json").write_text(json.dumps(TINY_CONFIGS[name]))
+    options = dict(
+        load_format="dummy",
+        dtype="float32",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        attention_backend="triton",
+        block_size=8,
+        kv_cache_memory=2 * 1024**2,
+        max_num_batched_tokens=24,
+        seed=3,
+    )
+    options.update(overrides)
+    return LLM(str(folder), **options)

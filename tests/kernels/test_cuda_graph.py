@@ -8,7 +8,6 @@ real code path (static inputs, padding rows, bucket choice, output slicing). Wit
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import pytest
@@ -19,7 +18,7 @@ from model_server.engine.input_batch import SeqChunk
 from model_server.engine.llm import LLM
 from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
-from tests.kernels.test_model_triton import CONFIGS
+from tests.kernels.helpers import TINY_CONFIGS, tiny_llm
 
 pytestmark = pytest.mark.kernels
 
@@ -81,20 +80,8 @@ def test_bucket_choice() -> None:
 
 
 def _llm(tmp_path, name: str, **overrides) -> LLM:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[name]))
-    options = dict(
-        load_format="dummy",
-        dtype="float32",
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        attention_backend="triton",
-        block_size=8,
-        kv_cache_memory=2 * 1024**2,
-        max_num_batched_tokens=24,  # chunked prefill: mixed steps run eagerly
-        max_num_seqs=6,  # buckets 1, 2, 4, 8
-        seed=3,
-    )
-    options.update(overrides)
-    return LLM(str(tmp_path), **options)
+    # max_num_seqs 6: buckets 1, 2, 4, 8.
+    return tiny_llm(tmp_path, name, **{"max_num_seqs": 6, **overrides})
 
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 19, 11, 3, 8))]
@@ -104,7 +91,7 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_greedy_output_identical_with_and_without_graphs(tmp_path, rerun_graphs, name) -> None:
     eager = _llm(tmp_path, name, enforce_eager=True)
     assert eager.engine.core.model_runner.graph_runner is None
@@ -150,7 +137,7 @@ def test_graphs_off_for_enforce_eager_and_host_bound_backends(tmp_path, rerun_gr
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
 def test_real_cuda_graphs_match_eager(tmp_path, name) -> None:
     expected = [
         o.outputs[0].token_ids

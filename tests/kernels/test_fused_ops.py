@@ -14,7 +14,6 @@ Tolerances (assert_close rtol, atol), and why:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 
@@ -23,7 +22,6 @@ import torch
 
 import model_server.kernels.activation as activation_kernels
 import model_server.kernels.rms_norm as rms_norm_kernels
-from model_server.engine.llm import LLM
 from model_server.kernels.activation import silu_and_mul
 from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from model_server.layers import activation as activation_layers
@@ -32,7 +30,7 @@ from model_server.layers.activation import SiluAndMul
 from model_server.layers.fused_ops import disable_triton_fused_ops, enable_triton_fused_ops
 from model_server.layers.norm import RMSNorm
 from model_server.sampling_params import SamplingParams
-from tests.kernels.test_model_triton import CONFIGS
+from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, tiny_llm
 
 pytestmark = pytest.mark.kernels
 
@@ -245,45 +243,26 @@ def _counted(fn: Callable, name: str, calls: dict[str, int]) -> Callable:
     return wrapper
 
 
-def _generate(path: str, device: str) -> list[list[int]]:
-    llm = LLM(
-        path,
-        attention_backend="triton",
-        load_format="dummy",
-        dtype="float32",
-        device=device,
-        block_size=8,
-        kv_cache_memory=2 * 1024**2,
-        max_num_batched_tokens=24,  # chunked prefill across steps
-        seed=3,
-    )
-    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 19, 11))]
+def _generate(tmp_path, name: str) -> list[list[int]]:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm = tiny_llm(tmp_path, name)
+    return [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
 
 
-@pytest.fixture
-def tiny_model(tmp_path, request) -> str:
-    (tmp_path / "config.json").write_text(json.dumps(CONFIGS[request.param]))
-    return str(tmp_path)
-
-
-@pytest.mark.parametrize("tiny_model", sorted(CONFIGS), indirect=True)
-def test_model_generates_the_same_with_fused_ops(
-    tiny_model, fused_ops, monkeypatch, device
-) -> None:
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_model_generates_the_same_with_fused_ops(tmp_path, name, fused_ops, monkeypatch) -> None:
     """Llama (GQA, tied embeddings) and Qwen3 (q/k norm on strided head views): greedy tokens
     with the fused kernels equal the PyTorch layers' (fp32, Triton attention both times)."""
-    expected = _generate(tiny_model, device)
+    expected = _generate(tmp_path, name)
     calls: dict[str, int] = {}
-    for module, name in (
+    for module, kernel in (
         (rms_norm_kernels, "rms_norm"),
         (rms_norm_kernels, "fused_add_rms_norm"),
         (activation_kernels, "silu_and_mul"),
     ):
-        monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+        monkeypatch.setattr(module, kernel, _counted(getattr(module, kernel), kernel, calls))
     fused_ops()  # installs the counted kernels (it imports them when called)
-    actual = _generate(tiny_model, device)
+    actual = _generate(tmp_path, name)
     assert set(calls) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
     assert actual == expected
     assert all(len(t) == 8 for t in expected)

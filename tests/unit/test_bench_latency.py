@@ -34,20 +34,9 @@ from model_server.benchmarks.latency import LatencyResult, format_bound
 from model_server.entrypoints.cli import main
 from model_server.layers.attention import get_attention_backend
 from model_server.models.registry import build_model
+from tests.unit.test_bench_throughput import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_JSON = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
 
 # -- the device table ---------------------------------------------------------------------------
 
@@ -183,7 +172,7 @@ def test_bench_latency_cli_on_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], torch_threads: None
 ) -> None:
     config = tmp_path / "tiny.json"
-    config.write_text(json.dumps(TINY_JSON))
+    config.write_text(json.dumps(TINY))
     # One thread: a model this small gains nothing from two, and threads that wait on each
     # other at every op slow to a crawl when other processes load the cores.
     argv = ["bench", "latency", "--load-format", "dummy", "--model", str(config), "--num-threads"]

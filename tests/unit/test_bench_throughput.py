@@ -29,7 +29,7 @@ from model_server.platforms.cpu import CpuPlatform
 from model_server.platforms.cuda import CudaPlatform
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {
+TINY = {  # also the tiny model of test_bench_latency
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 32,
@@ -38,7 +38,7 @@ TINY = {
     "num_key_value_heads": 2,
     "num_hidden_layers": 2,
     "vocab_size": 256,
-    "max_position_embeddings": 128,
+    "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
 
