@@ -222,15 +222,16 @@ class ModelRunner:
             sample.append(start + n == r.num_tokens)
         return StepInput(chunks, sample)
 
-    def _forward(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Hidden states [T, hidden], the flat index of each request's last token [B] (batch
-        order) and the batch order (batch row -> index in `chunks`)."""
+    def _forward(
+        self, chunks: list[SeqChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Hidden states [T, hidden], the flat index of each request's last token [B] in batch
+        order (None: token i is request i's only one) and the batch order (batch row -> index
+        in `chunks`)."""
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner else None
         if bucket is not None:
             # Decodes only: one token per request, batch order = chunk order.
-            hidden = self.graph_runner.run(chunks, bucket)
-            last = torch.arange(len(chunks), dtype=torch.int64, device=self.device)
-            return hidden, last, list(range(len(chunks)))
+            return self.graph_runner.run(chunks, bucket), None, list(range(len(chunks)))
         inputs = build_model_inputs(chunks, self.block_size, self.device)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
@@ -245,9 +246,13 @@ class ModelRunner:
         # Rows (in batch order) whose step reaches the end of their tokens: those sample.
         sample_rows = [row for row, idx in enumerate(order) if step.sample[idx]]
         logits = None
-        if sample_rows:
+        if last_token_indices is None and len(sample_rows) == len(order):
+            logits = self.model.compute_logits(hidden)  # every decode samples: no gather
+        elif sample_rows:
             row_index = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden[last_token_indices[row_index]])
+            if last_token_indices is not None:
+                row_index = last_token_indices[row_index]
+            logits = self.model.compute_logits(hidden[row_index])
         self.platform.mark_step()
         return StepOutput(logits, [order[row] for row in sample_rows])
 

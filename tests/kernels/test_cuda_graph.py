@@ -16,6 +16,7 @@ import torch
 from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.input_batch import SeqChunk
 from model_server.engine.llm import LLM
+from model_server.engine.step_input import StepInput
 from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import TINY_CONFIGS, tiny_llm
@@ -146,3 +147,22 @@ def test_real_cuda_graphs_match_eager(tmp_path, name) -> None:
     llm = _llm(tmp_path, name)
     assert llm.engine.core.model_runner.graph_runner is not None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+
+
+def test_graph_step_with_a_non_sampling_single_token_chunk(tmp_path, rerun_graphs) -> None:
+    """A one-token chunk in the middle of a prompt (chunked prefill) rides in a graph batch but
+    does not sample: the logits are those of the sampling rows only, as in an eager step."""
+    runner = _llm(tmp_path, "llama-gqa").engine.core.model_runner
+    step = StepInput(
+        [SeqChunk([11], 4, [2]), SeqChunk([12], 9, [0, 5]), SeqChunk([13], 3, [7])],
+        [True, False, True],
+    )
+    graph_out = runner.execute_step(step)
+    replays = rerun_graphs.replays
+    assert replays == 1
+    graph_runner, runner.graph_runner = runner.graph_runner, None
+    eager_out = runner.execute_step(step)
+    runner.graph_runner = graph_runner
+    assert rerun_graphs.replays == replays  # the second step ran eagerly
+    assert graph_out.sample_indices == eager_out.sample_indices == [0, 2]
+    torch.testing.assert_close(graph_out.logits, eager_out.logits)
