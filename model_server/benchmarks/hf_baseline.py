@@ -50,14 +50,7 @@ def free_device_memory(platform: Platform) -> None:
     """Collect the released engine (its CUDA-graph runner holds a reference cycle) and hand the
     allocator's cached blocks back to the device, so the next consumer sees the memory as free."""
     gc.collect()
-    empty_cache = getattr(platform, "empty_cache", None)
-    if callable(empty_cache):
-        empty_cache()
-        return
-    import torch  # platforms without empty_cache(): only CUDA's allocator caches blocks
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    platform.empty_cache()
 
 
 def build_hf_model(target: BaselineTarget) -> torch.nn.Module:

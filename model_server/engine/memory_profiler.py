@@ -15,10 +15,9 @@ largest step the scheduler can issue once, before the KV cache exists, and measu
 memory that was not ours before the weights loaded (`take_memory_snapshot` at that point: other
 processes, and this process's own runtime context once created): it is neither charged to us nor
 ours to take, so when less than the requested share was free at start the budget is capped at
-what was free (with a warning) rather than refused. Without such a snapshot every non-torch byte
-seen after the profile counts as ours: other processes' memory then comes out of our share, which
-is conservative. Memory other processes take after the snapshot (two servers starting at once on
-one device) is seen as ours too; start such servers one after the other.
+what was free (with a warning) rather than refused. `ModelRunner.__init__` takes the snapshot.
+Memory other processes take after it (two servers starting at once on one device) is seen as ours
+too; start such servers one after the other.
 
 A user's `--kv-cache-memory` skips all of this; platforms that cannot profile (CPU) use their
 fixed `default_kv_cache_memory`.
@@ -88,7 +87,7 @@ class MemoryProfile:
     weights: int
     activation_peak: int
     non_torch: int
-    in_use_at_start: int = 0  # not ours before the weights loaded; 0 without a snapshot
+    in_use_at_start: int = 0  # not ours: in use before the weights loaded
 
     @property
     def requested(self) -> int:
@@ -131,10 +130,11 @@ class MemoryProfile:
 def profile_memory(
     platform: Platform,
     run: Callable[[], None],
-    baseline: MemorySnapshot | None,
+    baseline: MemorySnapshot,
     utilization: float,
 ) -> MemoryProfile:
-    """Run `run()` (the profile step) and measure this rank's budget around it."""
+    """Run `run()` (the profile step) and measure this rank's budget around it; `baseline` is
+    the snapshot taken before the weights loaded."""
     gc.collect()
     platform.empty_cache()
     platform.synchronize()
@@ -149,7 +149,7 @@ def profile_memory(
     after = MemorySnapshot(free=free, total=total, torch_reserved=platform.memory_reserved())
     gc.collect()
     platform.empty_cache()  # hand the activations' cached blocks back for the KV cache
-    in_use_at_start = baseline.non_torch if baseline is not None else 0
+    in_use_at_start = baseline.non_torch
     return MemoryProfile(
         total=total,
         utilization=utilization,

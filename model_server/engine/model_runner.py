@@ -123,6 +123,7 @@ class ModelRunner:
             return kv_cache_memory // bytes_per_block
         if not self.platform.can_profile_memory():
             return self.platform.default_kv_cache_memory(bytes_per_block) // bytes_per_block
+        assert self.memory_baseline is not None  # taken in __init__ where memory can be profiled
         utilization = self.config.gpu_memory_utilization
         profile = profile_memory(self.platform, self.profile_run, self.memory_baseline, utilization)
         self.memory_profile = profile
