@@ -12,4 +12,6 @@ triton by accident):
     CUDA by `layers.fused_ops.enable_triton_fused_ops`.
   - `reference`: slow per-request PyTorch references the tests compare against.
   - `bench`: `python -m model_server.kernels.bench` times the kernels against the torch backend.
+  - `compile_check`: `python -m model_server.kernels.compile_check` compiles every variant the
+    engine launches for NVIDIA targets (sm_80/89/90) without a GPU, with Triton's ptxas.
 """

@@ -76,6 +76,23 @@ def attend_paged_tile(
     return m_new, l_i, acc
 
 
+# Bytes of one K (or V) tile, TILE_N x BLOCK_D, that the default tile width stays within. The
+# pipelined K/V tiles then fit the 99 KiB of shared memory a block may use on sm_86/sm_89 (A10, L4,
+# RTX 30/40): at TILE_N 64, fp32 with D 128 needs 112 KiB in the prefill kernel (see
+# `python -m model_server.kernels.compile_check`); bf16/fp16 up to D 128 keep TILE_N 64.
+_MAX_KV_TILE_BYTES = 16 * 1024
+
+
+def default_tile_n(block_d: int, dtype: torch.dtype) -> int:
+    """Context positions per tile: 64, halved (down to the 16 `tl.dot` needs) while one K tile of
+    `block_d` columns in `dtype` would exceed 16 KiB."""
+    tile_n = 64
+    elt = torch.empty((), dtype=dtype).element_size()
+    while tile_n > 16 and tile_n * block_d * elt > _MAX_KV_TILE_BYTES:
+        tile_n //= 2
+    return tile_n
+
+
 def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
     """(UPCAST_DOT, DOT_PRECISION) for a query dtype.
 

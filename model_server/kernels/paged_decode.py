@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model_server.kernels.attention_tile import attend_paged_tile, dot_config
+from model_server.kernels.attention_tile import attend_paged_tile, default_tile_n, dot_config
 
 LOG2E = math.log2(math.e)
 
@@ -236,9 +236,9 @@ def paged_decode_attention(
         raise ValueError("query, out and the caches must be contiguous along head_dim")
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key and value caches must share one layout")
-    if tile_n is None:
-        tile_n = 64
     block_d = max(16, triton.next_power_of_2(head_dim))
+    if tile_n is None:
+        tile_n = default_tile_n(block_d, query.dtype)
     upcast_dot, dot_precision = dot_config(query.dtype)
     block_h = max(16, triton.next_power_of_2(group))
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model_server.kernels.attention_tile import attend_paged_tile, dot_config
+from model_server.kernels.attention_tile import attend_paged_tile, default_tile_n, dot_config
 
 LOG2E = math.log2(math.e)
 
@@ -193,11 +193,11 @@ def paged_prefill_attention(
         raise ValueError("key and value caches must share one layout")
     if block_m is None:
         block_m = prefill_block_m(group)
-    if tile_n is None:
-        tile_n = 64
     block_m = max(block_m, 16, triton.next_power_of_2(group))
     block_q = block_m // group
     block_d = max(16, triton.next_power_of_2(head_dim))
+    if tile_n is None:
+        tile_n = default_tile_n(block_d, query.dtype)
     upcast_dot, dot_precision = dot_config(query.dtype)
     if num_warps is None:
         # 4 warps measured best for 64-row tiles at D 128; larger tiles need more registers.

@@ -1,0 +1,391 @@
+"""Compiles every Triton kernel, as the engine launches it, for NVIDIA GPUs that are not here.
+
+    python -m model_server.kernels.compile_check                  # sm_80, sm_89, sm_90
+    python -m model_server.kernels.compile_check --arch 90 --preset llama-3.1-8b --dtype bf16
+
+The CPU test suite runs the kernels under the Triton interpreter, which accepts programs the GPU
+compiler rejects (and runs bf16 dots upcast, unlike the GPU variant). This check closes that gap
+without a GPU: it drives the real call sites (the `triton` attention backend's forward, the fused
+RMSNorm / add+RMSNorm / SiLU-and-mul) on small CPU tensors shaped like real models' (the dummy
+presets' configs), with Triton's launcher swapped for compile-only. Each launch goes through
+Triton's own pipeline down to a cubin (its bundled ptxas) for the target architecture and is never
+executed, so outputs stay unwritten.
+
+Per kernel variant it reports the dynamic shared memory a program needs against the
+architecture's per-block limit, and the registers and spilled (local) bytes per thread from the
+cubin (cuobjdump). Exit status 1 when a kernel fails to compile or needs more shared memory than
+the architecture has; spills are reported, not failed (they cost speed, not correctness).
+
+The compile-only launcher reaches into Triton's runtime (`JITFunction.run`, the active driver);
+it is written for Triton 3.x. Run it in a fresh process: the kernel modules must be imported with
+TRITON_INTERPRET off, which `main` sets before importing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """A CUDA compute capability and what bounds a kernel on it."""
+
+    capability: int  # e.g. 90 for sm_90
+    gpus: str
+    sm_count: int  # of the named GPU, so the backend picks the split-K it would pick there
+    max_shared_bytes: int  # opt-in dynamic shared memory per block
+
+
+ARCHS: dict[int, Arch] = {
+    80: Arch(80, "A100", 108, 163 * 1024),
+    86: Arch(86, "A10, RTX 30xx", 72, 99 * 1024),
+    89: Arch(89, "L4, L40S, RTX 40xx", 58, 99 * 1024),
+    90: Arch(90, "H100, H200", 132, 227 * 1024),
+}
+DEFAULT_ARCHS = (80, 89, 90)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(slots=True)
+class ModelShape:
+    """What the kernels' variants depend on, from an HF config (one tensor-parallel rank)."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    qk_norm: bool  # Qwen3 normalises per-head views of q and k
+
+    @classmethod
+    def from_preset(cls, name: str) -> ModelShape:
+        from model_server.loader.dummy import preset_file
+
+        path = preset_file(name)
+        if path is None:
+            raise ValueError(f"no dummy preset named {name!r}")
+        cfg = json.loads(Path(path).read_text())
+        heads = cfg["num_attention_heads"]
+        return cls(
+            name=name,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            qk_norm=cfg.get("model_type") == "qwen3",
+        )
+
+
+@dataclass(slots=True)
+class Variant:
+    """One compiled kernel variant (a distinct cubin) and where it was first launched from."""
+
+    kernel: str
+    arch: int
+    case: str
+    shared_bytes: int
+    num_warps: int
+    num_stages: int
+    registers: int | None = None
+    local_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class Report:
+    variants: list[Variant] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+class _TargetDriver:
+    """The slice of Triton's driver interface that compiling (not launching) needs.
+
+    The device index is the capability, so each architecture gets its own per-device kernel
+    cache (and target) inside every JITFunction.
+    """
+
+    def __init__(self, capability: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.capability = capability
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_device(self) -> int:
+        return self.capability
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+@contextmanager
+def compile_only(capability: int) -> Iterator[list[tuple[str, Any]]]:
+    """Within the block, a kernel launch compiles for `capability` and returns without running.
+
+    Yields the list of (kernel name, CompiledKernel) launched, in launch order.
+    """
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    launched: list[tuple[str, Any]] = []
+    original_run = JITFunction.run
+
+    def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        launched.append((self.fn.__name__, kernel))
+        return kernel
+
+    previous = driver._active  # None until something asked; reset_active() needs a real GPU
+    driver.set_active(_TargetDriver(capability))
+    JITFunction.run = run
+    try:
+        yield launched
+    finally:
+        JITFunction.run = original_run
+        driver._active = previous
+
+
+_RESOURCE_LINE = re.compile(r"REG:(\d+).*?LOCAL:(\d+)")
+
+
+def cubin_resources(cubin: bytes) -> tuple[int, int] | None:
+    """(registers, local bytes) per thread of the cubin's kernel, from Triton's cuobjdump."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run(
+                [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    match = _RESOURCE_LINE.search(out)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+# (name, [(cached tokens, new tokens) per request]). Decodes come first, as in the engine's steps.
+# A wide decode batch fills the GPU without split-K; one long decode takes the split path.
+ATTENTION_CASES: tuple[tuple[str, list[tuple[int, int]]], ...] = (
+    ("decode batch", [(40, 1)] * 64),
+    ("long decode (split-K)", [(4096, 1)]),
+    ("prefill", [(0, 37), (0, 20)]),
+    ("mixed: decodes + chunk after a cached prefix", [(40, 1)] * 3 + [(48, 16)]),
+)
+
+
+def attention_calls(
+    shape: ModelShape, dtype: torch.dtype, block_size: int, sm_count: int
+) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The `triton` backend's forward (store K/V, decode, split reduce, prefill) per case."""
+    from model_server.kernels.bench import Case, Shape, _build
+    from model_server.layers.attention.triton_backend import TritonAttentionBackend
+
+    kshape = Shape(shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, dtype)
+    for name, requests in ATTENTION_CASES:
+        md, q, k, v, k_cache, v_cache = _build(Case(name, requests), kshape, torch.device("cpu"))
+        backend = TritonAttentionBackend(
+            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5
+        )
+        backend._sm_count = sm_count
+
+        def forward(backend=backend, md=md, q=q, k=k, v=v, kc=k_cache, vc=v_cache) -> object:
+            return backend.forward(q, k, v, kc, vc, md)
+
+        yield name, forward
+
+
+def fused_op_calls(
+    shape: ModelShape, dtype: torch.dtype, num_tokens: int = 8
+) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The fused ops at the model's widths, in the layouts the decoder layers pass."""
+    from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+    t, hidden, eps = num_tokens, shape.hidden_size, 1e-6
+    x = torch.randn(t, hidden, dtype=dtype)
+    weight = torch.ones(hidden, dtype=dtype)
+    yield "rms_norm", lambda: rms_norm(x, weight, eps)
+    yield "add + rms_norm", lambda: fused_add_rms_norm(x, x.clone(), weight, eps)
+    if shape.qk_norm:
+        # q's per-head view of the fused qkv projection: rows strided by the qkv width.
+        width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+        qkv = torch.randn(t, width, dtype=dtype)
+        q = qkv[:, : shape.num_heads * shape.head_dim].view(t, shape.num_heads, shape.head_dim)
+        head_weight = torch.ones(shape.head_dim, dtype=dtype)
+        yield "q/k norm (head views)", lambda: rms_norm(q, head_weight, eps)
+    gate_up = torch.randn(t, 2 * shape.intermediate_size, dtype=dtype)
+    yield "silu_and_mul", lambda: silu_and_mul(gate_up)
+
+
+def check(
+    archs: Sequence[int],
+    shapes: Sequence[ModelShape],
+    dtypes: Sequence[str],
+    block_size: int = 16,
+    log: Callable[[str], None] = print,
+) -> Report:
+    """Compiles every variant the call sites launch; see the module docstring."""
+    report = Report()
+    for capability in archs:
+        arch = ARCHS[capability]
+        seen: set[str] = set()
+        for shape in shapes:
+            for dtype_name in dtypes:
+                dtype = DTYPES[dtype_name]
+                calls = [
+                    *attention_calls(shape, dtype, block_size, arch.sm_count),
+                    *fused_op_calls(shape, dtype),
+                ]
+                for case, call in calls:
+                    where = f"sm_{capability} {shape.name} {dtype_name} {case}"
+                    with compile_only(capability) as launched:
+                        try:
+                            call()
+                        except Exception as exc:  # a compile error: report it, go on
+                            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                            report.failures.append(f"{where}: {type(exc).__name__}: {first}")
+                            log(f"FAIL {where}: {type(exc).__name__}: {exc}")
+                            continue
+                    for kernel_name, kernel in launched:
+                        digest = kernel.metadata.hash
+                        if digest in seen:
+                            continue
+                        seen.add(digest)
+                        report.variants.append(_variant(kernel_name, kernel, arch, where, report))
+    return report
+
+
+def _variant(kernel_name: str, kernel: Any, arch: Arch, where: str, report: Report) -> Variant:
+    md = kernel.metadata
+    variant = Variant(
+        kernel=kernel_name,
+        arch=arch.capability,
+        case=where,
+        shared_bytes=md.shared,
+        num_warps=md.num_warps,
+        num_stages=md.num_stages,
+    )
+    resources = cubin_resources(kernel.asm["cubin"])
+    if resources is not None:
+        variant.registers, variant.local_bytes = resources
+    if md.shared > arch.max_shared_bytes:
+        report.failures.append(
+            f"{where}: {kernel_name} needs {md.shared / 1024:.1f} KiB of shared memory per "
+            f"program; sm_{arch.capability} ({arch.gpus}) allows "
+            f"{arch.max_shared_bytes // 1024} KiB"
+        )
+    return variant
+
+
+def format_report(report: Report, archs: Sequence[int]) -> str:
+    lines = [
+        f"{'arch':<6} {'kernel':<22} {'warps':>5} {'stages':>6} {'shared KiB':>10} "
+        f"{'regs':>5} {'spill B':>7}  first launched by"
+    ]
+    for v in report.variants:
+        regs = "?" if v.registers is None else str(v.registers)
+        spill = "?" if v.local_bytes is None else str(v.local_bytes)
+        lines.append(
+            f"sm_{v.arch:<3} {v.kernel:<22} {v.num_warps:>5} {v.num_stages:>6} "
+            f"{v.shared_bytes / 1024:>10.1f} {regs:>5} {spill:>7}  {v.case}"
+        )
+    for capability in archs:
+        arch = ARCHS[capability]
+        mine = [v for v in report.variants if v.arch == capability]
+        if not mine:
+            continue
+        peak = max(v.shared_bytes for v in mine)
+        spilled = sum(1 for v in mine if v.local_bytes)
+        lines.append(
+            f"sm_{capability} ({arch.gpus}): {len(mine)} variants compiled; most shared memory "
+            f"{peak / 1024:.1f} of {arch.max_shared_bytes // 1024} KiB; {spilled} spill registers"
+        )
+    if report.failures:
+        lines.append(f"{len(report.failures)} FAILED:")
+        lines.extend(f"  {failure}" for failure in report.failures)
+    else:
+        lines.append("all kernels compiled")
+    return "\n".join(lines)
+
+
+def _parse_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from model_server.loader.dummy import preset_names
+
+    p = argparse.ArgumentParser(
+        prog="python -m model_server.kernels.compile_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--arch",
+        default=",".join(str(a) for a in DEFAULT_ARCHS),
+        help=f"compute capabilities, comma-separated, of: {', '.join(map(str, ARCHS))}",
+    )
+    p.add_argument(
+        "--preset",
+        default=",".join(preset_names()),
+        help="model shapes, comma-separated dummy presets (default: all)",
+    )
+    p.add_argument("--dtype", default="bf16,fp16,fp32", help=f"of: {', '.join(DTYPES)}")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    args = p.parse_args(argv)
+
+    try:
+        archs = [int(a) for a in _parse_list(args.arch)]
+    except ValueError:
+        p.error(f"--arch takes numbers such as 90, got {args.arch!r}")
+    unknown = [a for a in archs if a not in ARCHS]
+    if unknown:
+        p.error(f"unknown --arch {unknown}; known: {', '.join(map(str, ARCHS))}")
+    dtypes = _parse_list(args.dtype)
+    if bad := [d for d in dtypes if d not in DTYPES]:
+        p.error(f"unknown --dtype {bad}; known: {', '.join(DTYPES)}")
+    try:
+        shapes = [ModelShape.from_preset(name) for name in _parse_list(args.preset)]
+    except ValueError as exc:
+        p.error(f"{exc}; presets: {', '.join(preset_names())}")
+
+    # Kernels decorated under the interpreter are not JITFunctions: nothing would compile.
+    if "model_server.kernels.paged_decode" in sys.modules and os.environ.get("TRITON_INTERPRET"):
+        print("compile_check must run in a fresh process without TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    os.environ["TRITON_INTERPRET"] = "0"
+    torch.manual_seed(0)
+    report = check(archs, shapes, dtypes, args.block_size)
+    print(format_report(report, archs))
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

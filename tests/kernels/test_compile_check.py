@@ -1,0 +1,126 @@
+"""The Triton kernels compile for real NVIDIA targets (not only under the interpreter).
+
+`python -m model_server.kernels.compile_check` runs in a fresh process (the kernels must be
+decorated with TRITON_INTERPRET off) and compiles, with Triton's bundled ptxas, every variant the
+attention backend and the fused ops launch for real models' shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_server.kernels.attention_tile import default_tile_n
+
+pytestmark = pytest.mark.kernels
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = (
+    "_store_kv_kernel",
+    "_paged_decode_kernel",
+    "_reduce_splits_kernel",
+    "_paged_prefill_kernel",
+    "_rms_norm_kernel",
+    "_silu_and_mul_kernel",
+)
+
+
+def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_sm89_and_sm90() -> None:
+    # sm_89 (L4, RTX 40xx: mma, 99 KiB of shared memory per block) and sm_90 (H100: wgmma);
+    # Qwen3-0.6B (D 128, GQA 2, per-head q/k norm views) and SmolLM2-135M (D 64, GQA 3);
+    # bf16 (tensor-core dots, never run by the interpreter tests) and fp32 (the largest tiles).
+    proc = _run(
+        [
+            "-m",
+            "model_server.kernels.compile_check",
+            "--arch",
+            "89,90",
+            "--preset",
+            "qwen3-0.6b,smollm2-135m",
+            "--dtype",
+            "bf16,fp32",
+        ]
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "all kernels compiled" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"sm_\d+\s+_", line)]
+    for arch in ("sm_89", "sm_90"):
+        compiled = {row[1] for row in rows if row[0] == arch}
+        assert compiled == set(KERNELS), (arch, compiled)
+        # Every variant's cubin was inspected: registers and spills are numbers, not "?".
+        for row in (r for r in rows if r[0] == arch):
+            assert row[5].isdigit() and row[6].isdigit(), row
+    summary = re.search(r"sm_89 \(.*?\): (\d+) variants compiled; most shared memory ([\d.]+)", out)
+    assert summary and int(summary[1]) >= 2 * 2 * len(KERNELS)
+    assert float(summary[2]) <= 99
+
+
+def test_shared_memory_overflow_is_caught_and_the_default_tile_avoids_it() -> None:
+    # fp32 prefill at D 128 with 64-position tiles needs more than sm_89's 99 KiB per block: the
+    # check must see it (metadata of the real cubin), and the default tile width must not.
+    script = textwrap.dedent(
+        """
+        import os
+        os.environ["TRITON_INTERPRET"] = "0"
+        import torch
+        from model_server.kernels.bench import Case, Shape, _build
+        from model_server.kernels.compile_check import ARCHS, compile_only
+        from model_server.kernels.paged_prefill import paged_prefill_attention
+
+        md, q, k, v, kc, vc = _build(
+            Case("p", [(0, 37), (0, 20)]), Shape(16, 8, 128, 16, torch.float32),
+            torch.device("cpu"),
+        )
+        for tile_n in (64, None):
+            with compile_only(89) as launched:
+                paged_prefill_attention(
+                    torch.empty_like(q), q, kc, vc, md.query_start_loc, md.seq_lens,
+                    md.block_tables, 0.1, 0, 2, md.max_query_len, tile_n=tile_n,
+                )
+            (name, kernel), = launched
+            print(name, tile_n, kernel.metadata.shared, ARCHS[89].max_shared_bytes)
+        """
+    )
+    proc = _run(["-c", script])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (forced, default) = [line.split() for line in proc.stdout.splitlines()[-2:]]
+    assert forced[0] == default[0] == "_paged_prefill_kernel"
+    assert int(forced[2]) > int(forced[3])  # tile 64: over the limit
+    assert int(default[2]) <= int(default[3])  # default (32 for fp32 at D 128): fits
+
+
+def test_compile_check_rejects_unknown_targets() -> None:
+    proc = _run(["-m", "model_server.kernels.compile_check", "--arch", "75"])
+    assert proc.returncode == 2
+    assert "unknown --arch [75]" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("block_d", "dtype", "expected"),
+    [
+        (128, torch.bfloat16, 64),
+        (128, torch.float16, 64),
+        (64, torch.float32, 64),
+        (128, torch.float32, 32),
+        (256, torch.bfloat16, 32),
+        (256, torch.float32, 16),
+        (512, torch.float32, 16),  # never below the 16 rows tl.dot needs
+    ],
+)
+def test_default_tile_n(block_d: int, dtype: torch.dtype, expected: int) -> None:
+    assert default_tile_n(block_d, dtype) == expected
