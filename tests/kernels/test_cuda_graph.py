@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.input_batch import SeqChunk
@@ -24,15 +25,61 @@ from tests.kernels.helpers import TINY_CONFIGS, tiny_llm
 pytestmark = pytest.mark.kernels
 
 
+class CaptureGuard(TorchDispatchMode):
+    """Records the ops that break (or silently corrupt) a CUDA graph capture.
+
+    On a GPU these fail only at capture time: a host read of a device value (`.item()`,
+    `.tolist()`, `bool(t)`, `repeat_interleave` without `output_size`), an op whose output shape
+    depends on the data (`nonzero`, boolean-mask indexing, `unique`), or a tensor built from Python
+    values inside the captured function (a host-to-device copy baked into the graph with that
+    step's values). Run under this mode on the CPU, the captured forward must issue none of them.
+    """
+
+    _DATA_DEPENDENT = frozenset(
+        {
+            "aten._local_scalar_dense",
+            "aten.nonzero",
+            "aten.masked_select",
+            "aten._unique2",
+            "aten.unique_consecutive",
+            "aten.unique_dim",
+            "aten.lift_fresh",
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.violations: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._overloadpacket._qualified_op_name.replace("::", ".")
+        if name in self._DATA_DEPENDENT:
+            self.violations.append(name)
+        elif name == "aten.repeat_interleave" and kwargs.get("output_size") is None:
+            if args and isinstance(args[0], torch.Tensor) and len(args) < 2:
+                self.violations.append(name)
+        elif name == "aten.index" and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
+        ):
+            self.violations.append("aten.index with a boolean mask")
+        return func(*args, **kwargs)
+
+
 class RerunCapturer:
-    """Replays by calling the function again and writing its result into the first output."""
+    """Replays by calling the function again and writing its result into the first output.
+
+    The capture run happens under `CaptureGuard`: an op a real capture would reject fails here.
+    """
 
     def __init__(self) -> None:
         self.captured: list[int] = []
         self.replays = 0
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        output = fn()
+        with CaptureGuard() as guard:
+            output = fn()
+        assert not guard.violations, f"not capturable: {sorted(set(guard.violations))}"
         self.captured.append(output.shape[0])
 
         def replay() -> None:
@@ -166,3 +213,20 @@ def test_graph_step_with_a_non_sampling_single_token_chunk(tmp_path, rerun_graph
     assert rerun_graphs.replays == replays  # the second step ran eagerly
     assert graph_out.sample_indices == eager_out.sample_indices == [0, 2]
     torch.testing.assert_close(graph_out.logits, eager_out.logits)
+
+
+def test_capture_guard_flags_what_a_real_capture_rejects() -> None:
+    x = torch.arange(6.0)
+    cases = {
+        "aten._local_scalar_dense": lambda: x.sum().item(),
+        "aten.nonzero": lambda: (x > 2).nonzero(),
+        "aten.index with a boolean mask": lambda: x[x > 2],
+        "aten.lift_fresh": lambda: torch.tensor([1, 2, 3]),
+    }
+    for expected, fn in cases.items():
+        with CaptureGuard() as guard:
+            fn()
+        assert expected in guard.violations, (expected, guard.violations)
+    with CaptureGuard() as guard:  # static-shape device work is fine
+        torch.where(x > 2, x, 0.0).softmax(0)[torch.arange(3)]
+    assert guard.violations == []
