@@ -62,6 +62,27 @@ def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
     return ids or None
 
 
+QUANTIZATION_METHODS = ("int8",)
+# Spellings of "no quantization" (settings, env files, Helm values).
+_NONE = ("", "none", "auto")
+
+
+def parse_quantization(value: str | None) -> str | None:
+    """The method named by a flag or setting (None: no quantization); ValueError if unknown."""
+    if value is None or value.strip().lower() in _NONE:
+        return None
+    method = value.strip().lower()
+    if method == "gguf":
+        # GGUF files are read (and dequantized) by the loader whatever this says.
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization {value!r} is not supported; choose one of: "
+            f"{', '.join(QUANTIZATION_METHODS)} (or none)"
+        )
+    return method
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start. Names mirror `vllm serve` flags.
@@ -75,6 +96,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2 GGUF
     load_format: str = "auto"  # auto | dummy
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str | None = None  # None | int8 (weight-only, in situ; layers/quantization.py)
     device: str = "cpu"  # cpu | cuda | gcu | hpu | auto
     device_ids: list[int] | None = None  # local rank i uses device_ids[i]; None: 0, 1, ...
     tensor_parallel_size: int = 1
@@ -113,6 +135,7 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        parse_quantization(self.quantization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

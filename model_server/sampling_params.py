@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy (argmax); dividing by them would overflow.
@@ -47,6 +48,18 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        # JSON bodies may carry NaN/Infinity (Python's json accepts them): a NaN passes every
+        # range check below that is written as `x < lo` and poisons the sampler's logits.
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.max_tokens is not None and self.max_tokens < 1:

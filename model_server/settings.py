@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model_server.config import EngineConfig, parse_device_ids, parse_size
+from model_server.config import EngineConfig, parse_device_ids, parse_quantization, parse_size
 
 # The served name of the embedded default model (its Hugging Face id).
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -99,9 +99,7 @@ class ServerSettings(BaseSettings):
     @field_validator("quantization")
     @classmethod
     def _check_quantization(cls, value: str | None) -> str | None:
-        # GGUF models are read from their quantized file and need no flag; no other scheme yet.
-        if value is not None and value.lower() not in ("", "none", "auto", "gguf"):
-            raise ValueError(f"quantization {value!r} is not supported (GGUF files need none)")
+        parse_quantization(value)  # which device supports it is checked when the engine starts
         return value
 
     @field_validator("kv_cache_dtype")

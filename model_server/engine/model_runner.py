@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_server.config import EngineConfig
+from model_server.config import EngineConfig, parse_quantization
 from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
 from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.input_batch import SeqChunk, build_model_inputs
@@ -26,6 +26,7 @@ from model_server.engine.request import Request
 from model_server.engine.scheduler import SchedulerOutput
 from model_server.engine.step_input import StepInput
 from model_server.layers.attention import get_attention_backend
+from model_server.layers.quantization import quantize_model
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
 from model_server.models.registry import build_model, init_dummy_weights
@@ -70,6 +71,8 @@ class ModelRunner:
         self.memory_baseline: MemorySnapshot | None = take_memory_snapshot(platform)
         # This rank's budget once `local_num_blocks` has profiled it.
         self.memory_profile: MemoryProfile | None = None
+        self.quantization = parse_quantization(config.quantization)
+        platform.check_quantization(self.quantization)  # before minutes of loading
         backend_name = config.attention_backend or platform.default_attention_backend
         self.attn_backend = get_attention_backend(backend_name)
         start = time.perf_counter()
@@ -84,12 +87,15 @@ class ModelRunner:
             init_dummy_weights(self.model, seed=config.seed)
         else:
             self.model.load_weights(_with_progress(source.weights(), source.num_weights))
+        if self.quantization is not None:
+            quantize_model(self.model, self.quantization)
         self.model.eval()
         logger.info(
-            "loaded %s (%s, %s) in %.2fs with the %s attention backend",
+            "loaded %s (%s, %s%s) in %.2fs with the %s attention backend",
             source.path,
             self.hf_config.architectures[0],
             str(self.dtype).removeprefix("torch."),
+            f", {self.quantization} weights" if self.quantization else "",
             time.perf_counter() - start,
             backend_name,
         )

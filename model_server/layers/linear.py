@@ -28,6 +28,7 @@ from model_server.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from model_server.distributed.partition import HeadShard, divide, shard_heads
+from model_server.layers.quantization import Int8Weight, int8_dense
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 _linear_impl: LinearFn = F.linear
@@ -39,8 +40,15 @@ def set_linear_impl(fn: LinearFn | None) -> None:
     _linear_impl = fn or F.linear
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, in] @ weight [out, in]^T + bias: every linear layer and the LM head call this."""
+def dense(
+    x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, in] @ weight [out, in]^T + bias: every linear layer and the LM head call this.
+
+    `weight` is a float tensor, or an `Int8Weight` once `--quantization int8` has replaced it.
+    """
+    if isinstance(weight, Int8Weight):
+        return int8_dense(x, weight, bias)
     return _linear_impl(x, weight, bias)
 
 

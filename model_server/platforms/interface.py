@@ -51,6 +51,8 @@ class Platform(ABC):
     dist_backend: str  # torch.distributed backend for tensor collectives
     default_attention_backend: str = "torch"
     supports_graphs: bool = False
+    # `--quantization` methods with a kernel here (layers/quantization.py); others are refused.
+    quantization_methods: tuple[str, ...] = ()
     # The vendor's variable that restricts which devices the runtime sees; None on CPU.
     visible_devices_env: str | None = None
     # Device memory is the host's RAM (CPU): sizes that assume accelerator memory shrink.
@@ -214,6 +216,14 @@ class Platform(ABC):
     def compute_units(cls, device: torch.device) -> int | None:
         """Streaming multiprocessors (or the device's equivalent) of `device`; None: unknown."""
         return None
+
+    def check_quantization(self, method: str | None) -> None:
+        """ValueError when `method` (a parsed `--quantization`) has no kernel on this platform."""
+        if method is not None and method not in self.quantization_methods:
+            have = ", ".join(self.quantization_methods) or "none"
+            raise ValueError(
+                f"quantization {method} is not supported on {self.name} (supported: {have})"
+            )
 
     def resolve_dtype(self, name: str) -> torch.dtype:
         if name in ("auto", "", None):

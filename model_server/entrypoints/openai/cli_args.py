@@ -48,11 +48,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "aborted. Default: 30.",
     )
     g.add_argument(
-        "--quantization",
-        help="Weight quantization. GGUF files are read in their own format; nothing else is "
-        "supported yet. Default: none.",
-    )
-    g.add_argument(
         "--kv-cache-dtype", help="KV cache data type. Only auto (the model dtype) for now."
     )
     g.add_argument(

@@ -1,0 +1,122 @@
+"""Weight-only int8 quantization in situ (`--quantization int8`).
+
+After the weights load, each linear layer's float weight W [N, K] (this rank's shard) is replaced
+by int8 codes Q [N, K] and one float32 scale per output row (symmetric, per output channel):
+
+    s[n] = max_k |W[n, k]| / 127,   Q[n, k] = round(W[n, k] / s[n]),   W ~= s[:, None] * Q
+
+The LM head is quantized too; a head tied to the input embedding gets its own int8 copy and the
+embedding keeps its float table for lookups (a step gathers only a few of its rows). Norms,
+embeddings and the KV cache stay in the model dtype.
+
+The matmul is the platform's (`set_int8_linear_impl`). Decode steps read each weight once per
+step, so at a few rows a step moves 1 byte per weight instead of 4 (fp32) or 2 (bf16): that is
+what makes batch-1 decode faster on bandwidth-bound CPUs. The portable implementation
+(`int8_linear_dequant`) dequantizes the whole matrix on every call: correct, but slower than the
+float model, so only platforms with a real int8 kernel accept the method (`Platform.
+quantization_methods`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_server.config import QUANTIZATION_METHODS
+
+# (x [M, K], weight (Int8Weight [N, K]), bias [N] | None) -> [M, N] in x's dtype
+Int8LinearFn = Callable[[torch.Tensor, "Int8Weight", torch.Tensor | None], torch.Tensor]
+
+
+class Int8Weight(nn.Module):
+    """A quantized weight in place of a float `weight` parameter: `dense` dispatches on it.
+
+    The scales are bf16 values (kept in float32 too): kernels that take bf16 scales, such as
+    PyTorch's int8 weight-only matmul, then apply exactly the scales the codes were made with.
+    Its tensors are parameters (without grad) so that `model.parameters()` still lists every byte
+    a step reads (see benchmarks/bandwidth.py).
+    """
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.qweight = nn.Parameter(qweight, requires_grad=False)  # [N, K] int8
+        self.scale = nn.Parameter(scale.float(), requires_grad=False)  # [N] float32
+        self.scale_bf16 = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)  # same
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"int8 {tuple(self.qweight.shape)}, per-row scales"
+
+
+def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 value >= x, for positive finite float32 x (as float32)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """weight [N, K] float -> Int8Weight, weight ~= scale[:, None] * qweight.
+
+    scale = max|row| / 127 rounded up to a bf16 value (a step at most 0.4 % coarser), so every
+    code fits in [-127, 127] and the error per weight is at most scale / 2.
+    """
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: codes 0
+    scale = _round_up_to_bf16(scale)
+    qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(qweight, scale)
+
+
+def int8_linear_dequant(
+    x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The portable int8 matmul: dequantize, then the float matmul (exact up to its rounding)."""
+    return F.linear(x, weight.dequantize(x.dtype), bias)
+
+
+_int8_linear_impl: Int8LinearFn = int8_linear_dequant
+
+
+def set_int8_linear_impl(fn: Int8LinearFn | None) -> None:
+    """Install the platform's int8 matmul (None restores the portable one)."""
+    global _int8_linear_impl
+    _int8_linear_impl = fn or int8_linear_dequant
+
+
+def int8_dense(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ dequantized(weight)^T + bias -> [..., N] in x's dtype."""
+    if x.dim() == 2:
+        return _int8_linear_impl(x, weight, bias)
+    lead = x.shape[:-1]
+    out = _int8_linear_impl(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*lead, out.shape[-1])
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize every linear layer and the LM head of a loaded model in place; returns how many
+    matrices were quantized. The float weights are released (a tied embedding keeps its own)."""
+    from model_server.layers.embedding import ParallelLMHead
+    from model_server.layers.linear import LinearBase
+
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization method {method!r}")
+    count = 0
+    for module in list(model.modules()):
+        if isinstance(module, LinearBase | ParallelLMHead) and isinstance(
+            module.weight, torch.Tensor
+        ):
+            quantized = quantize_int8(module.weight)
+            del module.weight  # this module's reference only: a tied embedding keeps the table
+            module.weight = quantized
+            count += 1
+    return count
