@@ -10,6 +10,7 @@ is not sent, so the model server's defaults apply, and `stream` defaults to fals
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -258,7 +259,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     if not text.strip():
         raise ServiceError("the request body is empty: send a JSON object", 400)
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise ServiceError(
             f"the request body is not valid JSON: {exc.msg} "
@@ -274,6 +275,22 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ServiceError(message, 422, param=param) from None
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json reads NaN/Infinity (and 1e999 as inf), which the request to the model server
+    # could not carry (httpx refuses to encode them): that was a 500 instead of a client error.
+    raise ServiceError(
+        f"the request body is not valid JSON: {name} is not a JSON number (send a finite number)",
+        400,
+    )
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ServiceError(f"the number {literal} is out of range (send a finite number)", 400)
+    return value
 
 
 _TAGS = frozenset({"opea", "openai"})

@@ -148,8 +148,13 @@ class OutputProcessor:
         if o.logprobs is not None and out.new_logprobs:
             o.logprobs.extend(out.new_logprobs)
         stopped_by_string = False
-        if sample.detokenizer is not None and out.new_token_ids:
-            delta = sample.detokenizer.add_tokens(out.new_token_ids)
+        new_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not params.include_stop_str_in_output:
+            # The core stopped on the last token (EOS or one of stop_token_ids): as in vLLM, it
+            # stays in token_ids but not in the text, unless include_stop_str_in_output.
+            new_ids = new_ids[:-1]
+        if sample.detokenizer is not None and new_ids:
+            delta = sample.detokenizer.add_tokens(new_ids)
             o.text = sample.detokenizer.text
             match = find_stop_string(
                 o.text, params.stop, len(delta), params.include_stop_str_in_output

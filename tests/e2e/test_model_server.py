@@ -166,7 +166,8 @@ def test_vllm_sampling_extras(client: Any, http: httpx.Client, model_name: str) 
                     "skip_special_tokens": False},
     )  # fmt: skip
     assert mixed.choices[0].finish_reason in ("stop", "length")
-    # stop_token_ids: stop at the token that spells " Paris" (kept in the text, as in vLLM).
+    # stop_token_ids: stop at the token that spells " Paris" (in token_ids, not in the text, as
+    # in vLLM without include_stop_str_in_output).
     base = chat_text(client, model_name, max_tokens=24, temperature=0).choices[0].message.content
     ids = http.post("/tokenize", json={"prompt": base}).json()["tokens"]
     texts = [http.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in ids]
@@ -176,7 +177,13 @@ def test_vllm_sampling_extras(client: Any, http: httpx.Client, model_name: str) 
     )
     assert stopped.choices[0].finish_reason == "stop"
     assert stopped.choices[0].model_extra["stop_reason"] == paris
-    assert stopped.choices[0].message.content == base[: base.index("Paris") + len("Paris")]
+    paris_text = texts[ids.index(paris)]
+    assert stopped.choices[0].message.content == base[: base.index(paris_text)]
+    kept = chat_text(
+        client, model_name, max_tokens=24, temperature=0,
+        extra_body={"stop_token_ids": [paris], "include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].message.content == base[: base.index("Paris") + len("Paris")]
 
 
 def test_32_concurrent_streams_all_complete(server: ServerProcess, model_name: str) -> None:

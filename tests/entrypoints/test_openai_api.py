@@ -257,6 +257,42 @@ def test_bad_requests_answer_4xx_in_openai_format(
         assert error["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"messages": []}, {"add_generation_prompt": False}, {"tokenize": True}, {"tokenizer": 1}],
+)
+@pytest.mark.parametrize("url", [CHAT, "/tokenize"])
+def test_chat_template_kwargs_cannot_override_server_arguments(
+    api: AppClient, url: str, kwargs: dict
+) -> None:
+    # Were TypeErrors ("got multiple values for argument ...") answered as 500s.
+    body = {"messages": MESSAGES, "chat_template_kwargs": kwargs, **GREEDY}
+    error = assert_error(api.post(url, json=body), 400, "chat_template_kwargs must not set")
+    assert error["param"] == "chat_template_kwargs"
+    assert next(iter(kwargs)) in error["message"]
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"1e999"])
+@pytest.mark.parametrize("field", [b"temperature", b"repetition_penalty"])
+def test_non_finite_sampling_values_are_400(api: AppClient, field: bytes, value: bytes) -> None:
+    # Python's json reads NaN/Infinity; they used to reach the sampler (200 with garbage).
+    body = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "%s": %s}' % (
+        field,
+        value,
+    )
+    resp = api.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert_error(resp, 400, f"{field.decode()} must be a finite number")
+
+
+def test_developer_role_is_rendered_as_system(api: AppClient) -> None:
+    developer = [{"role": "developer", "content": "You are terse."}, MESSAGES[1]]
+    as_system = api.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert api.post("/tokenize", json={"messages": developer}).json()["tokens"] == as_system
+    resp = api.post(CHAT, json={"messages": developer, **GREEDY})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["prompt_tokens"] == len(as_system)
+
+
 def test_streaming_bad_request_is_a_4xx_not_a_broken_stream(api: AppClient) -> None:
     resp = api.post(COMPLETIONS, json={"prompt": "x" * 5000, "stream": True})
     assert_error(resp, 400, "maximum context length")

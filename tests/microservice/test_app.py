@@ -275,6 +275,7 @@ def test_model_server_dying_mid_stream_ends_with_an_error_event(
         (json.dumps({"messages": {"system": "s"}}).encode(), 422, "messages.user"),
         (json.dumps({**OPEA, "max_new_tokens": 0}).encode(), 422, "max_new_tokens"),
         (json.dumps({**OPEA, "top_k": "ten"}).encode(), 422, "top_k"),
+        (json.dumps({**OPEA, "temperature": float("nan")}).encode(), 400, "NaN"),
     ],
 )
 def test_bad_input_is_4xx_naming_the_problem(

@@ -162,6 +162,10 @@ def test_generated_doc_is_opeas_body() -> None:
         ),
         (b'{"messages": {"user": "u"}, "stream": true, "streaming": false}', 422, ["disagree"]),
         (b'{"messages": {"user": "u"}, "max_tokens": 3, "max_new_tokens": 4}', 422, ["disagree"]),
+        # Python's json reads these; the request upstream could not carry them (was a 500).
+        (b'{"messages": {"user": "u"}, "temperature": NaN}', 400, ["NaN", "finite"]),
+        (b'{"messages": {"user": "u"}, "top_p": -Infinity}', 400, ["-Infinity", "finite"]),
+        (b'{"messages": {"user": "u"}, "temperature": 1e999}', 400, ["1e999", "finite"]),
     ],
 )
 def test_bad_requests_say_what_is_wrong(body: bytes, status: int, words: list[str]) -> None:

@@ -96,7 +96,7 @@ def test_n_samples_grouped_until_all_finish() -> None:
     )
     assert len(outs) == 1 and not outs[0].finished
     assert [o.text for o in outs[0].outputs] == ["x", "y"]
-    outs, _ = proc.process_outputs([EngineCoreOutput("1_r", ids("z"), None, "stop", None)])
+    outs, _ = proc.process_outputs([EngineCoreOutput("1_r", [*ids("z"), 256], None, "stop", None)])
     assert outs[0].finished
     assert [o.text for o in outs[0].outputs] == ["x", "yz"]
     # Finished requests are forgotten: a late output for them is ignored.
@@ -104,8 +104,28 @@ def test_n_samples_grouped_until_all_finish() -> None:
 
 
 def test_special_tokens_skipped_or_kept() -> None:
-    for skip, expected in ((True, "ok"), (False, "ok<eos>")):
+    proc = OutputProcessor(ByteTokenizer())
+    proc.add_request("r", "p", [1], SamplingParams(skip_special_tokens=False))
+    out, _ = step(proc, "r", [*ids("ok"), 256, 256])
+    assert out.outputs[0].text == "ok<eos><eos>"
+
+
+def test_the_stop_token_is_left_out_of_the_text_like_vllm() -> None:
+    # EOS or a stop_token_ids hit ends the text before it (vLLM), even when special tokens are
+    # shown, unless include_stop_str_in_output; token_ids always hold it. "<eos>" and "!" used to
+    # be appended (`<|im_end|>` at the end of every chat answer with skip_special_tokens=false).
+    cases = [
+        (dict(skip_special_tokens=True), 256, "ok"),
+        (dict(skip_special_tokens=False), 256, "ok"),
+        (dict(skip_special_tokens=False, include_stop_str_in_output=True), 256, "ok<eos>"),
+        (dict(stop_token_ids=[ord("!")]), ord("!"), "ok"),
+        (dict(stop_token_ids=[ord("!")], include_stop_str_in_output=True), ord("!"), "ok!"),
+    ]
+    for kwargs, stop_id, expected in cases:
         proc = OutputProcessor(ByteTokenizer())
-        proc.add_request("r", "p", [1], SamplingParams(skip_special_tokens=skip))
-        out, _ = step(proc, "r", [*ids("ok"), 256], finish="stop")
-        assert out.outputs[0].text == expected
+        proc.add_request("r", "p", [1], SamplingParams(**kwargs))
+        streamed = step(proc, "r", ids("o"))[0].outputs[0].text_delta
+        out, _ = step(proc, "r", [*ids("k"), stop_id], finish="stop")
+        streamed += out.outputs[0].text_delta
+        assert out.outputs[0].text == expected == streamed, kwargs
+        assert out.outputs[0].token_ids == [*ids("ok"), stop_id]

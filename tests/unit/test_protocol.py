@@ -95,6 +95,11 @@ def test_chat_logprobs_off_means_none_on_means_top_k() -> None:
         ("n", 0, "n must be at least 1"),
         ("max_tokens", -1, "max_tokens must be at least 1"),
         ("logprobs", 50, "logprobs must be in [0, 20]"),
+        # NaN passes `x < 0` checks; JSON bodies can carry NaN/Infinity (Python's json reads them).
+        ("temperature", float("nan"), "temperature must be a finite number"),
+        ("temperature", float("inf"), "temperature must be a finite number"),
+        ("repetition_penalty", float("nan"), "repetition_penalty must be a finite number"),
+        ("repetition_penalty", float("inf"), "repetition_penalty must be a finite number"),
     ],
 )
 def test_out_of_range_values_raise_sampling_params_messages(
@@ -143,9 +148,17 @@ def test_validation_errors_read_well(model: type, body: dict, needle: str) -> No
     assert "Value error," not in message
 
 
+def test_developer_role_is_the_system_role_for_templates() -> None:
+    request = ChatCompletionRequest(
+        messages=[{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]
+    )
+    assert [m.template_role for m in request.messages] == ["system", "user"]
+
+
 def test_unknown_role_message_names_the_roles() -> None:
     message = message_for(ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]})
-    assert message.startswith("messages.0.role:") and "'system', 'user' or 'assistant'" in message
+    assert message.startswith("messages.0.role:")
+    assert "'system', 'developer', 'user' or 'assistant'" in message
     assert "wizard" in message
 
 

@@ -228,9 +228,15 @@ ChatContentPart = Annotated[ChatTextPart | ChatOtherPart, Field(union_mode="left
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "user", "assistant"]
+    # "developer" is OpenAI's newer name for the system role; templates know only "system".
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+
+    @property
+    def template_role(self) -> str:
+        """The role as chat templates know it."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines, as vLLM does."""

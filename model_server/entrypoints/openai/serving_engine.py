@@ -34,6 +34,21 @@ SSE_DONE = "data: [DONE]\n\n"
 
 T = TypeVar("T")
 
+# Arguments of render_chat / apply_chat_template that the server sets itself: passing them again
+# through chat_template_kwargs is a TypeError ("got multiple values"), i.e. a 500, not a 400.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "tokenizer",
+        "messages",
+        "conversation",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+    }
+)
+
 
 def to_api_error(exc: BaseException) -> APIError:
     """Map engine exceptions to HTTP errors; anything unexpected is re-raised by the caller."""
@@ -173,9 +188,17 @@ class OpenAIServing:
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
     ) -> list[int]:
+        reserved = sorted(set(template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(
+                f"chat_template_kwargs must not set {', '.join(reserved)}: the server sets "
+                "(or takes from the request's own fields) those arguments itself",
+                400,
+                param="chat_template_kwargs",
+            )
         tokenizer = self.tokenizer()
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            conversation = [{"role": m.template_role, "content": m.text()} for m in messages]
             return render_chat(
                 tokenizer,
                 conversation,
