@@ -13,6 +13,7 @@ from model_server.engine.llm import LLM
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import LinearBase, dense
 from model_server.layers.quantization import Int8Weight, quantize_int8, set_int8_linear_impl
+from model_server.platforms import cpu as cpu_platform
 from model_server.platforms.cpu import _INT8_KERNEL_MAX_ROWS, CpuPlatform, int8_linear
 from model_server.sampling_params import SamplingParams
 from model_server.settings import ServerSettings
@@ -50,6 +51,16 @@ def test_cpu_int8_linear_matches_the_dequantized_matmul(rows: int, with_bias: bo
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max())
     else:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_dequantizing_matmul_in_blocks(monkeypatch) -> None:
+    # Blocks of 3 rows (of 200, the last one partial): every block lands in its own columns.
+    monkeypatch.setattr(cpu_platform, "_DEQUANT_BLOCK_BYTES", 3 * 96 * 4)
+    torch.manual_seed(1)
+    q = quantize_int8(torch.randn(200, 96))
+    x, bias = torch.randn(_INT8_KERNEL_MAX_ROWS + 5, 96), torch.randn(200)
+    expected = torch.nn.functional.linear(x, q.dequantize(), bias)
+    torch.testing.assert_close(int8_linear(x, q, bias), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_dense_dispatches_on_int8_weights_for_any_leading_shape() -> None:
