@@ -310,7 +310,23 @@ class ModelServer:
             body = {}
         if isinstance(body, dict) and body.get("phase"):
             state["phase"] = body["phase"]
-        if response.status_code == 200:
-            return {**state, "ready": True, "status": "ready"}
-        detail = body.get("message") if isinstance(body, dict) else None
-        return {**state, "ready": False, "status": "not_ready", "detail": detail}
+        if response.status_code != 200:
+            detail = body.get("message") if isinstance(body, dict) else None
+            return {**state, "ready": False, "status": "not_ready", "detail": detail}
+        # /health is open on the model server: a wrong or missing LLM_API_KEY would still say
+        # ready while every chat request fails, so ask the (authenticated) API once as well.
+        try:
+            models = await self.client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            reason = map_transport_error(exc, self.base_url).message
+            return {**state, "ready": False, "status": "unreachable", "detail": reason}
+        if models.status_code in (401, 403):
+            return {
+                **state,
+                "ready": False,
+                "status": "unauthorized",
+                "http_status": models.status_code,
+                "detail": f"the model server refuses this service's key (LLM_API_KEY): "
+                f"HTTP {models.status_code} on /v1/models",
+            }
+        return {**state, "ready": True, "status": "ready"}

@@ -98,11 +98,13 @@ Reply = Callable[[httpx.Request, dict[str, Any]], httpx.Response]
 @dataclass
 class FakeModelServer:
     """`chat` answers /v1/chat/completions (default: "Hello" in two pieces); `health_status`
-    is /health's status; every request is recorded."""
+    is /health's status; with `api_key`, /v1/* answers 401 without that bearer key (/health
+    stays open, as on Wick's model server); every request is recorded."""
 
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo"])
     health_status: int = 200
     chat: Reply | None = None
+    api_key: str | None = None
     requests: list[httpx.Request] = field(default_factory=list)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -112,6 +114,8 @@ class FakeModelServer:
             body = {"status": "ok" if self.health_status == 200 else "unavailable"}
             body["phase"] = "ready" if self.health_status == 200 else "loading"
             return httpx.Response(self.health_status, json=body)
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return httpx.Response(401, json={"error": {"message": "invalid API key"}})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
         if path == "/v1/chat/completions":

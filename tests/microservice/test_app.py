@@ -308,6 +308,17 @@ def test_health_check_reflects_the_model_server(connector: str) -> None:
     assert not_ready.json()["model_server"]["phase"] == "loading"
 
 
+def test_health_check_is_not_ready_when_the_model_server_refuses_our_key(connector: str) -> None:
+    keyed = FakeModelServer(api_key="s3cret")
+    wrong = call(connector, keyed, ("GET", "/v1/health_check", None), api_key="wrong")[0]
+    assert wrong.status_code == 503
+    state = wrong.json()["model_server"]
+    assert state["status"] == "unauthorized" and state["http_status"] == 401
+    assert "LLM_API_KEY" in state["detail"]
+    right = call(connector, keyed, ("GET", "/v1/health_check", None), api_key="s3cret")[0]
+    assert right.status_code == 200 and right.json()["model_server"]["status"] == "ready"
+
+
 def test_health_check_is_cached(connector: str) -> None:
     fake = FakeModelServer()
     call(connector, fake, *[("GET", "/v1/health_check", None)] * 5, health_cache_seconds=60)

@@ -194,4 +194,4 @@ def test_api_key_is_sent_as_bearer() -> None:
         await ModelServer(URL, api_key="s3cret", transport=httpx.MockTransport(handler)).probe()
 
     run(go())
-    assert seen == ["Bearer s3cret"]
+    assert seen == ["Bearer s3cret"] * 2  # /health, then /v1/models (checks the key works)
