@@ -55,7 +55,7 @@ def test_cpu_int8_linear_matches_the_dequantized_matmul(rows: int, with_bias: bo
 
 def test_cpu_dequantizing_matmul_in_blocks(monkeypatch) -> None:
     # Blocks of 3 rows (of 200, the last one partial): every block lands in its own columns.
-    monkeypatch.setattr(cpu_platform, "_DEQUANT_BLOCK_BYTES", 3 * 96 * 4)
+    monkeypatch.setattr(cpu_platform, "_BLOCK_BYTES", 3 * 96 * 4)
     torch.manual_seed(1)
     q = quantize_int8(torch.randn(200, 96))
     x, bias = torch.randn(_INT8_KERNEL_MAX_ROWS + 5, 96), torch.randn(200)

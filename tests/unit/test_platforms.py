@@ -25,6 +25,7 @@ from model_server.platforms import (
     platform_class,
     resolve_device,
 )
+from model_server.platforms import cpu as cpu_platform
 from model_server.platforms.cpu import skinny_linear
 
 
@@ -38,6 +39,17 @@ def test_skinny_linear_equals_f_linear(rows: int, out_features: int, bias: bool)
     b = torch.randn(out_features) if bias else None
     got = skinny_linear(x, w, b)
     assert got.shape == (rows, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 8, 64])
+def test_skinny_linear_in_blocks_of_rows(monkeypatch, rows: int) -> None:
+    # Blocks of 5 output rows (of 97, the last one partial) for a "large" matrix.
+    monkeypatch.setattr(cpu_platform, "_BLOCK_BYTES", 5 * 48 * 4)
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, 48), torch.randn(97, 48), torch.randn(97)
+    got = skinny_linear(x, w, b)
+    assert got.shape == (rows, 97) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
 
 
