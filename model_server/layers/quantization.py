@@ -3,7 +3,7 @@
 After the weights load, each linear layer's float weight W [N, K] (this rank's shard) is replaced
 by int8 codes Q [N, K] and one float32 scale per output row (symmetric, per output channel):
 
-    s[n] = max_k |W[n, k]| / 127,   Q[n, k] = round(W[n, k] / s[n]),   W ~= s[:, None] * Q
+    s[n] = max_k |W[n, k]| / 127 (rounded up to a bf16 value),   Q[n, k] = round(W[n, k] / s[n])
 
 The LM head is quantized too; a head tied to the input embedding gets its own int8 copy and the
 embedding keeps its float table for lookups (a step gathers only a few of its rows). Norms,
@@ -102,15 +102,14 @@ def int8_dense(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -
     return out.view(*lead, out.shape[-1])
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Quantize every linear layer and the LM head of a loaded model in place; returns how many
-    matrices were quantized. The float weights are released (a tied embedding keeps its own)."""
+def quantize_model(model: nn.Module, method: str) -> None:
+    """Quantize every linear layer and the LM head of a loaded model in place. The float weights
+    are released (a tied embedding keeps its own)."""
     from model_server.layers.embedding import ParallelLMHead
     from model_server.layers.linear import LinearBase
 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization method {method!r}")
-    count = 0
     for module in list(model.modules()):
         if isinstance(module, LinearBase | ParallelLMHead) and isinstance(
             module.weight, torch.Tensor
@@ -118,5 +117,3 @@ def quantize_model(model: nn.Module, method: str) -> int:
             quantized = quantize_int8(module.weight)
             del module.weight  # this module's reference only: a tied embedding keeps the table
             module.weight = quantized
-            count += 1
-    return count
