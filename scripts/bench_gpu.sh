@@ -4,6 +4,7 @@
 #   throughput  bench throughput, nano-vllm's workload, Qwen3-0.6B (dummy weights), HF baseline
 #   latency     bench latency, Llama-3.1-8B bf16 (dummy weights), batch 1, HF baseline
 #   eager       the same latency with --enforce-eager (no CUDA graphs), without the baseline
+#   int8        the same latency with --quantization int8 (w8a16 Triton kernel), no baseline
 #   summary     a table of the figures next to the references (nano-vllm/vLLM 1.053x; ~200 tok/s)
 # Each step's output goes to $BENCH_LOG_DIR/<step>.log and everything to bench_gpu.log there.
 #
@@ -27,7 +28,7 @@ PY="${PYTHON:-python3}"
 LOG_DIR="${BENCH_LOG_DIR:-$ROOT/bench_results/gpu}"
 WHEEL_DIR="${WHEEL_DIR:-$ROOT/.whl}"
 SITE_DIR="${SITE_DIR:-/tmp/site}"
-ALL_STEPS=(tests throughput latency eager summary)
+ALL_STEPS=(tests throughput latency eager int8 summary)
 
 DRY_RUN=0
 STEPS=()
@@ -35,7 +36,7 @@ for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
     -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    tests|throughput|latency|eager|summary) STEPS+=("$arg") ;;
+    tests|throughput|latency|eager|int8|summary) STEPS+=("$arg") ;;
     *) echo "bench_gpu.sh: unknown argument '$arg' (steps: ${ALL_STEPS[*]}; --dry-run)" >&2; exit 2 ;;
   esac
 done
@@ -65,6 +66,8 @@ set_command() {
       CMD=("${bench[@]}" latency "${llama[@]}" --batch-size 1 --baseline transformers) ;;
     eager)
       CMD=("${bench[@]}" latency "${llama[@]}" --batch-size 1 --enforce-eager) ;;
+    int8)
+      CMD=("${bench[@]}" latency "${llama[@]}" --batch-size 1 --quantization int8) ;;
     summary)
       CMD=("$PY" -m model_server.benchmarks.gpu_summary "$LOG_DIR") ;;
   esac

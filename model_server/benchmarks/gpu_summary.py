@@ -30,6 +30,7 @@ STEP_LOGS = {
     "throughput": "throughput.log",
     "latency": "latency.log",
     "eager": "eager.log",
+    "int8": "int8.log",
 }
 
 _NUM = r"([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)"
@@ -135,6 +136,7 @@ def format_summary(
     throughput: ThroughputFigures | None,
     latency: LatencyFigures | None,
     eager: LatencyFigures | None,
+    int8: LatencyFigures | None = None,
 ) -> str:
     rows: list[tuple[str, str, str]] = []
     if throughput is not None:
@@ -156,7 +158,7 @@ def format_summary(
                 f"nano-vllm / vLLM {RATIO_GOAL:.3f}x: goal {_goal(throughput.ratio, RATIO_GOAL)}",
             ),
         ]
-    for label, figures in (("CUDA graphs", latency), ("eager", eager)):
+    for label, figures in (("CUDA graphs", latency), ("eager", eager), ("int8 weights", int8)):
         if figures is None:
             continue
         rows += [
@@ -213,6 +215,7 @@ def summarize(log_dir: Path) -> str:
         parse_throughput(read("throughput")),
         parse_latency(read("latency")),
         parse_latency(read("eager")),
+        parse_latency(read("int8")),
     )
 
 

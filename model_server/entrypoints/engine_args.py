@@ -33,7 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="int8: weight-only int8 quantization at load (per output channel; activations, "
         "norms, embeddings and the KV cache stay in --dtype): 4x less weight memory than "
-        "float32 and faster few-row decode steps on CPU (cpu only for now). GGUF files are "
+        "float32 and faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel (cpu and "
+        "cuda only). GGUF files are "
         "always read in their own format and dequantized. Default: none.",
     )
     g.add_argument(

@@ -224,8 +224,10 @@ def attention_calls(
 def fused_op_calls(
     shape: ModelShape, dtype: torch.dtype, num_tokens: int = 8
 ) -> Iterator[tuple[str, Callable[[], object]]]:
-    """The fused ops at the model's widths, in the layouts the decoder layers pass."""
+    """The fused ops (and the int8 matmul) at the model's widths, in the layouts the decoder
+    layers pass."""
     from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
     t, hidden, eps = num_tokens, shape.hidden_size, 1e-6
@@ -242,6 +244,13 @@ def fused_op_calls(
         yield "q/k norm (head views)", lambda: rms_norm(q, head_weight, eps)
     gate_up = torch.randn(t, 2 * shape.intermediate_size, dtype=dtype)
     yield "silu_and_mul", lambda: silu_and_mul(gate_up)
+    # --quantization int8: a decode-sized and a prefill-sized step (N only matters through its
+    # divisibility, so a slice of the layer's outputs stands in for all of them).
+    qweight = torch.zeros(256, hidden, dtype=torch.int8)
+    scale = torch.ones(256)
+    for rows in (t, 64):
+        xs = torch.randn(rows, hidden, dtype=dtype)
+        yield f"int8 linear, {rows} rows", lambda xs=xs: int8_linear(xs, qweight, scale)
 
 
 def check(

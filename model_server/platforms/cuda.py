@@ -8,6 +8,7 @@ from types import ModuleType
 import torch
 
 from model_server.layers.fused_ops import enable_triton_fused_ops
+from model_server.layers.quantization import set_int8_linear_impl
 from model_server.platforms.interface import Platform, PlatformUnavailable
 
 
@@ -17,6 +18,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     default_attention_backend = "triton"
     supports_graphs = True
+    quantization_methods = ("int8",)
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     @classmethod
@@ -56,6 +58,10 @@ class CudaPlatform(Platform):
         # One-pass Triton RMSNorm (+ residual add) and SiluAndMul: at large decode batches the
         # PyTorch versions' ~8 kernels per call each move the whole activation.
         enable_triton_fused_ops()
+        # --quantization int8: the w8a16 Triton kernel reads int8 codes (kernels/int8_linear.py).
+        from model_server.kernels.int8_linear import int8_linear
+
+        set_int8_linear_impl(lambda x, w, bias: int8_linear(x, w.qweight, w.scale, bias))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -28,6 +28,7 @@ KERNELS = (
     "_paged_prefill_kernel",
     "_rms_norm_kernel",
     "_silu_and_mul_kernel",
+    "_int8_linear_kernel",
 )
 
 

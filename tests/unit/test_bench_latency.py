@@ -286,6 +286,11 @@ def test_gpu_summary_parses_and_tabulates() -> None:
     assert "nano-vllm / vLLM 1.053x: goal met" in text
     assert "81.4% of 222.6  goal >= 85%: NOT met" in text
     assert "eager" in text and "120.0" in text
+    assert "int8" not in text  # no int8 run: no int8 rows
+    int8 = parse_latency(LATENCY_LOG.replace("181.3 tok/s at batch", "250.5 tok/s at batch"))
+    assert "latency: Llama-3.1-8B, batch 1, int8 weights" in format_summary(
+        tests, tp, lat, eager, int8
+    )
     assert parse_latency("no figures") is None and parse_throughput("") is None
 
 
@@ -329,5 +334,6 @@ def test_bench_gpu_script_dry_run_prints_the_commands() -> None:
     )
     assert lines[2] == f"{latency} --baseline transformers"
     assert lines[3] == f"{latency} --enforce-eager"
-    assert lines[4].startswith(f"{py} -m model_server.benchmarks.gpu_summary ")
+    assert lines[4] == f"{latency} --quantization int8"
+    assert lines[5].startswith(f"{py} -m model_server.benchmarks.gpu_summary ")
     assert _bench_gpu("--dry-run", "latency").stdout.count("bench latency") == 1
