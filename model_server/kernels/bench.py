@@ -46,7 +46,7 @@ class Shape:
     dtype: torch.dtype
 
 
-def _build(case: Case, shape: Shape, device: torch.device):
+def build_case_inputs(case: Case, shape: Shape, device: torch.device):
     """Random caches with shuffled block tables, real metadata, and the step's q/k/v."""
     from model_server.engine.input_batch import SeqChunk, build_model_inputs
 
@@ -95,7 +95,7 @@ def run_case(case: Case, shape: Shape, device: torch.device) -> str:
     from model_server.layers.attention.torch_backend import TorchAttentionBackend
     from model_server.layers.attention.triton_backend import TritonAttentionBackend
 
-    md, q, k, v, k_cache, v_cache = _build(case, shape, device)
+    md, q, k, v, k_cache, v_cache = build_case_inputs(case, shape, device)
     scale = shape.head_dim**-0.5
     args = (shape.num_heads, shape.num_kv_heads, shape.head_dim, scale)
     triton_be, torch_be = TritonAttentionBackend(*args), TorchAttentionBackend(*args)

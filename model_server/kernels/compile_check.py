@@ -204,12 +204,13 @@ def attention_calls(
     shape: ModelShape, dtype: torch.dtype, block_size: int, sm_count: int
 ) -> Iterator[tuple[str, Callable[[], object]]]:
     """The `triton` backend's forward (store K/V, decode, split reduce, prefill) per case."""
-    from model_server.kernels.bench import Case, Shape, _build
+    from model_server.kernels.bench import Case, Shape, build_case_inputs
     from model_server.layers.attention.triton_backend import TritonAttentionBackend
 
     kshape = Shape(shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, dtype)
     for name, requests in ATTENTION_CASES:
-        md, q, k, v, k_cache, v_cache = _build(Case(name, requests), kshape, torch.device("cpu"))
+        case = Case(name, requests)
+        md, q, k, v, k_cache, v_cache = build_case_inputs(case, kshape, torch.device("cpu"))
         backend = TritonAttentionBackend(
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5
         )
@@ -247,7 +248,7 @@ def fused_op_calls(
     # --quantization int8: a decode-sized and a prefill-sized step (N only matters through its
     # divisibility, so a slice of the layer's outputs stands in for all of them).
     qweight = torch.zeros(256, hidden, dtype=torch.int8)
-    scale = torch.ones(256)
+    scale = torch.ones(256, dtype=torch.bfloat16)  # as Int8Weight stores them
     for rows in (t, 64):
         xs = torch.randn(rows, hidden, dtype=dtype)
         yield f"int8 linear, {rows} rows", lambda xs=xs: int8_linear(xs, qweight, scale)

@@ -1,11 +1,12 @@
 """Weight-only int8 matmul (w8a16) for `--quantization int8` on CUDA: y = x @ (s * Q)^T + b.
 
-x [M, K] in the model dtype; Q [N, K] int8 codes and s [N] float32 per-row scales
-(layers/quantization.py). Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a program loads int8 tiles
-of Q (1 byte per weight from memory, half of bf16's), converts them to x's dtype in registers,
-accumulates `tl.dot` in fp32 over K, then applies the scales (and bias) once per output column.
-Decode steps (M <= 16) use narrow N tiles so that even a 4096-wide layer spreads over more
-programs than an H100 has SMs.
+x [M, K] in the model dtype; Q [N, K] int8 codes and s [N] per-row scales (bf16 as
+layers/quantization.py stores them, or float32), widened to float32 in the kernel.
+Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a program loads int8 tiles of Q (1 byte per weight
+from memory, half of bf16's), converts them to x's dtype in registers, accumulates `tl.dot` in
+fp32 over K, then applies the scales (and bias) once per output column.
+Decode steps (M <= 16) use narrow N tiles (32 columns): a 4096-wide layer is 128 programs,
+about one per H100 SM. These tile sizes are untuned: no GPU has measured them yet.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def _int8_linear_kernel(
     out_ptr,  # [M, N], x's dtype
     x_ptr,  # [M, K] (row stride stride_xm, unit stride along K)
     qweight_ptr,  # [N, K] int8, contiguous
-    scale_ptr,  # [N] float32
+    scale_ptr,  # [N] bf16 or float32
     bias_ptr,  # [N] (used when HAS_BIAS)
     M,
     N,
@@ -53,7 +54,7 @@ def _int8_linear_kernel(
         if UPCAST_DOT:
             x = x.to(tl.float32)
         acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION)
-    acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+    acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]

@@ -1,7 +1,7 @@
 """Weight-only int8 quantization in situ (`--quantization int8`).
 
 After the weights load, each linear layer's float weight W [N, K] (this rank's shard) is replaced
-by int8 codes Q [N, K] and one float32 scale per output row (symmetric, per output channel):
+by int8 codes Q [N, K] and one bf16 scale per output row (symmetric, per output channel):
 
     s[n] = max_k |W[n, k]| / 127 (rounded up to a bf16 value),   Q[n, k] = round(W[n, k] / s[n])
 
@@ -34,24 +34,24 @@ Int8LinearFn = Callable[[torch.Tensor, "Int8Weight", torch.Tensor | None], torch
 class Int8Weight(nn.Module):
     """A quantized weight in place of a float `weight` parameter: `dense` dispatches on it.
 
-    The scales are bf16 values (kept in float32 too): kernels that take bf16 scales, such as
-    PyTorch's int8 weight-only matmul, then apply exactly the scales the codes were made with.
-    Its tensors are parameters (without grad) so that `model.parameters()` still lists every byte
-    a step reads (see benchmarks/bandwidth.py).
+    The scales are stored in bf16 and are exactly the values the codes were made with, so kernels
+    that take bf16 scales (PyTorch's int8 weight-only matmul) and kernels that widen them to
+    float32 apply the same scales. Its tensors are parameters (without grad) so that
+    `model.parameters()` still lists every byte a step reads (see benchmarks/bandwidth.py).
     """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
         self.qweight = nn.Parameter(qweight, requires_grad=False)  # [N, K] int8
-        self.scale = nn.Parameter(scale.float(), requires_grad=False)  # [N] float32
-        self.scale_bf16 = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)  # same
+        # [N] bf16; `scale` must hold bf16 values already (quantize_int8 rounds them up).
+        self.scale = nn.Parameter(scale.to(torch.bfloat16), requires_grad=False)
 
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+        return (self.qweight.float() * self.scale.float()[:, None]).to(dtype)
 
     def extra_repr(self) -> str:
         return f"int8 {tuple(self.qweight.shape)}, per-row scales"
@@ -72,7 +72,7 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     w = weight.detach().float()
     scale = w.abs().amax(dim=1) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: codes 0
-    scale = _round_up_to_bf16(scale)
+    scale = _round_up_to_bf16(scale)  # float32 holding bf16 values: the cast below is exact
     qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(qweight, scale)
 

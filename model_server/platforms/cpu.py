@@ -76,7 +76,7 @@ class _Int8Scratch:
         out = self.buffer[:numel].view(end - start, k)
         # A cast, then a multiply: both vectorized (one mixed int8 x float multiply is not).
         out.copy_(weight.qweight[start:end])
-        return out.mul_(weight.scale[start:end, None])
+        return out.mul_(weight.scale[start:end, None].float())  # bf16 scales widen exactly
 
 
 _int8_scratch = _Int8Scratch()
@@ -107,7 +107,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     returns bf16. More rows: dequantize block by block, then the float matmul.
     """
     if x.shape[0] <= _INT8_KERNEL_MAX_ROWS:
-        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.qweight, weight.scale_bf16)
+        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), weight.qweight, weight.scale)
         out = out.to(x.dtype)
         if bias is not None:
             out += bias

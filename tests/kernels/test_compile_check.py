@@ -79,11 +79,11 @@ def test_shared_memory_overflow_is_caught_and_the_default_tile_avoids_it() -> No
         import os
         os.environ["TRITON_INTERPRET"] = "0"
         import torch
-        from model_server.kernels.bench import Case, Shape, _build
+        from model_server.kernels.bench import Case, Shape, build_case_inputs
         from model_server.kernels.compile_check import ARCHS, compile_only
         from model_server.kernels.paged_prefill import paged_prefill_attention
 
-        md, q, k, v, kc, vc = _build(
+        md, q, k, v, kc, vc = build_case_inputs(
             Case("p", [(0, 37), (0, 20)]), Shape(16, 8, 128, 16, torch.float32),
             torch.device("cpu"),
         )
