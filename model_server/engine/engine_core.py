@@ -44,10 +44,13 @@ class EngineCore:
                 config.max_model_len,
                 model_max_len,
             )
-        resolve_max_model_len(config, hf_config)
+        # Resolved after the workers start, so that they too can tell a given length from the
+        # model's (worker.run_worker): only the model's is fitted to the KV cache.
+        max_model_len_given = config.max_model_len is not None
         self.executor = create_executor(config, self.source, self.platform)
+        resolve_max_model_len(config, hf_config)
         try:
-            self._init_kv_cache(config)
+            self._init_kv_cache(config, max_model_len_given)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -62,20 +65,21 @@ class EngineCore:
             self.kv_cache_manager,
         )
 
-    def _init_kv_cache(self, config: EngineConfig) -> None:
+    def _init_kv_cache(self, config: EngineConfig, max_model_len_given: bool) -> None:
         # Without --kv-cache-memory every rank may profile a forward here (memory_profiler.py).
         self.num_blocks = self.executor.determine_num_blocks(config.kv_cache_memory)
         runner = self.executor.model_runner
         bytes_per_block = runner.bytes_per_block()
         # Checked once the count is the smallest over the ranks, so that no rank raises alone
         # while the others wait in the reduction.
-        runner.check_num_blocks(self.num_blocks)
+        runner.check_num_blocks(self.num_blocks, max_model_len_given)
         if self.num_blocks < 2:
             budget = config.kv_cache_memory or self.num_blocks * bytes_per_block
             raise ValueError(
                 f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
                 f"{bytes_per_block} bytes; raise --kv-cache-memory"
             )
+        self._fit_max_model_len(config, max_model_len_given)
         self.executor.initialize_kv_cache(self.num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank)",
@@ -84,6 +88,34 @@ class EngineCore:
             self.num_blocks * config.block_size,
             self.num_blocks * bytes_per_block / 1024**3,
         )
+
+    def _fit_max_model_len(self, config: EngineConfig, max_model_len_given: bool) -> None:
+        """A context the KV cache cannot hold even for one sequence is lowered to what it holds
+        when the context length came from the model, so that requests without `max_tokens` (which
+        run to the end of the context) are served instead of refused. A `--max-model-len` the
+        user gave is kept: a profiled budget too small for it has already raised
+        (check_num_blocks); with a given `--kv-cache-memory`, longer requests are refused one
+        by one with the cache's numbers (Scheduler.add_request)."""
+        capacity = self.num_blocks * config.block_size
+        assert config.max_model_len is not None  # resolved in __init__
+        if capacity >= config.max_model_len:
+            return
+        if max_model_len_given:
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than --max-model-len %d: longer requests "
+                "will be refused; raise --kv-cache-memory to serve the whole context",
+                capacity,
+                config.max_model_len,
+            )
+            return
+        logger.warning(
+            "max_model_len lowered from the model's %d to %d tokens, what the KV cache holds; "
+            "give the cache more memory (--kv-cache-memory, --gpu-memory-utilization) for a "
+            "longer context",
+            config.max_model_len,
+            capacity,
+        )
+        config.max_model_len = capacity
 
     def add_failure_callback(self, callback: Callable[[str], None]) -> None:
         """`callback(message)` runs on another thread if a tensor-parallel worker dies."""

@@ -192,19 +192,21 @@ def check_kv_blocks(
     profile: MemoryProfile,
     num_blocks: int,
     bytes_per_block: int,
-    max_model_len: int,
+    max_model_len: int | None,
     block_size: int,
 ) -> None:
     """Raise ValueError, with the budget's numbers and what to change, when `num_blocks` (the
-    smallest count over the ranks) cannot hold one `max_model_len` sequence."""
-    needed = min_kv_blocks(max_model_len, block_size)
+    smallest count over the ranks) cannot hold one `max_model_len` sequence (None: a length
+    that will be fitted to the cache, so only the engine's minimum of 2 blocks is needed)."""
+    needed = min_kv_blocks(max_model_len or 0, block_size)
     if num_blocks >= needed:
         return
     own = max(0, profile.kv_cache_memory // bytes_per_block)
     where = "" if own == num_blocks else f" (another rank's; this rank's budget holds {own})"
+    what = f"one {max_model_len}-token sequence" if max_model_len else "the engine"
     raise ValueError(
         f"not enough device memory for the KV cache: the budget holds {num_blocks} blocks of "
-        f"{bytes_per_block / _MiB:.2f} MiB{where}, and one {max_model_len}-token sequence needs "
+        f"{bytes_per_block / _MiB:.2f} MiB{where}, and {what} needs "
         f"{needed}. This rank's budget: {profile.breakdown()}, leaving "
         f"{_gib(profile.kv_cache_memory)}. Raise --gpu-memory-utilization, lower "
         "--max-num-batched-tokens or --max-model-len, or set --kv-cache-memory."

@@ -153,13 +153,15 @@ class ModelRunner:
         ]
         self.capture_graphs()  # the graphs hold the caches' addresses: capture after allocating
 
-    def check_num_blocks(self, num_blocks: int) -> None:
+    def check_num_blocks(self, num_blocks: int, max_model_len_given: bool) -> None:
         """Raise ValueError (with the budget's numbers) when `num_blocks`, a profiled count
-        reduced over the ranks, cannot hold one max_model_len sequence. A given
-        `--kv-cache-memory` is the user's call: nothing to check then."""
+        reduced over the ranks, cannot hold one sequence of a `--max-model-len` the user gave
+        (the model's own length is fitted to the cache instead: EngineCore._fit_max_model_len),
+        or fewer than the engine's 2 blocks. A given `--kv-cache-memory` is the user's call:
+        nothing to check then."""
         if self.memory_profile is None:
             return
-        max_model_len = self.config.max_model_len or self.model.max_position
+        max_model_len = self.config.max_model_len if max_model_len_given else None
         check_kv_blocks(
             self.memory_profile, num_blocks, self.bytes_per_block(), max_model_len, self.block_size
         )

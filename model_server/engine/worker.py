@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class WorkerSpec:
-    config: EngineConfig  # max_model_len resolved or None (resolved from the model, like rank 0)
+    config: EngineConfig  # max_model_len as given (None: the model's, resolved like rank 0)
     rank: int
     local_rank: int
     local_world_size: int
@@ -97,12 +97,13 @@ def _serve_steps(spec: WorkerSpec) -> None:
     )
     try:
         source = load_model_source(config.model, config.load_format)
+        max_model_len_given = config.max_model_len is not None
         resolve_max_model_len(config, source.hf_config)
         runner = ModelRunner(config, source, platform)
         # In step with rank 0's determine_num_blocks: a profile forward (collectives) and the
         # reduction; then every rank checks the same count (rank 0 raises the same error).
         num_blocks = cpu_all_reduce_min(runner.local_num_blocks(config.kv_cache_memory))
-        runner.check_num_blocks(num_blocks)
+        runner.check_num_blocks(num_blocks, max_model_len_given)
         runner.allocate_kv_cache(num_blocks)
         channel = StepChannel(get_tp_group().cpu_group)
         logger.info("rank %d ready", tp.rank)

@@ -356,6 +356,83 @@ def test_too_small_a_budget_is_one_clear_error(
         _engine(monkeypatch, spy, platform, _config(model=tiny_model, gpu_memory_utilization=0.05))
 
 
+def _run_to_end(core: EngineCore, request: Request) -> Request:
+    core.add_request(request)
+    while core.has_unfinished_requests():
+        core.step()
+    return request
+
+
+def test_the_models_context_is_fitted_to_a_small_profiled_budget(
+    monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The budget of the test above (5 blocks, 80 tokens), but no --max-model-len: the model's
+    # 128 is lowered to what the cache holds instead of refusing to start.
+    platform = FakeGpu(
+        total=80 * GiB,
+        weights=6 * GiB,
+        activation=int(1.5 * GiB),
+        non_torch=GiB // 2 - 5 * BYTES_PER_BLOCK,
+    )
+    config = _config(model=tiny_model, gpu_memory_utilization=0.1, max_model_len=None)
+    with caplog.at_level(logging.WARNING, logger="model_server.engine.engine_core"):
+        core = _engine(monkeypatch, spy, platform, config)
+    assert core.num_blocks == 5
+    assert core.config.max_model_len == core.scheduler.config.max_model_len == 80
+    assert "max_model_len lowered from the model's 128 to 80 tokens" in caplog.text
+    # A request without max_tokens runs to the end of the fitted context instead of a 400.
+    done = _run_to_end(
+        core,
+        Request("r", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)),
+    )
+    assert done.num_tokens == 80 and done.status.name == "FINISHED_LENGTH"
+    # Fewer than 2 blocks still cannot start.
+    with pytest.raises(ValueError, match="holds 0 blocks of 0.01 MiB, and the engine needs 2"):
+        _engine(
+            monkeypatch,
+            spy,
+            platform,
+            _config(model=tiny_model, gpu_memory_utilization=0.05, max_model_len=None),
+        )
+
+
+def test_a_given_kv_cache_memory_fits_only_the_models_context(
+    monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget = 6 * BYTES_PER_BLOCK  # 96 tokens, against the model's 128
+    fitted = _engine(
+        monkeypatch,
+        spy,
+        CpuPlatform(),
+        _config(model=tiny_model, kv_cache_memory=budget, max_model_len=None),
+    )
+    assert fitted.config.max_model_len == 96
+    done = _run_to_end(
+        fitted,
+        Request("r", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)),
+    )
+    assert done.num_tokens == 96
+    # A --max-model-len the user gave is kept, with a warning; too long a request is refused
+    # with the cache's numbers, and the engine goes on serving.
+    with caplog.at_level(logging.WARNING, logger="model_server.engine.engine_core"):
+        given = _engine(
+            monkeypatch,
+            spy,
+            CpuPlatform(),
+            _config(model=tiny_model, kv_cache_memory=budget, max_model_len=128),
+        )
+    assert given.config.max_model_len == 128
+    assert "the KV cache holds 96 tokens, fewer than --max-model-len 128" in caplog.text
+    with pytest.raises(ValueError, match="the cache has only 6 blocks of 16 tokens"):
+        given.add_request(
+            Request(
+                "long", [1, 2, 3], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+            )
+        )
+    short = SamplingParams(max_tokens=4, temperature=0)
+    assert _run_to_end(given, Request("short", [1, 2, 3], short)).num_output_tokens == 4
+
+
 def test_memory_in_use_before_start_is_not_charged(
     monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str
 ) -> None:
