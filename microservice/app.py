@@ -35,7 +35,7 @@ from microservice.metrics import RequestMetricsMiddleware, ServiceMetrics
 from microservice.protocol import ChatRequest, GenerationRequest, generated_doc, parse_chat_request
 from microservice.settings import MicroserviceSettings
 from microservice.sse import DONE, OpeaFormat, OpenAIFormat, error_event
-from microservice.upstream import Piece
+from microservice.upstream import Piece, default_limit
 
 logger = logging.getLogger("microservice")
 
@@ -166,15 +166,7 @@ class _ChatHandler:
         self._warn_unsupported(chat)
         stream = chat.wants_stream and not self.settings.disable_streaming
         try:
-            model = await _until_disconnected(
-                self.connector.model_server.resolve_model(chat.model), request
-            )
-            generation = GenerationRequest(
-                model=model,
-                messages=chat.chat_messages(),
-                params=chat.sampling_params(),
-                opea=chat.opea_messages,
-            )
+            generation = await _until_disconnected(self._generation(chat), request)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             if not stream:
                 text = await _until_disconnected(self.connector.complete(generation), request)
@@ -182,6 +174,22 @@ class _ChatHandler:
             return await self._stream(request, generation, request_id)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+
+    async def _generation(self, chat: ChatRequest) -> GenerationRequest:
+        model_server = self.connector.model_server
+        model = await model_server.resolve_model(chat.model)
+        messages = chat.chat_messages()
+        params = chat.sampling_params()
+        default = chat.default_max_tokens
+        if default is not None:
+            # OPEA's default means "at most 1024": sent as is, it would fail every prompt
+            # that leaves less than that in the model server's context.
+            room = await model_server.completion_room(model, messages, params)
+            if (limit := default_limit(default, room)) is not None:
+                params["max_tokens"] = limit
+        return GenerationRequest(
+            model=model, messages=messages, params=params, opea=chat.opea_messages
+        )
 
     async def _stream(
         self, request: Request, generation: GenerationRequest, request_id: str

@@ -5,6 +5,10 @@ apply: `max_new_tokens` 1024, `top_k` 10, `top_p` 0.95, `typical_p` 0.95, `tempe
 `repetition_penalty` 1.03, `streaming` true) and OpenAI's (`messages` is a list; what is not given
 is not sent, so the model server's defaults apply, and `stream` defaults to false). Both become a
 `GenerationRequest`: OpenAI chat messages plus the sampling fields the model server takes.
+
+OPEA's default token limit is "at most 1024", not "exactly 1024 or fail": `sampling_params()`
+leaves it out and `default_max_tokens` names it, so that the app can shrink it to what the
+model server's context leaves after the prompt (see `ModelServer.completion_room`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -57,6 +62,10 @@ FORWARDED = (
     "continue_final_message",
     "chat_template_kwargs",
 )
+# Seeds the model server takes (as vLLM does): 64-bit signed integers.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
+
 # Sampling fields the model server does not implement: accepted, named in a warning, dropped.
 # A value meaning "off" is no loss, so it is not worth a warning.
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {"typical_p": 1.0}
@@ -146,6 +155,24 @@ class ChatRequest(BaseModel):
     data: dict[str, Any] | None = None
     output_guardrail_params: dict[str, Any] | None = None
 
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, value: int | None) -> int | None:
+        # Checked here, not only by the model server: a 422 naming the field, like the other
+        # range checks of this model, before any upstream request.
+        if value is not None and value < -1:
+            raise ValueError(f"must be -1 or 0 (disabled) or at least 1, got {value}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int | None) -> int | None:
+        if value is not None and not MIN_SEED <= value <= MAX_SEED:
+            raise ValueError(
+                f"must be a 64-bit signed integer (from -2**63 to 2**63 - 1), got {value}"
+            )
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> ChatRequest:
         if self.messages is None and self.query is None:
@@ -210,13 +237,24 @@ class ChatRequest(BaseModel):
             return OPEA_DEFAULTS.get(name)
         return value
 
+    @property
+    def max_tokens_given(self) -> int | None:
+        """The client's own token limit, under whichever of its three names it came."""
+        return self.max_new_tokens or self.max_tokens or self.max_completion_tokens
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """OPEA's default limit when an OPEA request gave none (an explicit null counts as
+        none); None otherwise."""
+        if self.max_tokens_given is None and self.is_opea:
+            return int(OPEA_DEFAULTS["max_tokens"])
+        return None
+
     def sampling_params(self) -> dict[str, Any]:
-        """The fields sent to the model server besides `model`, `messages` and `stream`."""
+        """The fields sent to the model server besides `model`, `messages` and `stream`. The
+        default token limit is not among them: see `default_max_tokens`."""
         params: dict[str, Any] = {}
-        max_tokens = self.max_new_tokens or self.max_tokens or self.max_completion_tokens
-        if max_tokens is None and self.is_opea:
-            max_tokens = OPEA_DEFAULTS["max_tokens"]
-        if max_tokens is not None:
+        if (max_tokens := self.max_tokens_given) is not None:
             params["max_tokens"] = max_tokens
         for name in FORWARDED:
             value = self._value(name)

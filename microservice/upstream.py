@@ -26,6 +26,11 @@ from microservice.errors import (
 )
 
 CHAT_PATH = "/v1/chat/completions"
+TOKENIZE_PATH = "/tokenize"
+# Statuses saying that the model server has no /tokenize (not Wick or vLLM): not asked again.
+NO_ROUTE = frozenset({404, 405, 501})
+# The chat fields that change how the model server renders (and so counts) the prompt.
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 # Probes must answer fast even when the model server hangs.
 HEALTH_TIMEOUT_S = 1.5
 
@@ -262,6 +267,7 @@ class ModelServer:
         self.read_timeout = read_timeout
         self.configured_model = model_name
         self._discovered: str | None = None
+        self._can_tokenize = True
         self.client = httpx.AsyncClient(
             base_url=base_url,
             headers=auth_headers(api_key),
@@ -292,6 +298,28 @@ class ModelServer:
                 f"the model server's /v1/models lists no model: {response.text[:200]!r}"
             ) from None
         return self._discovered
+
+    async def completion_room(
+        self, model: str, messages: list[dict[str, str]], params: dict[str, Any]
+    ) -> int | None:
+        """How many tokens the model server's context leaves after this chat's prompt
+        (`max_model_len` minus the prompt's tokens, both from its /tokenize, which renders the
+        same chat template the chat endpoint does); None when it cannot tell. Transport
+        failures raise, as the chat request itself would."""
+        if not self._can_tokenize:
+            return None
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        body.update({name: params[name] for name in TEMPLATE_FIELDS if name in params})
+        try:
+            response = await self.client.post(TOKENIZE_PATH, json=body)
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, self.base_url) from exc
+        if response.status_code in NO_ROUTE:
+            self._can_tokenize = False
+            return None
+        if response.status_code != 200:
+            return None  # the chat request will answer the same problem with its own status
+        return _room(response)
 
     async def probe(self) -> dict[str, Any]:
         """The model server's readiness, as reported by its /health (never raises)."""
@@ -330,3 +358,27 @@ class ModelServer:
                 f"HTTP {models.status_code} on /v1/models",
             }
         return {**state, "ready": True, "status": "ready"}
+
+
+def _room(response: httpx.Response) -> int | None:
+    """max_model_len - count of a /tokenize answer; None when either is missing."""
+    try:
+        body = response.json()
+        count, max_model_len = body["count"], body["max_model_len"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(count, int) or not isinstance(max_model_len, int):
+        return None
+    return max_model_len - count
+
+
+def default_limit(default: int, room: int | None) -> int | None:
+    """The token limit to send for a default of `default` new tokens: at most what the context
+    leaves (`room`). None (send no limit) when the prompt leaves no room, so that the model
+    server's own "prompt too long" message answers instead of one about a limit the client
+    never chose."""
+    if room is None:
+        return default
+    if room < 1:
+        return None
+    return min(default, room)

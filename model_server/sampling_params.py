@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 # Hard ceiling on top logprobs per token, like vLLM's default max_logprobs.
 MAX_LOGPROBS = 20
+# Seeds are 64-bit signed integers, as in vLLM (torch.long); each maps to its own generator
+# state (negatives are taken modulo 2**64 by the sampler).
+MIN_SEED = -(2**63)
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(slots=True)
@@ -16,7 +20,8 @@ class SamplingParams:
     """How to turn a prompt into output tokens.
 
     Field names and meanings follow vLLM's SamplingParams. `max_tokens=None` means "until the
-    context (max_model_len) is full". `top_k <= 0` disables top-k. `logprobs=None` returns no
+    context (max_model_len) is full". `top_k` 0 or -1 disables top-k (-1 is stored as 0); below
+    -1 is an error, as in vLLM. `seed` is a 64-bit signed integer. `logprobs=None` returns no
     logprobs; `logprobs=k` returns the sampled token's logprob plus the k most likely ones.
     """
 
@@ -43,7 +48,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         self._validate()
 
@@ -69,6 +74,12 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}.")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(
+                f"seed must be a 64-bit signed integer (from -2**63 to 2**63 - 1), got {self.seed}."
             )
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")

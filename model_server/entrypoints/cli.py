@@ -16,7 +16,7 @@ def _generate(args: argparse.Namespace) -> int:
     from model_server.sampling_params import SamplingParams
 
     config = EngineConfig.from_attrs(args)
-    llm = LLM.from_config(config)
+    # Built first: a bad --top-k or --sampling-seed is an error before the model loads.
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -26,6 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop or [],
         ignore_eos=args.ignore_eos,
     )
+    llm = LLM.from_config(config)
     tokenizer = llm.get_tokenizer()
     use_chat = not args.raw and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     prompt = (

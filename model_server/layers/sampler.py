@@ -26,8 +26,24 @@ from model_server.layers.sampling.penalties import apply_penalties
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]
 
-# Seeds are reduced to torch's accepted range (it takes unsigned 64-bit values).
-_SEED_MASK = (1 << 64) - 1
+_MASK_64 = (1 << 64) - 1
+_MASK_32 = (1 << 32) - 1
+
+
+def generator_seed(seed: int) -> int:
+    """The value a request's `seed` (any 64-bit signed integer) seeds its generator with.
+
+    torch's CPU generator (mt19937) keeps only a seed's low 32 bits, so seeds that differ above
+    bit 31 (-1 and 2**32 - 1, say) would sample alike. Seeds below 2**32 are used as they are;
+    larger ones (negatives taken modulo 2**64) are hashed (splitmix64's finalizer) into 32 bits,
+    on every device, so a seed samples the same way wherever its generator lives."""
+    x = seed & _MASK_64
+    if x <= _MASK_32:
+        return x
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    x ^= x >> 31
+    return (x ^ (x >> 32)) & _MASK_32
 
 
 @dataclass(slots=True)
@@ -70,7 +86,7 @@ class Sampler:
             if seed is None:
                 raise ValueError(f"request {request.request_id} has no seed")
             generator = torch.Generator(device=self.device)
-            generator.manual_seed((seed + request.sample_index) & _SEED_MASK)
+            generator.manual_seed(generator_seed(seed + request.sample_index))
             self._generators[request.request_id] = generator
         return generator
 

@@ -6,13 +6,23 @@ protocol checks need. The real model is driven over real sockets in tests/e2e.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from microservice.app import build_app as build_microservice
+from microservice.connectors.base import Connector
+from microservice.connectors.generic import GenericConnector
+from microservice.connectors.langchain import LangchainConnector
+from microservice.settings import MicroserviceSettings
+from microservice.upstream import ModelServer
 from model_server.engine.async_engine import AsyncLLM
+from model_server.loader.embedded import embedded_model_path
 from tests.entrypoints.conftest import (
     MAX_MODEL_LEN,
     MODEL_NAME,
@@ -49,6 +59,27 @@ def test_health_version_models(api: AppClient) -> None:
     (card,) = models["data"]
     assert card["id"] == MODEL_NAME and card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_models_root_is_the_model_path(api: AppClient, tiny_config: Path) -> None:
+    # As vLLM: `root` is the --model the server loaded.
+    assert api.get("/v1/models").json()["data"][0]["root"] == str(tiny_config)
+
+
+def test_models_root_of_the_embedded_default_model(tiny_config: Path) -> None:
+    # With no --model, `root` was null. The card is answered whatever the engine's phase, so
+    # an engine that never loads keeps this test free of a model load.
+    settings = tiny_settings(tiny_config, model=None, load_format="auto")
+
+    def no_engine(config: Any) -> Any:
+        raise RuntimeError("not loaded in this test")
+
+    client = start_app(settings, AsyncLLM(settings.engine_config(), engine_factory=no_engine))
+    try:
+        (card,) = client.get("/v1/models").json()["data"]
+        assert card["root"] == embedded_model_path() and card["id"] == MODEL_NAME
+    finally:
+        client.close()
 
 
 def test_tokenize_detokenize_round_trip(api: AppClient) -> None:
@@ -245,6 +276,13 @@ def test_chat_continue_final_message(api: AppClient) -> None:
         (COMPLETIONS, {"prompt": 12}, 400, "prompt: must be"),
         (COMPLETIONS, {"prompt": "x", "model": "nope"}, 404, "does not exist"),
         (COMPLETIONS, {"prompt": "x", "stop": [1]}, 400, "stop"),
+        # vLLM's rule: top_k -1 or 0 is off, below -1 an error (was silently "off").
+        (CHAT, {"messages": MESSAGES, "top_k": -2}, 400, "top_k must be -1 or 0 (disabled) or"),
+        (COMPLETIONS, {"prompt": "x", "top_k": -50}, 400, "top_k must be -1 or 0 (disabled)"),
+        # Seeds are 64-bit signed integers, as in vLLM (were accepted whatever their size).
+        (CHAT, {"messages": MESSAGES, "seed": 2**63}, 400, "seed must be a 64-bit signed"),
+        (COMPLETIONS, {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed must be a 64-bit"),
+        (COMPLETIONS, {"prompt": "x", "seed": 10**30}, 400, "seed must be a 64-bit"),
         ("/tokenize", {"prompt": "x", "model": "nope"}, 404, "does not exist"),
     ],
 )
@@ -284,6 +322,32 @@ def test_non_finite_sampling_values_are_400(api: AppClient, field: bytes, value:
     assert_error(resp, 400, f"{field.decode()} must be a finite number")
 
 
+SAMPLED = {"temperature": 1.0, "max_tokens": 8, "ignore_eos": True}
+
+
+def test_top_k_minus_one_and_zero_both_mean_off(api: AppClient) -> None:
+    texts = {
+        top_k: api.post(
+            COMPLETIONS, json={"prompt": "Once", "top_k": top_k, "seed": 11, **SAMPLED}
+        ).json()["choices"][0]["text"]
+        for top_k in (-1, 0, None)
+    }
+    assert texts[-1] == texts[0] == texts[None]
+
+
+@pytest.mark.parametrize("seed", [0, -1, 12345, -(2**63), 2**63 - 1])
+@pytest.mark.parametrize("url", [CHAT, COMPLETIONS])
+def test_every_64_bit_seed_gives_reproducible_samples(api: AppClient, url: str, seed: int) -> None:
+    body = {"messages": MESSAGES} if url == CHAT else {"prompt": "Once upon"}
+    responses = [api.post(url, json={**body, "seed": seed, "n": 2, **SAMPLED}) for _ in range(2)]
+    assert [r.status_code for r in responses] == [200, 200], responses[0].text
+    first, again = (
+        [c["text"] if url == COMPLETIONS else c["message"]["content"] for c in r.json()["choices"]]
+        for r in responses
+    )
+    assert first == again
+
+
 def test_developer_role_is_rendered_as_system(api: AppClient) -> None:
     developer = [{"role": "developer", "content": "You are terse."}, MESSAGES[1]]
     as_system = api.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
@@ -305,6 +369,24 @@ def test_malformed_json_and_wrong_content_type(api: AppClient) -> None:
     assert_error(resp, 400, "must be JSON")
 
 
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b'{"prompt": "caf\xe9"}', "not valid UTF-8 (byte 15)"),
+        (b'\xff\xfe{"prompt": "x"}', "not valid UTF-8 (byte 0)"),  # guessed as UTF-16 first
+        (b"[" * 100_000, "not valid JSON: it is nested too deeply"),
+    ],
+)
+@pytest.mark.parametrize("url", [CHAT, COMPLETIONS, "/tokenize", "/detokenize"])
+def test_undecodable_bodies_are_400_saying_why(
+    api: AppClient, url: str, body: bytes, needle: str
+) -> None:
+    # These were FastAPI's bare "There was an error parsing the body".
+    resp = api.post(url, content=body, headers={"content-type": "application/json"})
+    error = assert_error(resp, 400, needle)
+    assert error["type"] == "invalid_request_error"
+
+
 def test_unknown_route_and_method_use_the_error_format(api: AppClient) -> None:
     assert_error(api.get("/v1/nothing"), 404, "Not Found")
     assert_error(api.get(CHAT), 405, "Method Not Allowed")
@@ -315,6 +397,81 @@ def test_the_server_keeps_serving_after_bad_input(api: AppClient) -> None:
         api.post(COMPLETIONS, json={"prompt": [10**7]})
     ok = api.post(COMPLETIONS, json={"prompt": "still fine", **GREEDY})
     assert ok.status_code == 200
+
+
+# ------------------------------------------------------------- the microservice in front
+
+OPEA_CHAT = {
+    "messages": {"system": "You are terse.", "user": "Say something."},
+    "temperature": 0,
+    "streaming": False,
+}
+
+
+class _RecordingTransport(httpx.ASGITransport):
+    def __init__(self, app: Any) -> None:
+        super().__init__(app=app)
+        self.sent: list[tuple[str, Any]] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append((request.url.path, json.loads(request.content or b"null")))
+        return await super().handle_async_request(request)
+
+
+def _through_microservice(
+    api: AppClient, connector: str, bodies: list[dict]
+) -> tuple[list[httpx.Response], list[tuple[str, Any]]]:
+    """POST `bodies` to the microservice's chat route, with this model server (in-process,
+    on its event loop) as its upstream; the responses and what reached the model server."""
+    upstream = _RecordingTransport(api.app)
+
+    async def go() -> list[httpx.Response]:
+        model_server = ModelServer("http://wick", transport=upstream)
+        conn: Connector = (
+            LangchainConnector(model_server)
+            if connector == "langchain"
+            else GenericConnector(model_server)
+        )
+        app = build_microservice(MicroserviceSettings(connector=connector), conn)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://usvc") as client:
+            responses = [await client.post(CHAT, json=body, timeout=60) for body in bodies]
+        await conn.aclose()
+        return responses
+
+    return api.call(go()), upstream.sent
+
+
+@pytest.fixture()
+def no_llm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("LLM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.usefixtures("no_llm_env")
+@pytest.mark.parametrize("connector", ["generic", "langchain"])
+def test_opea_default_limit_fits_this_servers_context(api: AppClient, connector: str) -> None:
+    # OPEA's default max_new_tokens (1024) exceeds this server's 256-token context: every OPEA
+    # request that left it out was a 400. The microservice now sends what the prompt leaves.
+    responses, sent = _through_microservice(api, connector, [OPEA_CHAT])
+    assert responses[0].status_code == 200, responses[0].text
+    assert responses[0].json()["text"]
+    tokenize = next(body for path, body in sent if path == "/tokenize")
+    chat = next(body for path, body in sent if path == CHAT)
+    count = api.post("/tokenize", json=tokenize).json()["count"]
+    assert chat["max_tokens"] == MAX_MODEL_LEN - count
+
+
+@pytest.mark.usefixtures("no_llm_env")
+@pytest.mark.parametrize("streaming", [False, True])
+def test_explicit_limit_too_large_passes_through_as_400(api: AppClient, streaming: bool) -> None:
+    body = {**OPEA_CHAT, "max_new_tokens": 1000, "streaming": streaming}
+    responses, sent = _through_microservice(api, "generic", [body])
+    error = responses[0].json()["error"]
+    assert responses[0].status_code == 400, responses[0].text
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+    assert [path for path, _ in sent] == ["/v1/models", CHAT]  # no /tokenize: nothing to cap
 
 
 # -------------------------------------------------------------------- auth & phases

@@ -95,16 +95,46 @@ class HangingStream(httpx.AsyncByteStream):
 Reply = Callable[[httpx.Request, dict[str, Any]], httpx.Response]
 
 
+def prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """The fake's token count of a chat prompt: one per word plus 3 per message (template)."""
+    return sum(len(str(m.get("content", "")).split()) + 3 for m in messages)
+
+
+def context_error(payload: dict[str, Any], max_model_len: int) -> httpx.Response | None:
+    """The model server's 400 when the prompt plus max_tokens exceed the context (Wick's
+    messages); None when the request fits."""
+    count = prompt_tokens(payload["messages"])
+    max_tokens = payload.get("max_tokens")
+    if max_tokens is None and count >= max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {count} tokens, which leaves no room for the completion."
+        )
+    elif max_tokens is not None and count + max_tokens > max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {count + max_tokens} tokens ({count} in the messages, {max_tokens} in "
+            "the completion)."
+        )
+    else:
+        return None
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    return httpx.Response(400, json={"error": error})
+
+
 @dataclass
 class FakeModelServer:
     """`chat` answers /v1/chat/completions (default: "Hello" in two pieces); `health_status`
     is /health's status; with `api_key`, /v1/* answers 401 without that bearer key (/health
-    stays open, as on Wick's model server); every request is recorded."""
+    stays open, as on Wick's model server); with `max_model_len`, /tokenize counts prompts
+    (see `prompt_tokens`) and chats that do not fit get the model server's 400 (without it,
+    /tokenize is a 404, as on servers that lack it); every request is recorded."""
 
     pieces: list[str] = field(default_factory=lambda: ["Hel", "lo"])
     health_status: int = 200
     chat: Reply | None = None
     api_key: str | None = None
+    max_model_len: int | None = None
     requests: list[httpx.Request] = field(default_factory=list)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
@@ -118,10 +148,18 @@ class FakeModelServer:
             return httpx.Response(401, json={"error": {"message": "invalid API key"}})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
+        if path == "/tokenize" and self.max_model_len is not None:
+            count = prompt_tokens(json.loads(request.content)["messages"])
+            body = {"count": count, "max_model_len": self.max_model_len, "tokens": [0] * count}
+            return httpx.Response(200, json=body)
         if path == "/v1/chat/completions":
             payload = json.loads(request.content)
             if self.chat is not None:
                 return self.chat(request, payload)
+            if self.max_model_len is not None:
+                too_long = context_error(payload, self.max_model_len)
+                if too_long is not None:
+                    return too_long
             if payload.get("stream"):
                 return httpx.Response(
                     200,

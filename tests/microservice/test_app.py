@@ -17,6 +17,7 @@ from tests.microservice.fakes import (
     BrokenStream,
     FakeModelServer,
     make_client,
+    prompt_tokens,
     sse_body,
 )
 from tests.promtool import promtool_check_metrics
@@ -169,6 +170,59 @@ def test_disable_streaming_forces_one_json_body(connector: str) -> None:
     assert fake.bodies()[0]["stream"] is False
 
 
+# ------------------------------------------------------------------ OPEA's token limit
+
+DEFAULTED = {"messages": OPEA["messages"], "streaming": False}  # no max_new_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_opea_default_limit_fits_a_small_context(connector: str, stream: bool) -> None:
+    # max_new_tokens' default of 1024 was sent as is: with --max-model-len below 1024 + the
+    # prompt every OPEA request that left it out was a 400 about a limit the client never set.
+    fake = FakeModelServer(max_model_len=100)
+    response = chat(connector, fake, {**DEFAULTED, "streaming": stream})
+    assert response.status_code == 200, response.text
+    (sent,) = fake.bodies()
+    assert sent["max_tokens"] == 100 - prompt_tokens(sent["messages"])
+    assert fake.bodies("/tokenize") == [{"model": MODEL, "messages": sent["messages"]}]
+
+
+def test_opea_default_limit_stays_1024_when_the_context_has_room(connector: str) -> None:
+    fake = FakeModelServer(max_model_len=8192)
+    assert chat(connector, fake, DEFAULTED).status_code == 200
+    assert fake.bodies()[0]["max_tokens"] == 1024
+
+
+def test_opea_default_limit_without_tokenize_upstream_is_1024(connector: str) -> None:
+    fake = FakeModelServer()  # /tokenize is a 404 there: asked once, then not again
+    responses = call(connector, fake, *[("POST", "/v1/chat/completions", DEFAULTED)] * 2)
+    assert [r.status_code for r in responses] == [200, 200]
+    assert [body["max_tokens"] for body in fake.bodies()] == [1024, 1024]
+    assert fake.count("/tokenize") == 1
+
+
+def test_prompt_that_fills_the_context_gets_the_model_servers_message(connector: str) -> None:
+    fake = FakeModelServer(max_model_len=10)
+    response = chat(connector, fake, DEFAULTED)
+    assert response.status_code == 400
+    assert "leaves no room" in response.json()["error"]["message"]
+    assert "max_tokens" not in fake.bodies()[0]  # no limit the client never chose
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["max_new_tokens", "max_tokens"])
+def test_explicit_limit_too_large_is_the_model_servers_400(
+    connector: str, stream: bool, name: str
+) -> None:
+    fake = FakeModelServer(max_model_len=100)
+    response = chat(connector, fake, {**DEFAULTED, name: 1000, "streaming": stream})
+    assert response.status_code == 400  # passed through, not a 502
+    error = response.json()["error"]
+    assert "maximum context length is 100 tokens" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert fake.bodies()[0]["max_tokens"] == 1000 and fake.count("/tokenize") == 0
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -275,6 +329,10 @@ def test_model_server_dying_mid_stream_ends_with_an_error_event(
         (json.dumps({"messages": {"system": "s"}}).encode(), 422, "messages.user"),
         (json.dumps({**OPEA, "max_new_tokens": 0}).encode(), 422, "max_new_tokens"),
         (json.dumps({**OPEA, "top_k": "ten"}).encode(), 422, "top_k"),
+        (json.dumps({**OPEA, "top_k": -2}).encode(), 422, "top_k: must be -1 or 0 (disabled)"),
+        (json.dumps({**OPEA, "seed": 2**64}).encode(), 422, "seed: must be a 64-bit"),
+        (json.dumps({**OPEA, "seed": -(2**63) - 1}).encode(), 422, "seed: must be a 64-bit"),
+        (b'{"messages": {"user": "caf\xe9"}}', 400, "not valid UTF-8"),
         (json.dumps({**OPEA, "temperature": float("nan")}).encode(), 400, "NaN"),
     ],
 )

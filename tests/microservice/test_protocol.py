@@ -23,12 +23,13 @@ def test_opea_payload_gets_opea_defaults() -> None:
     req = parse(OPEA)
     assert req.is_opea and req.wants_stream  # OPEA streams unless told not to
     assert req.sampling_params() == {
-        "max_tokens": 1024,
         "top_k": 10,
         "top_p": 0.95,
         "temperature": 0.01,
         "repetition_penalty": 1.03,
     }
+    # "At most 1024": the app caps it to the context the prompt leaves (see test_app.py).
+    assert req.default_max_tokens == 1024
     assert req.chat_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi?"},
@@ -54,7 +55,7 @@ def test_empty_system_message_is_left_out() -> None:
 def test_opea_query_form() -> None:
     req = parse({"query": "What is Deep Learning?", "streaming": False})
     assert req.chat_messages() == [{"role": "user", "content": "What is Deep Learning?"}]
-    assert req.sampling_params()["max_tokens"] == 1024
+    assert req.default_max_tokens == 1024 and "max_tokens" not in req.sampling_params()
 
 
 def test_openai_list_form_sends_only_what_was_given() -> None:
@@ -74,7 +75,7 @@ def test_openai_list_form_sends_only_what_was_given() -> None:
         }
     )
     assert not req.is_opea and not req.wants_stream  # OpenAI's default
-    assert req.sampling_params() == {"max_tokens": 5}
+    assert req.sampling_params() == {"max_tokens": 5} and req.default_max_tokens is None
     assert req.chat_messages() == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "a\nb"},
@@ -83,6 +84,27 @@ def test_openai_list_form_sends_only_what_was_given() -> None:
     ]
     assert req.prompt() == "last" and req.model == "m"
     assert parse({"messages": [{"role": "user", "content": "x"}], "stream": True}).wants_stream
+
+
+@pytest.mark.parametrize("name", ["max_new_tokens", "max_tokens", "max_completion_tokens"])
+def test_a_given_token_limit_is_sent_as_is_and_no_default_applies(name: str) -> None:
+    req = parse({**OPEA, name: 4096})
+    assert req.sampling_params()["max_tokens"] == 4096 and req.default_max_tokens is None
+
+
+def test_openai_form_gets_no_default_token_limit() -> None:
+    req = parse({"messages": [{"role": "user", "content": "x"}]})
+    assert req.default_max_tokens is None and "max_tokens" not in req.sampling_params()
+
+
+@pytest.mark.parametrize("top_k", [-1, 0, 1, 50])
+def test_top_k_off_values_and_positive_values_are_forwarded(top_k: int) -> None:
+    assert parse({**OPEA, "top_k": top_k}).sampling_params()["top_k"] == top_k
+
+
+@pytest.mark.parametrize("seed", [0, -1, -(2**63), 2**63 - 1])
+def test_64_bit_seeds_are_forwarded(seed: int) -> None:
+    assert parse({**OPEA, "seed": seed}).sampling_params()["seed"] == seed
 
 
 SAMPLE_VALUES: dict[str, Any] = {
@@ -160,6 +182,16 @@ def test_generated_doc_is_opeas_body() -> None:
             422,
             ["messages.0.content: must be a string or a list of text parts"],
         ),
+        # vLLM's rules: top_k -1 or 0 is off, below -1 is an error (was forwarded as "off").
+        (
+            b'{"messages": {"user": "u"}, "top_k": -2}',
+            422,
+            ["top_k: must be -1 or 0 (disabled) or at least 1, got -2"],
+        ),
+        # Seeds are 64-bit signed integers (was forwarded whatever its size).
+        (b'{"messages": {"user": "u"}, "seed": 9223372036854775808}', 422, ["seed:", "64-bit"]),
+        (b'{"messages": {"user": "u"}, "seed": -9223372036854775809}', 422, ["seed:", "64-bit"]),
+        (b'{"messages": {"user": "u"}, "seed": 1e400}', 400, ["1e400", "finite"]),
         (b'{"messages": {"user": "u"}, "stream": true, "streaming": false}', 422, ["disagree"]),
         (b'{"messages": {"user": "u"}, "max_tokens": 3, "max_new_tokens": 4}', 422, ["disagree"]),
         # Python's json reads these; the request upstream could not carry them (was a 500).

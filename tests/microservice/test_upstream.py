@@ -20,6 +20,7 @@ from microservice.upstream import (
     ModelServer,
     Piece,
     chunk_piece,
+    default_limit,
     error_from_response,
     map_transport_error,
     parse_sse_line,
@@ -195,3 +196,86 @@ def test_api_key_is_sent_as_bearer() -> None:
 
     run(go())
     assert seen == ["Bearer s3cret"] * 2  # /health, then /v1/models (checks the key works)
+
+
+@pytest.mark.parametrize(
+    ("default", "room", "sent"),
+    [
+        (1024, None, 1024),  # the model server cannot tell: OPEA's value as before
+        (1024, 5000, 1024),
+        (1024, 1024, 1024),
+        (1024, 300, 300),  # was a 400 "maximum context length" for a limit nobody chose
+        (1024, 1, 1),
+        (1024, 0, None),  # no room at all: the model server's own "prompt too long" answers
+        (1024, -7, None),
+    ],
+)
+def test_default_limit_fits_the_room_the_prompt_leaves(
+    default: int, room: int | None, sent: int | None
+) -> None:
+    assert default_limit(default, room) == sent
+
+
+def test_completion_room_asks_tokenize_with_the_template_fields() -> None:
+    bodies: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, json={"count": 40, "max_model_len": 256, "tokens": []})
+
+    messages = [{"role": "user", "content": "hi"}]
+    params = {"top_k": 3, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}
+
+    async def go() -> int | None:
+        ms = ModelServer(URL, transport=httpx.MockTransport(handler))
+        return await ms.completion_room("m", messages, params)
+
+    assert run(go()) == 216
+    assert bodies == [
+        {
+            "model": "m",
+            "messages": messages,
+            "add_generation_prompt": False,
+            "chat_template_kwargs": {"x": 1},
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "asked_again"),
+    [
+        (404, {"detail": "Not Found"}, False),  # no /tokenize (not Wick or vLLM): never again
+        (405, {"detail": "Method Not Allowed"}, False),
+        (503, {"error": {"message": "loading"}}, True),  # the chat request will say so
+        (400, {"error": {"message": "bad messages"}}, True),
+        (200, {"count": 3}, True),  # no max_model_len in the answer
+        (200, ["not", "an", "object"], True),
+    ],
+)
+def test_completion_room_is_unknown_when_the_model_server_cannot_tell(
+    status: int, body: object, asked_again: bool
+) -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(status, json=body)
+
+    async def go() -> list[int | None]:
+        ms = ModelServer(URL, transport=httpx.MockTransport(handler))
+        return [await ms.completion_room("m", [], {}) for _ in range(2)]
+
+    assert run(go()) == [None, None]
+    assert len(calls) == (2 if asked_again else 1)
+
+
+def test_completion_room_model_server_down_is_503() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    async def go() -> int | None:
+        ms = ModelServer(URL, transport=httpx.MockTransport(handler))
+        return await ms.completion_room("m", [], {})
+
+    with pytest.raises(UpstreamUnavailable, match="unreachable"):
+        run(go())

@@ -95,6 +95,10 @@ def test_chat_logprobs_off_means_none_on_means_top_k() -> None:
         ("n", 0, "n must be at least 1"),
         ("max_tokens", -1, "max_tokens must be at least 1"),
         ("logprobs", 50, "logprobs must be in [0, 20]"),
+        # vLLM's rules: top_k -1 or 0 is off, below -1 an error; seeds are 64-bit signed.
+        ("top_k", -2, "top_k must be -1 or 0 (disabled) or at least 1, got -2"),
+        ("seed", 2**63, "seed must be a 64-bit signed integer"),
+        ("seed", -(2**63) - 1, "seed must be a 64-bit signed integer"),
         # NaN passes `x < 0` checks; JSON bodies can carry NaN/Infinity (Python's json reads them).
         ("temperature", float("nan"), "temperature must be a finite number"),
         ("temperature", float("inf"), "temperature must be a finite number"),
@@ -109,6 +113,16 @@ def test_out_of_range_values_raise_sampling_params_messages(
     with pytest.raises(ValueError) as info:
         request.to_sampling_params()
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(("top_k", "stored"), [(None, 0), (-1, 0), (0, 0), (1, 1), (40, 40)])
+def test_top_k_off_values(top_k: int | None, stored: int) -> None:
+    assert CompletionRequest(prompt="x", top_k=top_k).to_sampling_params().top_k == stored
+
+
+@pytest.mark.parametrize("seed", [None, 0, -1, -(2**63), 2**63 - 1])
+def test_64_bit_seeds_are_kept(seed: int | None) -> None:
+    assert CompletionRequest(prompt="x", seed=seed).to_sampling_params().seed == seed
 
 
 def test_text_parts_join_like_vllm() -> None:

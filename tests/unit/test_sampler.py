@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model_server.engine.request import Request
-from model_server.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from model_server.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, generator_seed
 from model_server.layers.sampling.ops import Candidates, select_candidates
 from model_server.layers.sampling.penalties import apply_penalties
 from model_server.sampling_params import SamplingParams
@@ -534,6 +534,22 @@ def test_different_seeds_and_sample_indices_differ() -> None:
     assert run(1) != run(2)
     assert run(1, sample_index=1) != run(1)
     assert run(1, sample_index=1) == run(2, sample_index=0)  # seed + sample_index
+
+
+def test_seeds_that_differ_only_in_high_bits_sample_differently() -> None:
+    # torch's CPU generator keeps a seed's low 32 bits only: without generator_seed these
+    # pairs (and -1 against 2**63 - 1) sampled identically.
+    logits = [torch.zeros(1, 50) for _ in range(8)]
+
+    def run(seed: int) -> list[int]:
+        return seeded_run(Sampler("cpu"), logits, [make_req("x", seed=seed)], 0)
+
+    runs = {seed: run(seed) for seed in (5, 2**32 + 5, 2**40 + 5, -1, 2**32 - 1, 2**63 - 1)}
+    assert len({tuple(tokens) for tokens in runs.values()}) == len(runs)
+    assert run(2**40 + 5) == runs[2**40 + 5]  # still reproducible
+    # Seeds below 2**32 seed the generator as they are; the rest map into 32 bits.
+    assert generator_seed(5) == 5 and generator_seed(2**32 - 1) == 2**32 - 1
+    assert all(0 <= generator_seed(s) < 2**32 for s in (-(2**63), -1, 2**32, 2**63 - 1))
 
 
 def test_generator_persists_until_release() -> None:

@@ -42,7 +42,9 @@ from model_server.entrypoints.openai.serving_completion import OpenAIServingComp
 from model_server.entrypoints.openai.serving_engine import json_response
 from model_server.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
-from model_server.settings import ServerSettings
+from model_server.loader.embedded import embedded_model_path
+from model_server.loader.source import ModelLoadError
+from model_server.settings import DEFAULT_MODEL_NAME, ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
 
 def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSettings) -> None:
     name = settings.model_name
+    root = model_root(settings)
     completion = OpenAIServingCompletion(engine_client, name)
     chat = OpenAIServingChat(engine_client, name)
     tokenization = OpenAIServingTokenization(engine_client, name)
@@ -113,7 +116,7 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=name, root=settings.model, max_model_len=engine_client.max_model_len)
+        card = ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len)
         return ModelList(data=[card])
 
     @app.post("/v1/completions", response_model=None)
@@ -139,6 +142,19 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
         return json_response(tokenization.detokenize(request).model_dump())
 
 
+def model_root(settings: ServerSettings) -> str:
+    """What /v1/models reports as `root`: the model as loaded (vLLM: the --model value). With no
+    --model that is the embedded GGUF; its hub id stands in when the package is missing (the
+    engine then fails to load, but the card must still name something)."""
+    given = (settings.model or "").strip()
+    if given:
+        return given
+    try:
+        return embedded_model_path()
+    except ModelLoadError:
+        return DEFAULT_MODEL_NAME
+
+
 # ------------------------------------------------------------------------------- errors
 
 
@@ -160,7 +176,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        message = body_error_message(exc)
+        if message is None:
+            message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return _error(exc.status_code, message)
 
     @app.exception_handler(ClientDisconnected)
@@ -172,6 +190,38 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
         return _error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+# FastAPI's detail for a body it could not decode (fastapi/routing.py).
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
+
+
+def body_error_message(exc: StarletteHTTPException) -> str | None:
+    """What was wrong with a body FastAPI could not parse, or None for other HTTP errors.
+
+    FastAPI turns JSON syntax errors into a RequestValidationError, but any other failure of
+    `json.loads(body)` (bytes that are not UTF-8, nesting deep enough to hit the recursion
+    limit) into a bare 400 "There was an error parsing the body", chaining the real cause."""
+    cause = exc.__cause__
+    if exc.detail != _FASTAPI_BODY_ERROR or cause is None:
+        return None
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the request body is not valid UTF-8 (byte {_utf8_error_at(cause)}): send UTF-8 JSON"
+        )
+    if isinstance(cause, RecursionError):
+        return "the request body is not valid JSON: it is nested too deeply"
+    return f"the request body could not be read as JSON: {type(cause).__name__}: {cause}"
+
+
+def _utf8_error_at(exc: UnicodeDecodeError) -> int:
+    # json.loads guesses UTF-16/32 from the first bytes (a BOM, NULs): the failed decode may not
+    # have been UTF-8's, so its offset would point at the wrong byte.
+    try:
+        bytes(exc.object).decode("utf-8")
+    except UnicodeDecodeError as utf8:
+        return utf8.start
+    return exc.start
 
 
 def validation_message(errors: Any, content_type: str | None = None) -> tuple[str, str | None]:
