@@ -334,17 +334,21 @@ def test_utilization_moves_the_budget_by_its_share_of_total(
     assert core.num_blocks == 3200 + round((utilization - 0.5) / 0.25) * 2048
 
 
-def test_too_small_a_budget_is_one_clear_error(
-    monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str
-) -> None:
-    # 80 GiB x 0.1 = 8 GiB; weights, activations and runtime leave 40 KiB: 5 blocks, and one
-    # 128-token sequence needs 8. Nothing is allocated: the error comes first.
-    platform = FakeGpu(
+def _five_block_gpu() -> FakeGpu:
+    # 80 GiB x 0.1 = 8 GiB; weights, activations and runtime leave 40 KiB: 5 blocks.
+    return FakeGpu(
         total=80 * GiB,
         weights=6 * GiB,
         activation=int(1.5 * GiB),
         non_torch=GiB // 2 - 5 * BYTES_PER_BLOCK,
     )
+
+
+def test_too_small_a_budget_is_one_clear_error(
+    monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str
+) -> None:
+    # 5 blocks, and one 128-token sequence needs 8. Nothing is allocated: the error comes first.
+    platform = _five_block_gpu()
     with pytest.raises(ValueError) as err:
         _engine(monkeypatch, spy, platform, _config(model=tiny_model, gpu_memory_utilization=0.1))
     msg = str(err.value)
@@ -368,12 +372,7 @@ def test_the_models_context_is_fitted_to_a_small_profiled_budget(
 ) -> None:
     # The budget of the test above (5 blocks, 80 tokens), but no --max-model-len: the model's
     # 128 is lowered to what the cache holds instead of refusing to start.
-    platform = FakeGpu(
-        total=80 * GiB,
-        weights=6 * GiB,
-        activation=int(1.5 * GiB),
-        non_torch=GiB // 2 - 5 * BYTES_PER_BLOCK,
-    )
+    platform = _five_block_gpu()
     config = _config(model=tiny_model, gpu_memory_utilization=0.1, max_model_len=None)
     with caplog.at_level(logging.WARNING, logger="model_server.engine.engine_core"):
         core = _engine(monkeypatch, spy, platform, config)
@@ -387,7 +386,7 @@ def test_the_models_context_is_fitted_to_a_small_profiled_budget(
     )
     assert done.num_tokens == 80 and done.status.name == "FINISHED_LENGTH"
     # Fewer than 2 blocks still cannot start.
-    with pytest.raises(ValueError, match="holds 0 blocks of 0.01 MiB, and the engine needs 2"):
+    with pytest.raises(ValueError, match=r"holds 0 blocks of 0\.01 MiB, and the engine needs 2"):
         _engine(
             monkeypatch,
             spy,
