@@ -35,8 +35,9 @@ def generator_seed(seed: int) -> int:
 
     torch's CPU generator (mt19937) keeps only a seed's low 32 bits, so seeds that differ above
     bit 31 (-1 and 2**32 - 1, say) would sample alike. Seeds below 2**32 are used as they are;
-    larger ones (negatives taken modulo 2**64) are hashed (splitmix64's finalizer) into 32 bits,
-    on every device, so a seed samples the same way wherever its generator lives."""
+    larger ones (negatives taken modulo 2**64) are hashed (splitmix64's finalizer) into 32 bits.
+    The same rule holds on every device (CUDA's generator would keep 64 bits), so that which seeds
+    collide does not depend on the device; the random streams themselves still differ by device."""
     x = seed & _MASK_64
     if x <= _MASK_32:
         return x
