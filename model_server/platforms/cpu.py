@@ -115,10 +115,22 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     return _dequantized_linear(x, weight, bias)
 
 
-@cache
+# Replaces the flags read from /proc/cpuinfo (space-separated): runs the native-bf16 branches
+# on a CPU without it (or the fp32 ones on a CPU with it), e.g. to test both on one machine.
+CPU_FLAGS_ENV = "WICK_CPU_FLAGS"
+
+
 def _cpu_flags() -> frozenset[str]:
+    faked = os.environ.get(CPU_FLAGS_ENV)
+    if faked is not None:
+        return frozenset(faked.split())
+    return _read_cpu_flags("/proc/cpuinfo")
+
+
+@cache
+def _read_cpu_flags(cpuinfo: str) -> frozenset[str]:
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
                     return frozenset(line.split(":", 1)[1].split())

@@ -1,18 +1,18 @@
 """Container smoke test (marker `container`, opt-in: `./wick test tests/deploy -m container`).
 
-Builds the cpu model-server image and the microservice image with podman on a Debian base made
-by debootstrap (no registry is needed), brings the stack up with the real compose v2 binary on
-podman's Docker-compatible socket, sends a chat request through the microservice's port and
-tears everything down. Needs root and Debian's `podman buildah runc debootstrap netavark
-aardvark-dns`; PyPI (for the images' packages) and deb.debian.org (for the base and gcc). The
-CPU torch wheel comes from WICK_WHEELS_DIR (/opt/wheels) when it holds one, else from
-download.pytorch.org. Everything podman stores goes to its own folder, WICK_CONTAINER_WORKDIR
-(/var/tmp/wick-container-test: vfs storage, networks, logs/ with each step's output), so the
-host's podman setup is untouched; the base image and the built images stay there (about 2.5 GB;
-`podman system reset` with CONTAINERS_STORAGE_CONF=<workdir>/storage.conf removes them), and
-WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on 2 cores (base 1,
-model-server image 2.5, microservice image 1, stack up 1, chat and teardown under 0.5); peak
-disk use about 6 GB.
+Builds the cpu model-server image and the microservice image with podman on a Debian base made by
+debootstrap (no registry is needed), brings the stack up with the real compose v2 binary on
+podman's Docker-compatible socket, sends a chat request through the microservice's port and tears
+everything down. Needs root and Debian's `podman buildah runc debootstrap netavark aardvark-dns
+iptables` (checked first, every missing one named); PyPI (for the images' packages) and
+deb.debian.org (for the base and gcc). The CPU torch wheel comes from WICK_WHEELS_DIR (/opt/wheels)
+when it holds one, else from download.pytorch.org. Everything podman stores goes to its own folder,
+WICK_CONTAINER_WORKDIR (/var/tmp/wick-container-test: vfs storage, networks, logs/ with each step's
+output), so the host's podman setup is untouched; the base image and the built images stay there
+(about 2.5 GB; `podman system reset` with CONTAINERS_STORAGE_CONF=<workdir>/storage.conf removes
+them), and WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on 2 cores
+(base 1, model-server image 2.5, microservice image 1, stack up 1, chat and teardown under 0.5);
+peak disk use about 6 GB.
 """
 
 from __future__ import annotations
@@ -77,11 +77,40 @@ def phase(timings: dict[str, float], name: str, start: float) -> None:
     print(f"\n[container smoke] {name}: {timings[name]:.0f} s", flush=True)
 
 
+# What the test runs, by the Debian package that brings it. netavark and aardvark-dns are podman's
+# helpers (not on PATH); netavark sets up networks through iptables or nft.
+APT_PACKAGES = "podman buildah runc debootstrap netavark aardvark-dns iptables"
+_ON_PATH = ("podman", "runc", "debootstrap")
+_PODMAN_HELPERS = ("netavark", "aardvark-dns")
+PODMAN_HELPER_DIRS = ("/usr/libexec/podman", "/usr/lib/podman", "/usr/local/libexec/podman",
+                      "/usr/local/lib/podman")  # fmt: skip
+_SBIN = "/usr/local/sbin:/usr/sbin:/sbin"
+
+
+def missing_prerequisites(
+    path: str | None = None, helper_dirs: tuple[str, ...] = PODMAN_HELPER_DIRS
+) -> list[str]:
+    """Every binary the smoke test needs and cannot find (`iptables or nft` counts as one)."""
+    search = f"{path if path is not None else os.environ.get('PATH', '')}:{_SBIN}"
+    missing = [tool for tool in _ON_PATH if shutil.which(tool, path=search) is None]
+    for helper in _PODMAN_HELPERS:
+        if not any(os.access(Path(d) / helper, os.X_OK) for d in helper_dirs):
+            missing.append(helper)
+    if not any(shutil.which(tool, path=search) for tool in ("iptables", "nft")):
+        missing.append("iptables or nft")
+    return missing
+
+
+def check_prerequisites() -> None:
+    """One line naming everything missing, before anything is built."""
+    missing = missing_prerequisites()
+    assert not missing, f"missing: {', '.join(missing)}; on Debian: apt-get install {APT_PACKAGES}"
+    assert os.geteuid() == 0, "the container smoke test runs rootful podman"
+
+
 @pytest.fixture(scope="module")
 def podman_env() -> dict[str, str]:
-    for tool in ("podman", "debootstrap", "runc"):
-        assert shutil.which(tool), f"{tool} is missing: apt-get install podman buildah runc ..."
-    assert os.geteuid() == 0, "the container smoke test runs rootful podman"
+    check_prerequisites()
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "storage.conf").write_text(
         f'[storage]\ndriver = "vfs"\ngraphroot = "{WORK}/storage"\nrunroot = "{WORK}/run"\n'

@@ -85,7 +85,21 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-GENERATE = ("generate", "--prompt", PROMPT, "--max-tokens", "32", "--ignore-eos")
+# float32: TP=2 sums partial products in another order than TP=1, equal only at fp32 precision
+# (auto is bf16 on CPUs with native bf16).
+GENERATE = (
+    "generate",
+    "--prompt",
+    PROMPT,
+    "--max-tokens",
+    "32",
+    "--ignore-eos",
+    "--dtype",
+    "float32",
+)
+
+# As on node 0: every node is given the same engine flags.
+WORKER_ARGS = ("--tensor-parallel-size", "2", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +121,7 @@ def test_two_nodes_through_torchrun_style_env(tp1_text: str) -> None:
     rdzv = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NNODES": "2"}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "VLLM_"))}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "model_server", "worker", "--tensor-parallel-size", "2"],
+        [sys.executable, "-m", "model_server", "worker", *WORKER_ARGS],
         env={**env, **rdzv, "NODE_RANK": "1"},
         cwd=ROOT,
         stderr=subprocess.PIPE,

@@ -42,7 +42,10 @@ TP_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         }
     ),
 }
+# float32: TP=2 adds partial sums in another order than TP=1; the tokens and logprobs are equal
+# only at fp32 precision (`auto` is bf16 on CPUs with native bf16).
 ENGINE_ARGS = dict(
+    dtype="float32",
     max_model_len=64,
     block_size=4,
     kv_cache_memory=2 * 1024**2,

@@ -176,7 +176,7 @@ def test_bench_latency_cli_on_cpu(
     # One thread: a model this small gains nothing from two, and threads that wait on each
     # other at every op slow to a crawl when other processes load the cores.
     argv = ["bench", "latency", "--load-format", "dummy", "--model", str(config), "--num-threads"]
-    argv += ["1"]
+    argv += ["1", "--dtype", "float32"]  # the baseline is compared in fp32
     argv += ["--batch-size", "2", "--input-len", "16", "--output-len", "64", "--num-iters", "3"]
     argv += ["--peak-bandwidth-gbs", "100", "--baseline", "transformers"]
     with pytest.raises(SystemExit) as exit_info:

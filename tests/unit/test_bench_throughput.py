@@ -103,7 +103,7 @@ def test_default_baseline_batch_size_per_device() -> None:
 def test_the_engine_is_released_before_the_baseline(tmp_path: Path) -> None:
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY))
-    llm = LLM(str(path), load_format="dummy", kv_cache_memory=8 << 20)
+    llm = LLM(str(path), load_format="dummy", dtype="float32", kv_cache_memory=8 << 20)
     model = weakref.ref(llm.engine.core.model_runner.model)
     target = baseline_target(llm)
     assert target.device == torch.device("cpu") and target.dtype == torch.float32

@@ -121,6 +121,7 @@ def test_check_kv_blocks_names_a_smaller_rank() -> None:
 def _config(**overrides: object) -> EngineConfig:
     values: dict[str, object] = dict(
         load_format="dummy",
+        dtype="float32",  # the block counts below assume 4-byte K/V
         attention_backend="torch",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=MAX_NUM_SEQS,

@@ -182,6 +182,46 @@ def test_platform_descriptions(
         assert default_dtype in platform.supported_dtypes()
 
 
+# /proc/cpuinfo's flags line of three CPUs (abridged): an AVX2 Xeon, a Zen 4 EPYC, a
+# Sapphire Rapids Xeon with AMX.
+AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
+ZEN4_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+AMX_FLAGS = ZEN4_FLAGS + " amx_bf16 amx_tile amx_int8"
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [(AVX2_FLAGS, torch.float32), (ZEN4_FLAGS, torch.bfloat16), (AMX_FLAGS, torch.bfloat16)],
+    ids=["avx2", "avx512_bf16", "amx"],
+)
+def test_cpu_auto_dtype_is_bf16_only_with_native_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: str, expected: torch.dtype
+) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert cpu_platform._read_cpu_flags(str(cpuinfo)) == frozenset(flags.split())
+    monkeypatch.setattr(cpu_platform, "_cpu_flags", lambda: frozenset(flags.split()))
+    platform = get_platform("cpu")
+    assert platform.resolve_dtype("auto") == expected
+    assert platform.resolve_dtype("float32") == torch.float32  # a pinned dtype is kept
+    assert platform.resolve_dtype("bfloat16") == torch.bfloat16
+
+
+@pytest.mark.parametrize(("flags", "expected"), [(AVX2_FLAGS, "float32"), (ZEN4_FLAGS, "bfloat16")])
+def test_faked_cpu_flags_reach_the_engine(
+    monkeypatch: pytest.MonkeyPatch, flags: str, expected: str
+) -> None:
+    """WICK_CPU_FLAGS stands in for /proc/cpuinfo (subprocesses inherit it): the engine built
+    with `--dtype auto` runs in the dtype those flags call for, whatever this CPU is."""
+    from model_server.engine.llm import LLM
+
+    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, flags)
+    assert cpu_platform._cpu_flags() == frozenset(flags.split())
+    llm = LLM("smollm2-135m", load_format="dummy", kv_cache_memory=8 << 20, max_model_len=64)
+    assert str(llm.engine.core.model_runner.dtype) == f"torch.{expected}"
+    assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids  # and it runs
+
+
 def test_cpu_platform_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     platform = get_platform("cpu")
     assert platform.device == torch.device("cpu") and not platform.supports_graphs
