@@ -12,9 +12,9 @@ is required, so that the image never gets the CUDA build). Everything podman sto
 own folder, WICK_CONTAINER_WORKDIR (/var/tmp/wick-container-test: vfs storage, networks, logs/ with
 each step's output), so the host's podman setup is untouched; the base image and the built images
 stay there (about 2.5 GB; `podman system reset` with CONTAINERS_STORAGE_CONF=<workdir>/storage.conf
-removes them), and WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on 2 cores
-(base 1, model-server image 2.5, microservice image 1, stack up 1, chat and teardown under 0.5);
-peak disk use about 6 GB.
+removes them), and WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. About 6 minutes on
+2 cores (base 1, model-server image 2.5, microservice image 1, stack up 1, chat and teardown under
+0.5); peak disk use about 6 GB.
 """
 
 from __future__ import annotations
