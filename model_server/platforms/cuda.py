@@ -76,8 +76,8 @@ class CudaPlatform(Platform):
 
 
 class CudaGraphCapturer:
-    """torch.cuda graphs sharing one memory pool, captured on a side stream (see GraphCapturer
-    in engine/cuda_graph.py)."""
+    """torch.cuda graphs sharing one memory pool, captured on a side stream (a GraphCapturer, see
+    platforms/interface.py)."""
 
     def __init__(self, device: torch.device) -> None:
         self.pool = None

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from model_server.engine.cuda_graph import GraphCapturer
+
+class GraphCapturer(Protocol):
+    """Records a function's device work once and replays it (engine/cuda_graph.py drives it)."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Run `fn` under capture; return (replay, output). `replay()` reruns the recorded work,
+        rewriting `output` in place from whatever the static inputs hold at that time."""
+        ...
 
 
 class PlatformUnavailable(ValueError):
