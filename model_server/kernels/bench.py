@@ -13,7 +13,7 @@ causal FLOPs only).
     python -m model_server.kernels.bench --fused-ops          # RMSNorm / add+RMSNorm / SiluAndMul
 
 `--fused-ops` times the one-pass Triton kernels of `rms_norm.py` and `activation.py` against the
-PyTorch layer code they replace (`layers/norm.py`, `layers/activation.py`) at `--rows` x
+PyTorch ops they replace (`kernels/portable.py`, what the layers run by default) at `--rows` x
 `--hidden` (`--act-dims` for SiluAndMul's d), replayed from CUDA graphs as decode steps are, and
 eagerly; GB/s counts the bytes each op must move at least (inputs read once, outputs written once).
 """
@@ -179,9 +179,12 @@ def run_fused_ops(
 ) -> None:
     """Prints a line per (op, rows, width); see `run_fused_op`."""
     from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.portable import (
+        fused_add_rms_norm_torch,
+        rms_norm_torch,
+        silu_and_mul_torch,
+    )
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
-    from model_server.layers.activation import silu_and_mul_torch
-    from model_server.layers.norm import fused_add_rms_norm_torch, rms_norm_torch
 
     elt = torch.finfo(dtype).bits // 8
     eps = 1e-6

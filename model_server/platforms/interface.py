@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+
 
 class GraphCapturer(Protocol):
     """Records a function's device work once and replays it (engine/cuda_graph.py drives it)."""
@@ -213,6 +215,12 @@ class Platform(ABC):
         `local_world_size`: how many tensor-parallel ranks share this machine's CPU cores.
         """
         return None
+
+    def kernel_table(self) -> KernelTable:
+        """The kernels this platform's models run (the model builder hands them to every layer);
+        the portable PyTorch ones unless the platform has better. Imports what they need (triton
+        on CUDA), so call it in the process that builds the model."""
+        return TORCH_KERNELS
 
     def init_distributed_backend(self) -> None:
         """Import whatever registers `dist_backend` with torch.distributed (eccl, hccl)."""
