@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
 from model_server.engine.input_batch import SeqChunk
 from model_server.layers.attention.backend import AttentionMetadata
+from model_server.platforms.interface import GraphCapturer
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +43,6 @@ MAX_CAPTURE_SIZE = 512
 
 # Forward of the model on static inputs: (input_ids, positions, metadata) -> hidden [bs, hidden].
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
-
-
-class GraphCapturer(Protocol):
-    """Records a function's device work once and replays it."""
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        """Run `fn` under capture; return (replay, output). `replay()` reruns the recorded work,
-        rewriting `output` in place from whatever the static inputs hold at that time."""
-        ...
 
 
 def capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:

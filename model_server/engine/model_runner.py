@@ -26,9 +26,9 @@ from model_server.engine.request import Request
 from model_server.engine.scheduler import SchedulerOutput
 from model_server.engine.step_input import StepInput
 from model_server.layers.attention import get_attention_backend
-from model_server.layers.quantization import quantize_model
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
+from model_server.models.quantization import quantize_model
 from model_server.models.registry import build_model, init_dummy_weights
 from model_server.platforms import Platform
 
@@ -82,6 +82,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             max_model_len=config.max_model_len,
+            kernels=platform.kernel_table(),
         )
         if source.weights is None:
             init_dummy_weights(self.model, seed=config.seed)

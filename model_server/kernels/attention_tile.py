@@ -79,7 +79,7 @@ def attend_paged_tile(
 # Bytes of one K (or V) tile, TILE_N x BLOCK_D, that the default tile width stays within. The
 # pipelined K/V tiles then fit the 99 KiB of shared memory a block may use on sm_86/sm_89 (A10, L4,
 # RTX 30/40): at TILE_N 64, fp32 with D 128 needs 112 KiB in the prefill kernel (see
-# `python -m model_server.kernels.compile_check`); bf16/fp16 up to D 128 keep TILE_N 64.
+# `python -m tools.compile_check`); bf16/fp16 up to D 128 keep TILE_N 64.
 _MAX_KV_TILE_BYTES = 16 * 1024
 
 

@@ -1,43 +1,28 @@
 """Gated MLP activations: act(x[..., :d]) * x[..., d:] on the fused gate_up output.
 
-SiluAndMul goes through a module-level implementation, PyTorch's by default (every platform and
-the tests); `set_silu_and_mul_impl` installs another, e.g. the fused Triton kernel
-(`layers.fused_ops.enable_triton_fused_ops`). It must return a new tensor and follow
+SiluAndMul is the `KernelTable` the layer was built with (`silu_and_mul`): PyTorch's by default
+(kernels/portable.py), the fused Triton kernel on CUDA. It returns a new tensor and follows
 `silu_and_mul_torch`'s numerics.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# x [..., 2d] -> [..., d]
-SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
-
-
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] -> [..., d]: silu(gate) * up, each op rounding to x's dtype."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-_silu_and_mul_impl: SiluAndMulFn = silu_and_mul_torch
-
-
-def set_silu_and_mul_impl(fn: SiluAndMulFn | None) -> None:
-    """Install the platform's SiluAndMul (None restores `silu_and_mul_torch`)."""
-    global _silu_and_mul_impl
-    _silu_and_mul_impl = fn or silu_and_mul_torch
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 
 
 class SiluAndMul(nn.Module):
     """[..., 2d] -> [..., d]: silu(gate) * up (Llama, Mistral, Qwen MLPs)."""
 
+    def __init__(self, *, kernels: KernelTable = TORCH_KERNELS) -> None:
+        super().__init__()
+        self.kernels = kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _silu_and_mul_impl(x)
+        return self.kernels.silu_and_mul(x)
 
 
 class GeluAndMul(nn.Module):
@@ -52,11 +37,12 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
-def get_act_and_mul_fn(hidden_act: str) -> nn.Module:
-    """The gated activation for an HF `hidden_act` name; ValueError for unsupported ones."""
+def get_act_and_mul_fn(hidden_act: str, kernels: KernelTable = TORCH_KERNELS) -> nn.Module:
+    """The gated activation for an HF `hidden_act` name; ValueError for unsupported ones.
+    (GELU variants have no kernel slot: they run PyTorch's ops.)"""
     name = hidden_act.lower()
     if name in ("silu", "swish"):
-        return SiluAndMul()
+        return SiluAndMul(kernels=kernels)
     if name == "gelu":
         return GeluAndMul("none")
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):

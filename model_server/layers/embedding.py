@@ -19,14 +19,18 @@ from model_server.distributed.parallel_state import (
     tensor_model_parallel_gather,
 )
 from model_server.distributed.partition import shard_vocab
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.linear import default_weight_loader, dense
 
 
 class VocabParallelEmbedding(nn.Module):
     """input_ids [T] -> [T, embedding_dim]; weight [padded rows of this rank, embedding_dim]."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, kernels: KernelTable = TORCH_KERNELS
+    ) -> None:
         super().__init__()
+        self.kernels = kernels  # the LM head's matmul (lookups need none)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_size = get_tensor_model_parallel_world_size()
@@ -78,7 +82,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         """Logits [N, vocab] on rank 0; None on the other ranks."""
-        logits = dense(hidden_states, self.weight)  # [N, padded rows of this rank]
+        logits = dense(
+            hidden_states, self.weight, kernels=self.kernels
+        )  # [N, padded rows of this rank]
         if self.tp_size == 1:
             return logits
         gathered = tensor_model_parallel_gather(logits)  # [N, tp * padded] on rank 0

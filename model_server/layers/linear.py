@@ -12,14 +12,17 @@ no collective runs.
 
 Parameters are allocated with `torch.empty` (no init pass: checkpoints or
 `init_dummy_weights` fill them), on the default device and dtype, and never require grad.
+
+The matmul is the `KernelTable` the layer was built with (`kernels.linear`, or
+`kernels.int8_linear` once `--quantization int8` swapped the weight): the platform's choice,
+handed down by the model builder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_server.distributed.parallel_state import (
@@ -28,28 +31,24 @@ from model_server.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from model_server.distributed.partition import HeadShard, divide, shard_heads
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.quantization import Int8Weight, int8_dense
-
-LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-_linear_impl: LinearFn = F.linear
-
-
-def set_linear_impl(fn: LinearFn | None) -> None:
-    """Install the platform's dense matmul (None restores `F.linear`); see platforms/."""
-    global _linear_impl
-    _linear_impl = fn or F.linear
 
 
 def dense(
-    x: torch.Tensor, weight: torch.Tensor | Int8Weight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | Int8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    kernels: KernelTable,
 ) -> torch.Tensor:
     """x [M, in] @ weight [out, in]^T + bias: every linear layer and the LM head call this.
 
     `weight` is a float tensor, or an `Int8Weight` once `--quantization int8` has replaced it.
     """
     if isinstance(weight, Int8Weight):
-        return int8_dense(x, weight, bias)
-    return _linear_impl(x, weight, bias)
+        return int8_dense(x, weight, bias, kernels.int8_linear)
+    return kernels.linear(x, weight, bias)
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -83,8 +82,16 @@ def _copy_rows(
 class LinearBase(nn.Module):
     """y = x W^T + b with this rank's W: [output_size, input_size] (local sizes)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
@@ -103,7 +110,7 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias, kernels=self.kernels)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}" + (
@@ -128,6 +135,8 @@ class RowParallelLinear(LinearBase):
         output_size: int,
         bias: bool = False,
         input_partition: tuple[int, int] | None = None,
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         if input_partition is None:
@@ -135,7 +144,7 @@ class RowParallelLinear(LinearBase):
             input_partition = (get_tensor_model_parallel_rank() * local, local)
         self.input_start = input_partition[0]
         self.total_input_size = input_size
-        super().__init__(input_partition[1], output_size, bias)
+        super().__init__(input_partition[1], output_size, bias, kernels=kernels)
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
@@ -149,8 +158,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return dense(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(dense(x, self.weight))  # [T, out]
+            return dense(x, self.weight, self.bias, kernels=self.kernels)
+        out = tensor_model_parallel_all_reduce(
+            dense(x, self.weight, kernels=self.kernels)
+        )  # [T, out]
         if self.bias is not None:
             out += self.bias
         return out
@@ -159,10 +170,17 @@ class RowParallelLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Splits the output dim evenly: x [T, in] -> [T, out / tp] (this rank's columns)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         local = divide(output_size, tp_size, "output features of a column-parallel layer")
-        super().__init__(input_size, local, bias)
+        super().__init__(input_size, local, bias, kernels=kernels)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         local = param.shape[0]
@@ -176,13 +194,20 @@ class MergedColumnParallelLinear(LinearBase):
     over the ranks, so the local output is [T, sum(output_sizes) / tp] laid out gate_r | up_r.
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.output_sizes = list(output_sizes)  # whole-model sizes
         self.local_sizes = [
             divide(size, tp_size, "intermediate_size") for size in self.output_sizes
         ]
-        super().__init__(input_size, sum(self.local_sizes), bias)
+        super().__init__(input_size, sum(self.local_sizes), bias, kernels=kernels)
 
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None
@@ -213,6 +238,8 @@ class QKVParallelLinear(LinearBase):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         self.shard: HeadShard = shard_heads(
             total_num_heads,
@@ -227,7 +254,7 @@ class QKVParallelLinear(LinearBase):
         self.num_kv_heads = self.shard.num_kv_heads
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, kernels=kernels)
 
     def shard_range(self, shard_id: str) -> tuple[int, int]:
         """(offset, size) of shard "q", "k" or "v" along this rank's output dim."""

@@ -9,26 +9,22 @@ The LM head is quantized too; a head tied to the input embedding gets its own in
 embedding keeps its float table for lookups (a step gathers only a few of its rows). Norms,
 embeddings and the KV cache stay in the model dtype.
 
-The matmul is the platform's (`set_int8_linear_impl`). Decode steps read each weight once per
-step, so at a few rows a step moves 1 byte per weight instead of 4 (fp32) or 2 (bf16): that is
-what makes batch-1 decode faster on bandwidth-bound CPUs. The portable implementation
-(`int8_linear_dequant`) dequantizes the whole matrix on every call: correct, but slower than the
-float model, so only platforms with a real int8 kernel accept the method (`Platform.
-quantization_methods`).
+The matmul is the model's `KernelTable.int8_linear` (the platform's choice). Decode steps read
+each weight once per step, so at a few rows a step moves 1 byte per weight instead of 4 (fp32) or
+2 (bf16): that is what makes batch-1 decode faster on bandwidth-bound CPUs. The portable
+implementation (`kernels.portable.int8_linear_dequant`) dequantizes the whole matrix on every
+call: correct, but slower than the float model, so only platforms with a real int8 kernel accept
+the method (`Platform.quantization_methods`). `models.quantization.quantize_model` swaps the
+weights in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from model_server.config import QUANTIZATION_METHODS
-
-# (x [M, K], weight (Int8Weight [N, K]), bias [N] | None) -> [M, N] in x's dtype
-Int8LinearFn = Callable[[torch.Tensor, "Int8Weight", torch.Tensor | None], torch.Tensor]
+from model_server.kernels.portable import dequantize_int8
+from model_server.kernels.table import Int8LinearFn
 
 
 class Int8Weight(nn.Module):
@@ -51,7 +47,7 @@ class Int8Weight(nn.Module):
         return self.qweight.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.qweight.float() * self.scale.float()[:, None]).to(dtype)
+        return dequantize_int8(self.qweight, self.scale, dtype)
 
     def extra_repr(self) -> str:
         return f"int8 {tuple(self.qweight.shape)}, per-row scales"
@@ -77,43 +73,13 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     return Int8Weight(qweight, scale)
 
 
-def int8_linear_dequant(
-    x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None
+def int8_dense(
+    x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None, int8_linear: Int8LinearFn
 ) -> torch.Tensor:
-    """The portable int8 matmul: dequantize, then the float matmul (exact up to its rounding)."""
-    return F.linear(x, weight.dequantize(x.dtype), bias)
-
-
-_int8_linear_impl: Int8LinearFn = int8_linear_dequant
-
-
-def set_int8_linear_impl(fn: Int8LinearFn | None) -> None:
-    """Install the platform's int8 matmul (None restores the portable one)."""
-    global _int8_linear_impl
-    _int8_linear_impl = fn or int8_linear_dequant
-
-
-def int8_dense(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ dequantized(weight)^T + bias -> [..., N] in x's dtype."""
+    """x [..., K] @ dequantized(weight)^T + bias -> [..., N] in x's dtype, through the
+    `int8_linear` kernel (which takes 2-D inputs)."""
     if x.dim() == 2:
-        return _int8_linear_impl(x, weight, bias)
+        return int8_linear(x, weight.qweight, weight.scale, bias)
     lead = x.shape[:-1]
-    out = _int8_linear_impl(x.reshape(-1, x.shape[-1]), weight, bias)
+    out = int8_linear(x.reshape(-1, x.shape[-1]), weight.qweight, weight.scale, bias)
     return out.view(*lead, out.shape[-1])
-
-
-def quantize_model(model: nn.Module, method: str) -> None:
-    """Quantize every linear layer and the LM head of a loaded model in place. The float weights
-    are released (a tied embedding keeps its own)."""
-    from model_server.layers.embedding import ParallelLMHead
-    from model_server.layers.linear import LinearBase
-
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"unknown quantization method {method!r}")
-    for module in list(model.modules()):
-        if isinstance(module, LinearBase | ParallelLMHead) and isinstance(
-            module.weight, torch.Tensor
-        ):
-            quantized = quantize_int8(module.weight)
-            del module.weight  # this module's reference only: a tied embedding keeps the table
-            module.weight = quantized

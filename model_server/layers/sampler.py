@@ -19,8 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from model_server.engine.request import Request
-from model_server.layers.sampling.metadata import SamplingMetadata, build_sampling_metadata
+from model_server.layers.sampling.metadata import (
+    SamplingMetadata,
+    SamplingRequest,
+    build_sampling_metadata,
+)
 from model_server.layers.sampling.ops import random_sample, select_candidates
 from model_server.layers.sampling.penalties import apply_penalties
 
@@ -76,11 +79,13 @@ class Sampler:
         """Drops a finished (or aborted) request's generator; unknown ids are ignored."""
         self._generators.pop(request_id, None)
 
-    def build_metadata(self, requests: Sequence[Request], vocab_size: int) -> SamplingMetadata:
+    def build_metadata(
+        self, requests: Sequence[SamplingRequest], vocab_size: int
+    ) -> SamplingMetadata:
         """Metadata for sampling one token for each of `requests` (row i = requests[i])."""
         return build_sampling_metadata(requests, vocab_size, self.device, self._generator_for)
 
-    def _generator_for(self, request: Request) -> torch.Generator:
+    def _generator_for(self, request: SamplingRequest) -> torch.Generator:
         generator = self._generators.get(request.request_id)
         if generator is None:
             seed = request.sampling_params.seed

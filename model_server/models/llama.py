@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from model_server.distributed.partition import divide, shard_heads
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.activation import get_act_and_mul_fn
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.attention.layer import Attention
@@ -77,13 +78,22 @@ def get_sliding_window(config: Any) -> int | None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        kernels: KernelTable,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias
+            hidden_size, [intermediate_size] * 2, bias=bias, kernels=kernels
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = get_act_and_mul_fn(hidden_act)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, kernels=kernels
+        )
+        self.act_fn = get_act_and_mul_fn(hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [T, hidden] -> [T, 2 * inter] -> [T, inter] -> [T, hidden]
@@ -99,6 +109,7 @@ class LlamaAttention(nn.Module):
         config: Any,
         rotary_emb: RotaryEmbedding,
         attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
     ) -> None:
         super().__init__()
         self.head_dim = get_head_dim(config)
@@ -110,6 +121,7 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             get_num_kv_heads(config),
             bias=qkv_bias,
+            kernels=kernels,
         )
         shard = self.qkv_proj.shard
         self.num_heads = shard.num_heads
@@ -121,12 +133,13 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             bias=attention_bias,
             input_partition=(shard.q_start * self.head_dim, self.q_size),
+            kernels=kernels,
         )
         # Qwen3: RMSNorm over each head's vector, applied before rotary.
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, kernels=kernels)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, kernels=kernels)
         # The same instance in every layer: one cos/sin cache for the model.
         self.rotary_emb = rotary_emb
         self.attn = Attention(
@@ -158,18 +171,24 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, rotary_emb: RotaryEmbedding, attn_backend: type[AttentionBackend]
+        self,
+        config: Any,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend)
+        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, kernels)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             bias=bool(getattr(config, "mlp_bias", False)),
+            kernels=kernels,
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, kernels=kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, kernels=kernels)
 
     def forward(
         self,
@@ -193,16 +212,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: Any, attn_backend: type[AttentionBackend], max_position: int
+        self,
+        config: Any,
+        attn_backend: type[AttentionBackend],
+        max_position: int,
+        kernels: KernelTable,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(get_head_dim(config), max_position, config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, attn_backend)
+            LlamaDecoderLayer(config, self.rotary_emb, attn_backend, kernels)
             for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, kernels=kernels)
 
     def forward(
         self,
@@ -226,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
 
     Parameters are uninitialized after construction: call `load_weights` (or the registry's
     `init_dummy_weights`). `max_model_len` sizes the rotary cache (positions must stay below it);
-    None means `config.max_position_embeddings`.
+    None means `config.max_position_embeddings`. `kernels`: the matmul, norm and activation
+    implementations every layer runs (the platform's `kernel_table()`).
     """
 
     def __init__(
@@ -234,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
         config: Any,
         attn_backend: type[AttentionBackend],
         max_model_len: int | None = None,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.config = config
@@ -250,9 +275,9 @@ class LlamaForCausalLM(nn.Module):
                 self.sliding_window,
                 self.sliding_window,
             )
-        self.model = LlamaModel(config, attn_backend, max_position)
+        self.model = LlamaModel(config, attn_backend, max_position, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
 

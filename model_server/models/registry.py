@@ -4,7 +4,7 @@ Typical use (the model runner):
 
     cls = get_model_class(hf_config.architectures)
     model = build_model(hf_config, attn_backend, dtype=torch.float32, device="cpu",
-                        max_model_len=4096)
+                        max_model_len=4096, kernels=platform.kernel_table())
     model.load_weights(weights)          # or init_dummy_weights(model, seed)
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 
 # architecture -> (module under model_server.models, class name); imported on first use.
@@ -56,6 +57,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    kernels: KernelTable = TORCH_KERNELS,
 ) -> nn.Module:
     """Construct the model for `config.architectures` directly on `device` in `dtype`.
 
@@ -64,13 +66,17 @@ def build_model(
     that checkpoints do not carry (the rotary cos/sin cache, sized by `max_model_len` or else
     `config.max_position_embeddings`) are computed here, which is why the meta device is not used.
     The model is returned in eval mode; no parameter requires grad.
+
+    `kernels` is what every layer computes with, kept by reference (the platform's
+    `kernel_table()`; the portable PyTorch table by default): nothing process-wide is switched, so
+    models built with different tables coexist.
     """
     cls = get_model_class(getattr(config, "architectures", None))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config, attn_backend, max_model_len=max_model_len)
+            model = cls(config, attn_backend, max_model_len=max_model_len, kernels=kernels)
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)

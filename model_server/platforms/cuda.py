@@ -7,8 +7,7 @@ from types import ModuleType
 
 import torch
 
-from model_server.layers.fused_ops import enable_triton_fused_ops
-from model_server.layers.quantization import set_int8_linear_impl
+from model_server.kernels.table import KernelTable, triton_kernels
 from model_server.platforms.interface import Platform, PlatformUnavailable
 
 
@@ -54,14 +53,12 @@ class CudaPlatform(Platform):
         # Always complete: the KV cache is sized by profiling (engine/memory_profiler.py).
         return torch.cuda
 
-    def prepare(self, num_threads: int | None, local_world_size: int = 1) -> None:
+    def kernel_table(self) -> KernelTable:
         # One-pass Triton RMSNorm (+ residual add) and SiluAndMul: at large decode batches the
-        # PyTorch versions' ~8 kernels per call each move the whole activation.
-        enable_triton_fused_ops()
-        # --quantization int8: the w8a16 Triton kernel reads int8 codes (kernels/int8_linear.py).
-        from model_server.kernels.int8_linear import int8_linear
-
-        set_int8_linear_impl(lambda x, w, bias: int8_linear(x, w.qweight, w.scale, bias))
+        # PyTorch versions' ~8 kernels per call each move the whole activation. --quantization
+        # int8: the w8a16 Triton kernel reads the int8 codes (kernels/int8_linear.py). Dense
+        # matmuls stay on cuBLAS (F.linear).
+        return triton_kernels()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
@@ -76,8 +73,8 @@ class CudaPlatform(Platform):
 
 
 class CudaGraphCapturer:
-    """torch.cuda graphs sharing one memory pool, captured on a side stream (see GraphCapturer
-    in engine/cuda_graph.py)."""
+    """torch.cuda graphs sharing one memory pool, captured on a side stream (a GraphCapturer, see
+    platforms/interface.py)."""
 
     def __init__(self, device: torch.device) -> None:
         self.pool = None

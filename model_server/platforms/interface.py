@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from model_server.engine.cuda_graph import GraphCapturer
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+
+
+class GraphCapturer(Protocol):
+    """Records a function's device work once and replays it (engine/cuda_graph.py drives it)."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Run `fn` under capture; return (replay, output). `replay()` reruns the recorded work,
+        rewriting `output` in place from whatever the static inputs hold at that time."""
+        ...
 
 
 class PlatformUnavailable(ValueError):
@@ -207,6 +215,12 @@ class Platform(ABC):
         `local_world_size`: how many tensor-parallel ranks share this machine's CPU cores.
         """
         return None
+
+    def kernel_table(self) -> KernelTable:
+        """The kernels this platform's models run (the model builder hands them to every layer);
+        the portable PyTorch ones unless the platform has better. Imports what they need (triton
+        on CUDA), so call it in the process that builds the model."""
+        return TORCH_KERNELS
 
     def init_distributed_backend(self) -> None:
         """Import whatever registers `dist_backend` with torch.distributed (eccl, hccl)."""

@@ -1,5 +1,5 @@
 """`--quantization int8`: per-channel weight-only int8 (layers/quantization.py, the CPU kernel in
-platforms/cpu.py), from the codes up to the real embedded model."""
+kernels/cpu/linear.py), from the codes up to the real embedded model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from pydantic import ValidationError
 from model_server.benchmarks.bandwidth import weight_bytes_per_step
 from model_server.config import parse_quantization
 from model_server.engine.llm import LLM
+from model_server.kernels.cpu import linear as cpu_linear
+from model_server.kernels.cpu.linear import _INT8_KERNEL_MAX_ROWS, int8_linear
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import LinearBase, dense
-from model_server.layers.quantization import Int8Weight, quantize_int8, set_int8_linear_impl
-from model_server.platforms import cpu as cpu_platform
-from model_server.platforms.cpu import _INT8_KERNEL_MAX_ROWS, CpuPlatform, int8_linear
+from model_server.layers.quantization import Int8Weight, quantize_int8
+from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from model_server.settings import ServerSettings
 
@@ -44,7 +46,7 @@ def test_cpu_int8_linear_matches_the_dequantized_matmul(rows: int, with_bias: bo
     x = torch.randn(rows, 96)
     bias = torch.randn(200) if with_bias else None
     expected = torch.nn.functional.linear(x, q.dequantize(), bias)
-    got = int8_linear(x, q, bias)
+    got = int8_linear(x, q.qweight, q.scale, bias)
     assert got.dtype == torch.float32 and got.shape == (rows, 200)
     if rows <= _INT8_KERNEL_MAX_ROWS:
         # The int8 kernel rounds x and its output to bf16 (8 significant bits).
@@ -55,26 +57,23 @@ def test_cpu_int8_linear_matches_the_dequantized_matmul(rows: int, with_bias: bo
 
 def test_cpu_dequantizing_matmul_in_blocks(monkeypatch) -> None:
     # Blocks of 3 rows (of 200, the last one partial): every block lands in its own columns.
-    monkeypatch.setattr(cpu_platform, "_BLOCK_BYTES", 3 * 96 * 4)
+    monkeypatch.setattr(cpu_linear, "_BLOCK_BYTES", 3 * 96 * 4)
     torch.manual_seed(1)
     q = quantize_int8(torch.randn(200, 96))
     x, bias = torch.randn(_INT8_KERNEL_MAX_ROWS + 5, 96), torch.randn(200)
     expected = torch.nn.functional.linear(x, q.dequantize(), bias)
-    torch.testing.assert_close(int8_linear(x, q, bias), expected, rtol=1e-5, atol=1e-4)
+    got = int8_linear(x, q.qweight, q.scale, bias)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_dense_dispatches_on_int8_weights_for_any_leading_shape() -> None:
-    set_int8_linear_impl(int8_linear)
-    try:
-        q = quantize_int8(torch.randn(32, 16))
-        x = torch.randn(2, 3, 16)
-        out = dense(x, q)
-        assert out.shape == (2, 3, 32)
-        torch.testing.assert_close(out, x @ q.dequantize().t(), rtol=2e-2, atol=5e-2)
-    finally:
-        set_int8_linear_impl(None)
+    q = quantize_int8(torch.randn(32, 16))
+    x = torch.randn(2, 3, 16)
+    out = dense(x, q, kernels=KernelTable(int8_linear=int8_linear))
+    assert out.shape == (2, 3, 32)
+    torch.testing.assert_close(out, x @ q.dequantize().t(), rtol=2e-2, atol=5e-2)
     # The portable implementation (no platform kernel) is the exact dequantized matmul.
-    torch.testing.assert_close(dense(x, q), x @ q.dequantize().t())
+    torch.testing.assert_close(dense(x, q, kernels=TORCH_KERNELS), x @ q.dequantize().t())
 
 
 def test_parse_quantization() -> None:
@@ -116,6 +115,8 @@ def test_every_matrix_is_quantized_and_weights_shrink(models) -> None:
     linears = [m for m in int8.modules() if isinstance(m, LinearBase | ParallelLMHead)]
     assert len(linears) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the LM head
     assert all(isinstance(m.weight, Int8Weight) for m in linears)
+    # The engine built them with the CPU platform's kernels (its int8 matmul included).
+    assert all(m.kernels is CpuPlatform().kernel_table() for m in linears)
     # The tied embedding keeps its float table for lookups; the head has its own int8 copy.
     embed = next(
         m

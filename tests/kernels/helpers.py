@@ -1,16 +1,22 @@
-"""Builders for paged-attention test batches: random block tables, caches and real metadata."""
+"""Builders for paged-attention test batches (random block tables, caches and real metadata) and
+tiny whole-model LLMs, with the kernels of the platform or of the test's choosing."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from model_server.engine.input_batch import SeqChunk, build_model_inputs
 from model_server.engine.llm import LLM
+from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionMetadata
+from model_server.platforms.cpu import CpuPlatform
+from model_server.platforms.cuda import CudaPlatform
 
 
 @dataclass
@@ -150,3 +156,17 @@ def tiny_llm(folder: Path, name: str, **overrides) -> LLM:
     )
     options.update(overrides)
     return LLM(str(folder), **options)
+
+
+# The platforms' own tables, whatever a test patched in since.
+_PLATFORM_TABLES = {cls: cls.kernel_table for cls in (CpuPlatform, CudaPlatform)}
+
+
+def use_kernels(
+    monkeypatch: pytest.MonkeyPatch, edit: Callable[[KernelTable], KernelTable]
+) -> None:
+    """Engines started from now on (cpu or cuda, for this test) build their model with
+    `edit(the platform's own table)`: how a test runs a whole LLM on other kernels. Models built
+    before keep theirs."""
+    for cls, own in _PLATFORM_TABLES.items():
+        monkeypatch.setattr(cls, "kernel_table", lambda self, own=own: edit(own(self)))

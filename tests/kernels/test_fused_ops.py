@@ -1,5 +1,6 @@
-"""The fused RMSNorm / add + RMSNorm / SiluAndMul Triton kernels vs the PyTorch layers, the
-layer switch (`enable_triton_fused_ops`), and a whole tiny model generating the same tokens.
+"""The fused RMSNorm / add + RMSNorm / SiluAndMul Triton kernels vs the PyTorch layers, layers
+built with the Triton kernel table (`kernels.table.triton_kernels`, CUDA's), and a whole tiny
+model generating the same tokens.
 
 Tolerances (assert_close rtol, atol), and why:
   - fp32: 1e-5, 1e-6: only the order of the fp32 sum of squares and the exp/rsqrt
@@ -15,22 +16,24 @@ Tolerances (assert_close rtol, atol), and why:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
 
 import model_server.kernels.activation as activation_kernels
 import model_server.kernels.rms_norm as rms_norm_kernels
+from model_server.kernels import portable
 from model_server.kernels.activation import silu_and_mul
+from model_server.kernels.int8_linear import int8_linear
 from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from model_server.layers import activation as activation_layers
-from model_server.layers import norm as norm_layers
-from model_server.layers.activation import SiluAndMul
-from model_server.layers.fused_ops import disable_triton_fused_ops, enable_triton_fused_ops
+from model_server.kernels.table import TORCH_KERNELS, KernelTable, triton_kernels
+from model_server.layers.activation import SiluAndMul, get_act_and_mul_fn
 from model_server.layers.norm import RMSNorm
+from model_server.platforms.cuda import CudaPlatform
 from model_server.sampling_params import SamplingParams
-from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, tiny_llm
+from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, tiny_llm, use_kernels
 
 pytestmark = pytest.mark.kernels
 
@@ -39,13 +42,6 @@ TOL = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16:
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HIDDEN = [64, 96, 1024]  # 96: not a power of two (masked tile)
 ROWS = [1, 7]
-
-
-@pytest.fixture
-def fused_ops() -> Iterator[Callable[[], None]]:
-    """Yields `enable_triton_fused_ops`; the PyTorch layers are restored after the test."""
-    yield enable_triton_fused_ops
-    disable_triton_fused_ops()
 
 
 def _assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -57,9 +53,15 @@ def _assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
         assert exact >= 0.99, f"only {exact:.1%} of the elements are bit-identical"
 
 
-def _norm(hidden: int, dtype: torch.dtype, device: str, seed: int = 0) -> RMSNorm:
+def _norm(
+    hidden: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    kernels: KernelTable = TORCH_KERNELS,
+) -> RMSNorm:
     gen = torch.Generator().manual_seed(seed)
-    norm = RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
+    norm = RMSNorm(hidden, eps=1e-6, kernels=kernels).to(device=device, dtype=dtype)
     with torch.no_grad():  # a non-trivial weight: the rounding before the multiply shows
         norm.weight.copy_(1.0 + 0.5 * torch.randn(hidden, generator=gen))
     return norm
@@ -211,28 +213,36 @@ def test_empty_and_invalid_inputs(device) -> None:
         silu_and_mul(torch.randn(2, 63, device=device))
 
 
-def test_enable_switches_the_layers_and_disable_restores(device) -> None:
-    norm = _norm(96, torch.float32, device)
-    act = SiluAndMul()
+def test_layers_run_the_table_they_were_built_with(device) -> None:
+    """Layers built with the Triton table call its kernels; layers built with the default table,
+    in the same process and at the same time, still run PyTorch's."""
+    table = triton_kernels()
+    assert (table.rms_norm, table.fused_add_rms_norm, table.silu_and_mul) == (
+        rms_norm,
+        fused_add_rms_norm,
+        silu_and_mul,
+    )
+    assert table.int8_linear is int8_linear and table.linear is TORCH_KERNELS.linear
+    norm = _norm(96, torch.float32, device, kernels=table)
+    plain_norm = _norm(96, torch.float32, device)
+    act, plain_act = get_act_and_mul_fn("silu", table), SiluAndMul()
+    assert isinstance(act, SiluAndMul) and act.kernels is table
+    assert plain_norm.kernels is TORCH_KERNELS and plain_act.kernels is TORCH_KERNELS
     x = _randn(3, 96, dtype=torch.float32, device=device, seed=18)
     residual = _randn(3, 96, dtype=torch.float32, device=device, seed=19)
     gate_up = _randn(3, 192, dtype=torch.float32, device=device, seed=20)
-    assert norm_layers._rms_norm_impl is norm_layers.rms_norm_torch  # the default
-    enable_triton_fused_ops()
-    try:
-        assert norm_layers._rms_norm_impl is rms_norm
-        assert norm_layers._fused_add_rms_norm_impl is fused_add_rms_norm
-        assert activation_layers._silu_and_mul_impl is silu_and_mul
-        assert torch.equal(norm(x), rms_norm(x, norm.weight, 1e-6))
-        fused = norm(x, residual)
-        kernel = fused_add_rms_norm(x, residual, norm.weight, 1e-6)
-        assert all(torch.equal(a, b) for a, b in zip(fused, kernel, strict=True))
-        assert torch.equal(act(gate_up), silu_and_mul(gate_up))
-    finally:
-        disable_triton_fused_ops()
-    assert norm_layers._rms_norm_impl is norm_layers.rms_norm_torch
-    assert norm_layers._fused_add_rms_norm_impl is norm_layers.fused_add_rms_norm_torch
-    assert activation_layers._silu_and_mul_impl is activation_layers.silu_and_mul_torch
+    assert torch.equal(norm(x), rms_norm(x, norm.weight, 1e-6))
+    fused = norm(x, residual)
+    kernel = fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(fused, kernel, strict=True))
+    assert torch.equal(act(gate_up), silu_and_mul(gate_up))
+    assert torch.equal(plain_norm(x), portable.rms_norm_torch(x, norm.weight, 1e-6))
+    assert torch.equal(plain_act(gate_up), portable.silu_and_mul_torch(gate_up))
+
+
+def test_cuda_platform_table_is_the_triton_one() -> None:
+    # Constructing the platform and its table needs no GPU (the kernels compile on first launch).
+    assert CudaPlatform().kernel_table() == triton_kernels()
 
 
 def _counted(fn: Callable, name: str, calls: dict[str, int]) -> Callable:
@@ -249,10 +259,23 @@ def _generate(tmp_path, name: str) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
 
 
+def _with_norms(table: KernelTable, source: KernelTable | object) -> KernelTable:
+    """`table` with the RMSNorm, add + RMSNorm and SiluAndMul of `source` (a table or a module
+    defining them)."""
+    return replace(
+        table,
+        rms_norm=source.rms_norm,
+        fused_add_rms_norm=source.fused_add_rms_norm,
+        silu_and_mul=source.silu_and_mul,
+    )
+
+
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_model_generates_the_same_with_fused_ops(tmp_path, name, fused_ops, monkeypatch) -> None:
+def test_model_generates_the_same_with_fused_ops(tmp_path, name, monkeypatch) -> None:
     """Llama (GQA, tied embeddings) and Qwen3 (q/k norm on strided head views): greedy tokens
-    with the fused kernels equal the PyTorch layers' (fp32, Triton attention both times)."""
+    with the fused kernels equal the PyTorch layers' (fp32, Triton attention both times; the
+    platform's matmuls both times)."""
+    use_kernels(monkeypatch, lambda table: _with_norms(table, TORCH_KERNELS))
     expected = _generate(tmp_path, name)
     calls: dict[str, int] = {}
     for module, kernel in (
@@ -261,7 +284,8 @@ def test_model_generates_the_same_with_fused_ops(tmp_path, name, fused_ops, monk
         (activation_kernels, "silu_and_mul"),
     ):
         monkeypatch.setattr(module, kernel, _counted(getattr(module, kernel), kernel, calls))
-    fused_ops()  # installs the counted kernels (it imports them when called)
+    # The counted kernels, as `triton_kernels()` imports them when called.
+    use_kernels(monkeypatch, lambda table: _with_norms(table, triton_kernels()))
     actual = _generate(tmp_path, name)
     assert set(calls) == {"rms_norm", "fused_add_rms_norm", "silu_and_mul"}
     assert actual == expected

@@ -3,19 +3,17 @@ model whose linear layers run through it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_server.kernels.int8_linear import int8_linear
-from model_server.layers.quantization import (
-    Int8Weight,
-    int8_linear_dequant,
-    quantize_int8,
-    set_int8_linear_impl,
-)
+from model_server.kernels.portable import int8_linear_dequant
+from model_server.layers.quantization import Int8Weight, quantize_int8
 from model_server.sampling_params import SamplingParams
-from tests.kernels.helpers import MIXED_PROMPTS, tiny_llm
+from tests.kernels.helpers import MIXED_PROMPTS, tiny_llm, use_kernels
 
 pytestmark = pytest.mark.kernels
 
@@ -54,19 +52,18 @@ def test_int8_linear_rejects_mismatched_shapes() -> None:
         int8_linear(torch.randn(2, 15), q.qweight, q.scale)
 
 
-def test_tiny_model_greedy_output_with_the_triton_int8_kernel(tmp_path) -> None:
+def test_tiny_model_greedy_output_with_the_triton_int8_kernel(tmp_path, monkeypatch) -> None:
     """The same int8 model decodes the same greedy tokens with the Triton kernel as with the
-    exact dequantized matmul (the CUDA platform installs the kernel; here it is installed by
-    hand on the CPU platform, under the interpreter)."""
+    exact dequantized matmul (CUDA's table has the kernel; here the CPU platform's is given it,
+    under the interpreter)."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    llm = tiny_llm(tmp_path, "llama-gqa", quantization="int8")
-    model = llm.engine.core.model_runner.model
-    assert sum(isinstance(m, Int8Weight) for m in model.modules()) >= 5  # layers + LM head
-    try:
-        set_int8_linear_impl(int8_linear_dequant)
-        expected = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
-        set_int8_linear_impl(lambda x, w, b: int8_linear(x, w.qweight, w.scale, b))
-        got = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
-    finally:
-        set_int8_linear_impl(None)
+    outputs = []
+    for kernel in (int8_linear_dequant, int8_linear):
+        use_kernels(monkeypatch, lambda table, kernel=kernel: replace(table, int8_linear=kernel))
+        llm = tiny_llm(tmp_path, "llama-gqa", quantization="int8")
+        model = llm.engine.core.model_runner.model
+        assert sum(isinstance(m, Int8Weight) for m in model.modules()) >= 5  # layers + LM head
+        assert model.lm_head.kernels.int8_linear is kernel
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)])
+    expected, got = outputs
     assert got == expected

@@ -1,4 +1,5 @@
-"""Platforms: the CPU skinny-batch matmul equals F.linear; KV memory comes back zeroed; every
+"""Platforms: the CPU skinny-batch matmul equals F.linear; each platform's kernel table; KV
+memory comes back zeroed; every
 platform module's contract (descriptions, missing-runtime errors, `auto` selection, device ids,
 step hooks) with the vendor runtimes absent or faked."""
 
@@ -17,6 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from model_server.config import parse_device_ids
+from model_server.kernels.cpu import linear as cpu_linear
+from model_server.kernels.cpu.linear import int8_linear, skinny_linear
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.platforms import (
     AUTO_ORDER,
     Platform,
@@ -26,7 +30,6 @@ from model_server.platforms import (
     resolve_device,
 )
 from model_server.platforms import cpu as cpu_platform
-from model_server.platforms.cpu import skinny_linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 32, 64, 65, 300])
@@ -45,7 +48,7 @@ def test_skinny_linear_equals_f_linear(rows: int, out_features: int, bias: bool)
 @pytest.mark.parametrize("rows", [2, 8, 64])
 def test_skinny_linear_in_blocks_of_rows(monkeypatch, rows: int) -> None:
     # Blocks of 5 output rows (of 97, the last one partial) for a "large" matrix.
-    monkeypatch.setattr(cpu_platform, "_BLOCK_BYTES", 5 * 48 * 4)
+    monkeypatch.setattr(cpu_linear, "_BLOCK_BYTES", 5 * 48 * 4)
     torch.manual_seed(rows)
     x, w, b = torch.randn(rows, 48), torch.randn(97, 48), torch.randn(97)
     got = skinny_linear(x, w, b)
@@ -61,6 +64,20 @@ def test_skinny_linear_single_row_uses_all_threads_split() -> None:
         torch.testing.assert_close(skinny_linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+def test_kernel_tables() -> None:
+    # The CPU runs its own matmuls (float and int8) and PyTorch's norms and activations; the
+    # platforms without kernels of their own hand out the portable table. (CUDA's Triton table is
+    # tested in tests/kernels/test_fused_ops.py, under the interpreter.)
+    cpu = get_platform("cpu").kernel_table()
+    assert cpu == KernelTable(linear=skinny_linear, int8_linear=int8_linear)
+    assert (cpu.rms_norm, cpu.silu_and_mul) == (TORCH_KERNELS.rms_norm, TORCH_KERNELS.silu_and_mul)
+    assert TORCH_KERNELS.linear is F.linear
+    for name in ("gcu", "hpu"):
+        assert platform_class(name)().kernel_table() is TORCH_KERNELS
+    with pytest.raises(AttributeError):  # frozen: a table cannot be changed under a model
+        cpu.linear = F.linear  # type: ignore[misc]
 
 
 def test_cpu_kv_memory_is_zeroed() -> None:

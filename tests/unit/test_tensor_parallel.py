@@ -143,7 +143,9 @@ def test_row_parallel_partials_sum_to_the_whole(monkeypatch: pytest.MonkeyPatch)
         _as_rank(monkeypatch, rank, 2)
         layer = linear.RowParallelLinear(36, 5, input_partition=(start, size))
         _loaded(layer, ("weight", w))
-        partials.append(linear.dense(x[:, start : start + size], layer.weight))
+        partials.append(
+            linear.dense(x[:, start : start + size], layer.weight, kernels=layer.kernels)
+        )
     torch.testing.assert_close(partials[0] + partials[1], x @ w.T)
 
 

@@ -1,1 +1,2 @@
-"""Native CPU kernels (C, built on first use) and their loader."""
+"""CPU kernels: the decode-friendly matmuls (`linear`) and native C kernels built on first use
+(`native`, with their loader)."""

@@ -9,10 +9,33 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from model_server.engine.request import Request
+from model_server.sampling_params import SamplingParams
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request (the engine's `Request` has all of it).
+
+    Layers sit below the engine, so they name this shape instead of importing the engine's class.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def sample_index(self) -> int: ...  # added to the seed (n > 1 siblings differ)
+    @property
+    def eos_token_id(self) -> int | None: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -66,10 +89,10 @@ class SamplingMetadata:
 
 
 def build_sampling_metadata(
-    requests: Sequence[Request],
+    requests: Sequence[SamplingRequest],
     vocab_size: int,
     device: torch.device,
-    get_generator: Callable[[Request], torch.Generator],
+    get_generator: Callable[[SamplingRequest], torch.Generator],
 ) -> SamplingMetadata:
     """Turns the step's requests (one row each, in order) into a SamplingMetadata on `device`.
 
@@ -187,7 +210,7 @@ def build_sampling_metadata(
     )
 
 
-def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
     """[len(rows), max_len] int64, each row right-padded with `pad`."""
     width = max((len(r) for r in rows), default=0)
     padded = [list(r) + [pad] * (width - len(r)) for r in rows]

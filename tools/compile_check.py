@@ -1,7 +1,7 @@
 """Compiles every Triton kernel, as the engine launches it, for NVIDIA GPUs that are not here.
 
-    python -m model_server.kernels.compile_check                  # sm_80, sm_89, sm_90
-    python -m model_server.kernels.compile_check --arch 90 --preset llama-3.1-8b --dtype bf16
+    python -m tools.compile_check                  # sm_80, sm_89, sm_90
+    python -m tools.compile_check --arch 90 --preset llama-3.1-8b --dtype bf16
 
 The CPU test suite runs the kernels under the Triton interpreter, which accepts programs the GPU
 compiler rejects (and runs bf16 dots upcast, unlike the GPU variant). This check closes that gap
@@ -204,8 +204,8 @@ def attention_calls(
     shape: ModelShape, dtype: torch.dtype, block_size: int, sm_count: int
 ) -> Iterator[tuple[str, Callable[[], object]]]:
     """The `triton` backend's forward (store K/V, decode, split reduce, prefill) per case."""
-    from model_server.kernels.bench import Case, Shape, build_case_inputs
     from model_server.layers.attention.triton_backend import TritonAttentionBackend
+    from tools.kernel_bench import Case, Shape, build_case_inputs
 
     kshape = Shape(shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, dtype)
     for name, requests in ATTENTION_CASES:
@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from model_server.loader.dummy import preset_names
 
     p = argparse.ArgumentParser(
-        prog="python -m model_server.kernels.compile_check",
+        prog="python -m tools.compile_check",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

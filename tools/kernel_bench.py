@@ -1,7 +1,7 @@
 """Times the Triton attention kernels against the torch backend on a CUDA GPU.
 
-    python -m model_server.kernels.bench                      # llama-8B-like defaults, bf16
-    python -m model_server.kernels.bench --batch 128 --ctx 4096 --block-size 32
+    python -m tools.kernel_bench                      # llama-8B-like defaults, bf16
+    python -m tools.kernel_bench --batch 128 --ctx 4096 --block-size 32
 
 Cases: a decode batch (every request at `--ctx` tokens), a few long decodes (split-K territory),
 whole-prompt prefills and chunked prefills after a cached prefix. Each line gives the full
@@ -10,10 +10,10 @@ small batches are host-bound) and replayed from a CUDA graph (GPU time only), th
 kernels alone (graph) with the achieved KV bandwidth (decode) or attention TFLOP/s (prefill,
 causal FLOPs only).
 
-    python -m model_server.kernels.bench --fused-ops          # RMSNorm / add+RMSNorm / SiluAndMul
+    python -m tools.kernel_bench --fused-ops          # RMSNorm / add+RMSNorm / SiluAndMul
 
 `--fused-ops` times the one-pass Triton kernels of `rms_norm.py` and `activation.py` against the
-PyTorch layer code they replace (`layers/norm.py`, `layers/activation.py`) at `--rows` x
+PyTorch ops they replace (`kernels/portable.py`, what the layers run by default) at `--rows` x
 `--hidden` (`--act-dims` for SiluAndMul's d), replayed from CUDA graphs as decode steps are, and
 eagerly; GB/s counts the bytes each op must move at least (inputs read once, outputs written once).
 """
@@ -179,9 +179,12 @@ def run_fused_ops(
 ) -> None:
     """Prints a line per (op, rows, width); see `run_fused_op`."""
     from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.portable import (
+        fused_add_rms_norm_torch,
+        rms_norm_torch,
+        silu_and_mul_torch,
+    )
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
-    from model_server.layers.activation import silu_and_mul_torch
-    from model_server.layers.norm import fused_add_rms_norm_torch, rms_norm_torch
 
     elt = torch.finfo(dtype).bits // 8
     eps = 1e-6
@@ -223,7 +226,11 @@ def run_fused_ops(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tools.kernel_bench",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     p.add_argument("--batch", type=int, default=64, help="decode batch size")
     p.add_argument("--ctx", type=int, default=1024, help="decode context length")
     p.add_argument("--long-ctx", type=int, default=16384, help="context of the split-K case")

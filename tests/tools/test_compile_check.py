@@ -1,6 +1,6 @@
 """The Triton kernels compile for real NVIDIA targets (not only under the interpreter).
 
-`python -m model_server.kernels.compile_check` runs in a fresh process (the kernels must be
+`python -m tools.compile_check` runs in a fresh process (the kernels must be
 decorated with TRITON_INTERPRET off) and compiles, with Triton's bundled ptxas, every variant the
 attention backend and the fused ops launch for real models' shapes.
 """
@@ -47,7 +47,7 @@ def test_every_kernel_compiles_for_sm89_and_sm90() -> None:
     proc = _run(
         [
             "-m",
-            "model_server.kernels.compile_check",
+            "tools.compile_check",
             "--arch",
             "89,90",
             "--preset",
@@ -79,8 +79,8 @@ def test_shared_memory_overflow_is_caught_and_the_default_tile_avoids_it() -> No
         import os
         os.environ["TRITON_INTERPRET"] = "0"
         import torch
-        from model_server.kernels.bench import Case, Shape, build_case_inputs
-        from model_server.kernels.compile_check import ARCHS, compile_only
+        from tools.kernel_bench import Case, Shape, build_case_inputs
+        from tools.compile_check import ARCHS, compile_only
         from model_server.kernels.paged_prefill import paged_prefill_attention
 
         md, q, k, v, kc, vc = build_case_inputs(
@@ -106,7 +106,7 @@ def test_shared_memory_overflow_is_caught_and_the_default_tile_avoids_it() -> No
 
 
 def test_compile_check_rejects_unknown_targets() -> None:
-    proc = _run(["-m", "model_server.kernels.compile_check", "--arch", "75"])
+    proc = _run(["-m", "tools.compile_check", "--arch", "75"])
     assert proc.returncode == 2
     assert "unknown --arch [75]" in proc.stderr
 

@@ -1,0 +1,79 @@
+"""Which kernel computes each of the model's hot ops: one immutable `KernelTable` per model.
+
+The platform chooses (`Platform.kernel_table()`), the model builder hands the table to every layer
+at construction (`models.build_model(..., kernels=...)`), and each layer keeps its reference. No
+process-wide switch exists: two models in one process (a test and an engine, or two engines) each
+run the kernels they were built with.
+
+Every implementation of a slot follows the portable one's numerics and contract (kernels/
+portable.py): it returns new tensors and never writes its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from model_server.kernels.portable import (
+    fused_add_rms_norm_torch,
+    int8_linear_dequant,
+    rms_norm_torch,
+    silu_and_mul_torch,
+)
+
+# (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x [M, K], qweight [N, K] int8, scale [N] bf16, bias [N] | None) -> [M, N] in x's dtype
+Int8LinearFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+# (x [..., N], weight [N], eps) -> weight * normalised x
+RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
+FusedAddRMSNormFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+# x [..., 2d] -> silu(x[..., :d]) * x[..., d:] [..., d]
+SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(slots=True, frozen=True)
+class KernelTable:
+    """The functions a model's layers call (see layers/linear.py, norm.py, activation.py).
+
+    Derive a variant with `dataclasses.replace(TORCH_KERNELS, rms_norm=...)`.
+    """
+
+    linear: LinearFn = F.linear  # every float linear layer and the LM head
+    int8_linear: Int8LinearFn = int8_linear_dequant  # the same once `--quantization int8` ran
+    rms_norm: RMSNormFn = rms_norm_torch
+    fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
+    silu_and_mul: SiluAndMulFn = silu_and_mul_torch
+
+
+# The portable table: the default of every layer and of platforms without kernels of their own.
+TORCH_KERNELS = KernelTable()
+
+
+def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
+    """`base` with the one-pass Triton RMSNorm (+ residual add) and SiluAndMul (kernels/
+    rms_norm.py, activation.py) and the w8a16 int8 matmul (kernels/int8_linear.py).
+
+    Imports triton: call it where compiled Triton supports the model's device (CUDA) or under
+    TRITON_INTERPRET=1 (tests); the kernels compile on first launch, so build the model (and
+    warm it up) before capturing device graphs.
+    """
+    from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.int8_linear import int8_linear
+    from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+    return replace(
+        base,
+        int8_linear=int8_linear,
+        rms_norm=rms_norm,
+        fused_add_rms_norm=fused_add_rms_norm,
+        silu_and_mul=silu_and_mul,
+    )
