@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from microservice.protocol import GenerationRequest
-from microservice.upstream import ModelServer, Piece
+from microservice.upstream import Completion, ModelServer, Piece
 
 
 class Connector(ABC):
@@ -21,8 +21,12 @@ class Connector(ABC):
         self.model_server = model_server
 
     @abstractmethod
+    async def answer(self, request: GenerationRequest) -> Completion:
+        """The whole answer: text, finish reason and (when known) usage."""
+
     async def complete(self, request: GenerationRequest) -> str:
         """The whole answer's text."""
+        return (await self.answer(request)).text
 
     @abstractmethod
     def stream(self, request: GenerationRequest) -> AsyncIterator[Piece]:
