@@ -144,8 +144,8 @@ def fresh(stack: Stack) -> Stack:
 
 
 def fake_answer(user: str) -> str:
-    """What the fake model server answers (tests/fake_openai_server.py)."""
-    return f"you said: {user}"
+    """What the fake model server answers (tests/fake_openai_server.py): word by word."""
+    return " ".join(f"you said: {user}".split())
 
 
 def streamed_text(response: httpx.Response) -> str:
