@@ -12,7 +12,6 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
 ResponseFormatSetting = Literal["auto", "enterprise_rag", "openai", "downstream"]
 
 

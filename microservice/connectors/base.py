@@ -34,4 +34,3 @@ class Connector(ABC):
 
     async def aclose(self) -> None:
         await self.model_server.aclose()
-

@@ -130,7 +130,9 @@ class WickChatModel(BaseChatModel):
         info: dict[str, Any] = {"finish_reason": completion.finish_reason}
         if completion.usage is not None:
             info["usage"] = completion.usage
-        generation = ChatGeneration(message=AIMessage(content=completion.text), generation_info=info)
+        generation = ChatGeneration(
+            message=AIMessage(content=completion.text), generation_info=info
+        )
         return ChatResult(generations=[generation])
 
     @staticmethod

@@ -154,7 +154,7 @@ def test_genaicomps_body_gets_openai_chat_completion(connector: str) -> None:
     ("setting", "expected"),
     [
         ("downstream", "data: b'it's'\n\ndata: b'x'\n\ndata: [DONE]\n\n"),
-        ("enterprise_rag", 'data: "it\'s"\n\ndata: \'x\'\n\ndata: [DONE]\n\n'),
+        ("enterprise_rag", "data: \"it's\"\n\ndata: 'x'\n\ndata: [DONE]\n\n"),
     ],
 )
 def test_streaming_line_formats(connector: str, setting: str, expected: str) -> None:
@@ -245,7 +245,11 @@ def test_prompt_fields_are_used_not_warned_about() -> None:
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_rag_reaches_the_model_server_with_either_connector(connector: str) -> None:
     fake = FakeModelServer()
-    body = {"messages": {"system": "Be brief.", "user": "Q?"}, "documents": ["d"], "streaming": False}
+    body = {
+        "messages": {"system": "Be brief.", "user": "Q?"},
+        "documents": ["d"],
+        "streaming": False,
+    }
 
     async def go() -> httpx.Response:
         async with make_client(connector, fake) as client:

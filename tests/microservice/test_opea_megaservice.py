@@ -325,4 +325,3 @@ def test_conflicting_token_limits_are_a_clear_422(fresh: Stack) -> None:
     response = fresh.mega.schedule("plain", {"query": "Hi"}, params)
     error = response.json()["result"]["error"]
     assert "token limits disagree" in error["message"] and fresh.sent() == []
-

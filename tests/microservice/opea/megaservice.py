@@ -11,8 +11,9 @@ without them it is the plain orchestrator, which feeds a downstream node itself.
 Routes (besides comps' own /v1/health_check):
 - POST /v1/chatqna: the gateway, as ChatQnA's: a ChatCompletionRequest becomes LLMParams and
   the initial inputs of graph `chat` (or `rag` when it has `documents`).
-- POST /v1/test/schedule: `{"graph", "inputs", "params"}` -> `schedule(inputs, LLMParams(**params))`;
-  a StreamingResponse is passed through, else `{"result": <the last leaf's output>}`.
+- POST /v1/test/schedule: `{"graph", "inputs", "params"}` ->
+  `schedule(inputs, LLMParams(**params))`; a StreamingResponse is passed through, else
+  `{"result": <the last leaf's output>}`.
 - POST /v1/test/rerank: the stand-in reranker node: SearchedDoc in, LLMParamsDoc's `query` and
   `documents` out, best (here: last retrieved) first.
 - POST /v1/test/downstream: the stand-in next node (a guardrail): records and echoes `text`.
@@ -44,9 +45,10 @@ class ChatQnAOrchestrator(ServiceOrchestrator):
     into ServiceOrchestrator): the LLM node's answer is read as OpenAI JSON or chunks."""
 
     def align_outputs(self, data, cur_node, inputs, runtime_graph, llm_parameters_dict, **kw):
-        if self.services[cur_node].service_type == ServiceType.LLM and not llm_parameters_dict[
-            "stream"
-        ]:
+        if (
+            self.services[cur_node].service_type == ServiceType.LLM
+            and not llm_parameters_dict["stream"]
+        ):
             return {"text": data["choices"][0]["message"]["content"]}
         return data
 
