@@ -44,6 +44,13 @@ FLAGS: dict[str, tuple[str, str, str]] = {
         "LLM_HEALTH_CHECK_CACHE_SECONDS",
         "how long a health_check result is reused (default 3)",
     ),
+    "--response-format": (
+        "response_format",
+        "LLM_RESPONSE_FORMAT",
+        "auto (default: by what the request sent), enterprise_rag (GeneratedDoc and "
+        "data: '<repr>' lines), openai (chat.completion JSON and chunks) or downstream "
+        "(GeneratedDoc and data: b'<text>' lines, for a GenAIComps node after this one)",
+    ),
     "--log-level": ("log_level", "LLM_USVC_LOG_LEVEL", "debug, info (default), warning, error"),
 }
 SWITCHES: dict[str, tuple[str, str, str]] = {
@@ -56,6 +63,12 @@ SWITCHES: dict[str, tuple[str, str, str]] = {
         "openai_format_streaming",
         "LLM_OPENAI_FORMAT_STREAMING",
         "stream OpenAI chat.completion.chunk events instead of OPEA's repr lines",
+    ),
+    "--strict-model-name": (
+        "strict_model_name",
+        "LLM_STRICT_MODEL_NAME",
+        "answer the model server's 404 to a request naming a model it does not serve, instead "
+        "of serving it with the one model there (OPEA's behaviour, the default)",
     ),
 }
 
@@ -115,7 +128,10 @@ def load_settings(argv: Sequence[str] | None = None) -> Any:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    # Passed under their environment names: older pydantic-settings (2.10) let the
+    # environment win over an init value given under the field's own name.
+    env_names = {field: env for field, env, _ in (*FLAGS.values(), *SWITCHES.values())}
+    overrides = {env_names[k]: v for k, v in vars(args).items() if v is not None}
     try:
         return MicroserviceSettings(**overrides)
     except ValidationError as exc:

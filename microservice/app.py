@@ -27,15 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from microservice import __version__
+from microservice import __version__, formats
 from microservice.connectors.base import Connector
 from microservice.errors import ServiceError, UpstreamError, error_body
 from microservice.health import CachedHealth
 from microservice.metrics import RequestMetricsMiddleware, ServiceMetrics
 from microservice.protocol import ChatRequest, GenerationRequest, generated_doc, parse_chat_request
 from microservice.settings import MicroserviceSettings
-from microservice.sse import DONE, OpeaFormat, OpenAIFormat, error_event
-from microservice.upstream import Piece, default_limit
+from microservice.sse import DONE, error_event
+from microservice.upstream import Piece, default_limit, is_model_not_found
 
 logger = logging.getLogger("microservice")
 
@@ -152,7 +152,7 @@ class _ChatHandler:
 
     def _warn_unsupported(self, chat: ChatRequest) -> None:
         # Once per field name and process: a default (OPEA's typical_p) would flood the log.
-        for name in chat.unsupported_fields():
+        for name in chat.ignored_fields():
             if name not in self._warned:
                 self._warned.add(name)
                 logger.warning(
@@ -165,20 +165,38 @@ class _ChatHandler:
         chat = parse_chat_request(await request.body())
         self._warn_unsupported(chat)
         stream = chat.wants_stream and not self.settings.disable_streaming
+        fmt = formats.choose(self.settings, chat, stream)
+        model_server = self.connector.model_server
         try:
-            generation = await _until_disconnected(self._generation(chat), request)
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            if not stream:
-                text = await _until_disconnected(self.connector.complete(generation), request)
-                return JSONResponse(generated_doc(request_id, text, chat))
-            return await self._stream(request, generation, request_id)
+            model = await _until_disconnected(model_server.resolve_model(chat.model), request)
+            try:
+                return await self._answer(request, chat, model, stream, fmt)
+            except UpstreamError as exc:
+                if self.settings.strict_model_name or not is_model_not_found(exc):
+                    raise
+                # OPEA serves any name with its one model: ask which, once per name.
+                substitute = await _until_disconnected(model_server.substitute(model), request)
+                if substitute is None:
+                    raise
+                return await self._answer(request, chat, substitute, stream, fmt)
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 
-    async def _generation(self, chat: ChatRequest) -> GenerationRequest:
+    async def _answer(
+        self, request: Request, chat: ChatRequest, model: str, stream: bool, fmt: formats.Format
+    ) -> Response:
+        generation = await _until_disconnected(self._generation(chat, model), request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if stream:
+            return await self._stream(request, generation, request_id, fmt)
+        completion = await _until_disconnected(self.connector.answer(generation), request)
+        if fmt == "openai":
+            return JSONResponse(formats.chat_completion(request_id, model, completion))
+        return JSONResponse(generated_doc(request_id, completion.text, chat))
+
+    async def _generation(self, chat: ChatRequest, model: str) -> GenerationRequest:
         model_server = self.connector.model_server
-        model = await model_server.resolve_model(chat.model)
-        messages = chat.chat_messages()
+        messages = chat.prompt_messages()
         params = chat.sampling_params()
         default = chat.default_max_tokens
         if default is not None:
@@ -187,33 +205,33 @@ class _ChatHandler:
             room = await model_server.completion_room(model, messages, params)
             if (limit := default_limit(default, room)) is not None:
                 params["max_tokens"] = limit
-        return GenerationRequest(
-            model=model, messages=messages, params=params, opea=chat.opea_messages
-        )
+        # With documents or a template the messages are no longer OPEA's two parts.
+        opea = None if chat.uses_rag else chat.opea_messages
+        return GenerationRequest(model=model, messages=messages, params=params, opea=opea)
 
     async def _stream(
-        self, request: Request, generation: GenerationRequest, request_id: str
+        self,
+        request: Request,
+        generation: GenerationRequest,
+        request_id: str,
+        fmt: formats.Format,
     ) -> Response:
         pieces = self.connector.stream(generation)
         # The first piece is awaited before answering, so that failures before any text (model
-        # server down, prompt too long) get their own status instead of a 200 with an error.
+        # server down, prompt too long, unknown model) get their own status instead of a 200
+        # with an error.
         first = await _until_disconnected(anext(pieces, None), request)
         started = request.scope.get("state", {}).get("started")
         if first is not None and started is not None:
             self.metrics.ttft.observe(time.monotonic() - started)
-        fmt: OpeaFormat | OpenAIFormat = (
-            OpenAIFormat(request_id, generation.model)
-            if self.settings.openai_format_streaming
-            else OpeaFormat()
-        )
         return _ClosingStreamingResponse(
-            self._events(fmt, first, pieces),
+            self._events(formats.stream_format(fmt, request_id, generation.model), first, pieces),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     async def _events(
-        self, fmt: OpeaFormat | OpenAIFormat, first: Piece | None, pieces: AsyncIterator[Piece]
+        self, fmt: formats.StreamFormat, first: Piece | None, pieces: AsyncIterator[Piece]
     ) -> AsyncIterator[str]:
         try:
             for event in fmt.start():

@@ -9,6 +9,11 @@ is not sent, so the model server's defaults apply, and `stream` defaults to fals
 OPEA's default token limit is "at most 1024", not "exactly 1024 or fail": `sampling_params()`
 leaves it out and `default_max_tokens` names it, so that the app can shrink it to what the
 model server's context leaves after the prompt (see `ModelServer.completion_room`).
+
+GenAIComps' ServiceOrchestrator merges every `LLMParams` field into the request: `max_tokens`
+and `max_new_tokens` both come (both 1024 unless the user set one), with `language`, `id`,
+`index_name`, `chat_template`; a reranker before it adds `query` and `documents`. The limit the
+caller changed from 1024 wins; `documents` and `chat_template` build the prompt (rag.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pydantic import (
 )
 
 from microservice.errors import ServiceError
+from microservice.rag import rag_messages, template_fields
 
 OPEA_DEFAULTS: dict[str, Any] = {
     "max_tokens": 1024,
@@ -66,6 +72,17 @@ FORWARDED = (
 MIN_SEED = -(2**63)
 MAX_SEED = 2**63 - 1
 
+# Fields of GenAIComps' protocol (LLMParams, LLMParamsDoc, ChatCompletionRequest) that neither
+# OpenAI nor Enterprise-RAG clients send: a body carrying one comes from GenAIComps.
+GENAICOMPS_FIELDS = frozenset(
+    {"query", "documents", "chat_template", "language", "id", "index_name", "request_type"}
+)
+# Given fields this service uses itself to build the prompt: not forwarded, not ignored.
+PROMPT_FIELDS = ("documents", "chat_template")
+TOKEN_LIMITS = ("max_new_tokens", "max_tokens", "max_completion_tokens")
+
+Dialect = Literal["enterprise_rag", "genaicomps", "openai"]
+
 # Sampling fields the model server does not implement: accepted, named in a warning, dropped.
 # A value meaning "off" is no loss, so it is not worth a warning.
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {"typical_p": 1.0}
@@ -82,6 +99,12 @@ class OpeaMessages(_Body):
 
 class TextPart(_Body):
     type: Literal["text"]
+    text: str
+
+
+class Document(_Body):
+    """A retrieved document as GenAIComps passes it (`{"title": ..., "text": ...}`)."""
+
     text: str
 
 
@@ -154,6 +177,16 @@ class ChatRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     data: dict[str, Any] | None = None
     output_guardrail_params: dict[str, Any] | None = None
+    # GenAIComps' RAG inputs (rag.py): reranked documents, a {context}/{question} template.
+    documents: list[str | Document] | None = None
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            template_fields(value)
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -180,20 +213,35 @@ class ChatRequest(BaseModel):
                 'messages is required: {"system": "...", "user": "..."} or a list of '
                 '{"role", "content"} messages'
             )
-        limits = {
-            name: value
-            for name in ("max_new_tokens", "max_tokens", "max_completion_tokens")
-            if (value := getattr(self, name)) is not None
-        }
-        if len(set(limits.values())) > 1:
-            raise ValueError(f"token limits disagree: {limits}; send one of them")
+        limits = self._limits()
+        changed = {name: v for name, v in limits.items() if v != OPEA_DEFAULTS["max_tokens"]}
+        if len(set(changed.values())) > 1:
+            raise ValueError(
+                f"token limits disagree: {limits}; send one of them (a limit left at OPEA's "
+                "default 1024 gives way to the other)"
+            )
         if None not in (self.stream, self.streaming) and self.stream != self.streaming:
             raise ValueError("stream and streaming disagree; send one of them")
         return self
 
+    def _limits(self) -> dict[str, int]:
+        return {name: v for name in TOKEN_LIMITS if (v := getattr(self, name)) is not None}
+
     @property
     def is_opea(self) -> bool:
         return not isinstance(self.messages, list)
+
+    @property
+    def dialect(self) -> Dialect:
+        """Who sent this body: Enterprise-RAG (`messages` as {system, user}, or `streaming`),
+        GenAIComps (one of its own fields, e.g. what its orchestrator merges in), else a plain
+        OpenAI client."""
+        given = self.model_fields_set | set(self.model_extra or {})
+        if isinstance(self.messages, OpeaMessages) or "streaming" in given:
+            return "enterprise_rag"
+        if given & GENAICOMPS_FIELDS:
+            return "genaicomps"
+        return "openai"
 
     @property
     def wants_stream(self) -> bool:
@@ -223,6 +271,17 @@ class ChatRequest(BaseModel):
             for m in self.messages
         ]
 
+    def document_texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents or ()]
+
+    @property
+    def uses_rag(self) -> bool:
+        return self.chat_template is not None or bool(self.documents)
+
+    def prompt_messages(self) -> list[dict[str, str]]:
+        """`chat_messages()` with the documents and chat_template applied (rag.py)."""
+        return rag_messages(self.chat_messages(), self.document_texts(), self.chat_template)
+
     def prompt(self) -> str:
         """The user's message, echoed back in the non-streaming answer (as OPEA does)."""
         opea = self.opea_messages
@@ -238,15 +297,29 @@ class ChatRequest(BaseModel):
         return value
 
     @property
+    def _orchestrator_default(self) -> bool:
+        """Both of GenAIComps' limits at 1024: LLMParams' defaults, which its orchestrator
+        merges into every request, so nobody chose them."""
+        limits = self._limits()
+        default = OPEA_DEFAULTS["max_tokens"]
+        return limits.get("max_tokens") == default and limits.get("max_new_tokens") == default
+
+    @property
     def max_tokens_given(self) -> int | None:
-        """The client's own token limit, under whichever of its three names it came."""
-        return self.max_new_tokens or self.max_tokens or self.max_completion_tokens
+        """The client's own token limit, under whichever of its three names it came; when
+        several came, the one changed from OPEA's default (the validator refused two changed
+        ones)."""
+        if self._orchestrator_default:
+            return None
+        limits = list(self._limits().values())
+        changed = [v for v in limits if v != OPEA_DEFAULTS["max_tokens"]]
+        return (changed or limits or [None])[0]
 
     @property
     def default_max_tokens(self) -> int | None:
         """OPEA's default limit when an OPEA request gave none (an explicit null counts as
-        none); None otherwise."""
-        if self.max_tokens_given is None and self.is_opea:
+        none) or GenAIComps' orchestrator sent its defaults; None otherwise."""
+        if self.max_tokens_given is None and (self.is_opea or self._orchestrator_default):
             return int(OPEA_DEFAULTS["max_tokens"])
         return None
 
@@ -263,13 +336,19 @@ class ChatRequest(BaseModel):
         return params
 
     def unsupported_fields(self) -> list[str]:
-        """Fields that were given (or defaulted by OPEA) but are not forwarded."""
+        """Fields that were given (or defaulted by OPEA) but are not forwarded: those the
+        model server lacks, the prompt-building ones, unknown ones."""
         names = [
             name
             for name, neutral in UNSUPPORTED_NEUTRAL.items()
             if self._value(name) not in (None, neutral)
         ]
-        return names + sorted(self.model_extra or {})
+        prompt = [name for name in PROMPT_FIELDS if getattr(self, name) is not None]
+        return names + sorted([*prompt, *(self.model_extra or {})])
+
+    def ignored_fields(self) -> list[str]:
+        """Unsupported fields that this service does not use either (worth a warning)."""
+        return [name for name in self.unsupported_fields() if name not in PROMPT_FIELDS]
 
 
 @dataclass

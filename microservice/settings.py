@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ResponseFormatSetting = Literal["auto", "enterprise_rag", "openai", "downstream"]
 
 
 def _env(*names: str) -> Any:
@@ -39,6 +41,13 @@ class MicroserviceSettings(BaseSettings):
     openai_format_streaming: bool = Field(
         False, validation_alias=_env("LLM_OPENAI_FORMAT_STREAMING")
     )
+    # auto: by the request (see formats.py); else always that format.
+    response_format: ResponseFormatSetting = Field(
+        "auto", validation_alias=_env("LLM_RESPONSE_FORMAT")
+    )
+    # true: a request naming a model the model server does not serve gets its 404 (vLLM);
+    # false: with one model served, that model answers (OPEA), with a warning per name.
+    strict_model_name: bool = Field(False, validation_alias=_env("LLM_STRICT_MODEL_NAME"))
     api_key: SecretStr | None = Field(None, validation_alias=_env("LLM_API_KEY"))
     usvc_api_key: SecretStr | None = Field(None, validation_alias=_env("LLM_USVC_API_KEY"))
     # Connect timeout bounds how fast a dead model server is reported (503); the read timeout
@@ -52,10 +61,20 @@ class MicroserviceSettings(BaseSettings):
     )
     log_level: str = Field("info", validation_alias=_env("LLM_USVC_LOG_LEVEL"))
 
-    @field_validator("connector", mode="before")
+    @field_validator("connector", "response_format", mode="before")
     @classmethod
-    def _lower_connector(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower().replace("-", "_") if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_formats(self) -> MicroserviceSettings:
+        if self.openai_format_streaming and self.response_format not in ("auto", "openai"):
+            raise ValueError(
+                "LLM_OPENAI_FORMAT_STREAMING=true asks for OpenAI chunks, but "
+                f"LLM_RESPONSE_FORMAT={self.response_format} asks for another format: "
+                "set only one of them"
+            )
+        return self
 
     @field_validator("model_server_endpoint")
     @classmethod

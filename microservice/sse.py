@@ -1,4 +1,5 @@
-"""The two streaming formats: OPEA's (`data: '<repr of the piece>'`) and OpenAI's chunks."""
+"""The streaming formats: Enterprise-RAG's (`data: '<repr of the piece>'`), OpenAI's chunks, and
+the `data: b'<text>'` lines GenAIComps' orchestrator strips before feeding a next node."""
 
 from __future__ import annotations
 
@@ -29,6 +30,19 @@ class OpeaFormat:
 
     def piece(self, piece: Piece) -> list[str]:
         return [f"data: {piece.text!r}\n\n"] if piece.text else []
+
+
+class DownstreamFormat:
+    """`data: b'<text>'` lines: GenAIComps' ServiceOrchestrator, when the LLM node has a next
+    node, cuts `data: b'` and `'\n\n` off each line it reads and posts the rest, as text, to
+    that node. So the text goes in raw (no escaping), which gives that node the text itself;
+    the orchestrator reads one network chunk per line, which holds as each line is one chunk."""
+
+    def start(self) -> list[str]:
+        return []
+
+    def piece(self, piece: Piece) -> list[str]:
+        return [f"data: b'{piece.text}'\n\n"] if piece.text else []
 
 
 class OpenAIFormat:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_temp
 # Probes must answer fast even when the model server hangs.
 HEALTH_TIMEOUT_S = 1.5
 
+logger = logging.getLogger("microservice")
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -41,6 +44,15 @@ class Piece:
 
     text: str
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole answer: its text, why it ended, and the model server's token counts."""
+
+    text: str
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
 
 
 def timeouts(connect: float, read: float) -> httpx.Timeout:
@@ -149,15 +161,27 @@ def chunk_piece(chunk: dict[str, Any]) -> Piece | None:
     return Piece(text, reason) if text or reason else None
 
 
-def completion_text(body: bytes) -> tuple[str, str | None]:
-    """(text, finish reason) of a non-streaming chat completion."""
+def parse_completion(body: bytes) -> Completion:
+    """A non-streaming chat completion's first choice and usage."""
     try:
-        choice = json.loads(body)["choices"][0]
-        return choice["message"]["content"] or "", choice.get("finish_reason")
+        data = json.loads(body)
+        choice = data["choices"][0]
+        text = choice["message"]["content"] or ""
     except (ValueError, KeyError, IndexError, TypeError):
         raise UpstreamBroken(
             f"the model server sent an unexpected answer: {body[:200]!r}"
         ) from None
+    usage = data.get("usage")
+    return Completion(text, choice.get("finish_reason"), usage if isinstance(usage, dict) else None)
+
+
+def is_model_not_found(exc: UpstreamError) -> bool:
+    """The model server's 404 for a model it does not serve (Wick's and vLLM's)."""
+    if not isinstance(exc, UpstreamHTTPError) or exc.upstream_status != 404:
+        return False
+    message = exc.message.lower()
+    named = "model" in message and "not exist" in message
+    return exc.code == "model_not_found" or exc.param == "model" or named
 
 
 async def aiter_pieces(response: httpx.Response, base_url: str) -> AsyncIterator[Piece]:
@@ -190,13 +214,20 @@ def iter_pieces(response: httpx.Response, base_url: str) -> Iterator[Piece]:
 
 async def post_chat(client: httpx.AsyncClient, payload: dict[str, Any], base_url: str) -> str:
     """The text of a non-streaming chat completion."""
+    return (await post_completion(client, payload, base_url)).text
+
+
+async def post_completion(
+    client: httpx.AsyncClient, payload: dict[str, Any], base_url: str
+) -> Completion:
+    """A non-streaming chat completion."""
     try:
         response = await client.post(CHAT_PATH, json=payload)
     except httpx.HTTPError as exc:
         raise map_transport_error(exc, base_url) from exc
     if response.status_code != 200:
         raise error_from_response(response.status_code, response.content)
-    return completion_text(response.content)[0]
+    return parse_completion(response.content)
 
 
 # Pump tasks run unawaited: the event loop holds tasks weakly, so they are held here.
@@ -267,6 +298,8 @@ class ModelServer:
         self.read_timeout = read_timeout
         self.configured_model = model_name
         self._discovered: str | None = None
+        # Names the model server does not serve -> the model serving them (see `substitute`).
+        self._substitutes: dict[str, str] = {}
         self._can_tokenize = True
         self.client = httpx.AsyncClient(
             base_url=base_url,
@@ -280,11 +313,18 @@ class ModelServer:
         await self.client.aclose()
 
     async def resolve_model(self, requested: str | None) -> str:
-        """LLM_MODEL_NAME, else the request's `model`, else the model server's first model
-        (asked once, then remembered)."""
-        name = self.configured_model or requested or self._discovered
+        """LLM_MODEL_NAME, else the request's `model` (or what `substitute` chose for it), else
+        the model server's first model (asked once, then remembered)."""
+        name = self.configured_model or requested
         if name:
-            return name
+            return self._substitutes.get(name, name)
+        if self._discovered:
+            return self._discovered
+        self._discovered = (await self.served_models())[0]
+        return self._discovered
+
+    async def served_models(self) -> list[str]:
+        """The ids /v1/models lists (at least one, else UpstreamBroken)."""
         try:
             response = await self.client.get("/v1/models", timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as exc:
@@ -292,12 +332,31 @@ class ModelServer:
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
         try:
-            self._discovered = str(response.json()["data"][0]["id"])
-        except (ValueError, KeyError, IndexError, TypeError):
+            models = [str(entry["id"]) for entry in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            models = []
+        if not models:
             raise UpstreamBroken(
                 f"the model server's /v1/models lists no model: {response.text[:200]!r}"
-            ) from None
-        return self._discovered
+            )
+        return models
+
+    async def substitute(self, name: str) -> str | None:
+        """The model to serve requests naming `name` with, after the model server answered
+        that it does not serve `name`: its only model (OPEA's microservice sends every request
+        to the one model it serves). Remembered, so the warning comes once per name. None when
+        it serves several models (which one was meant cannot be told) or lists `name` itself."""
+        models = await self.served_models()
+        if len(models) != 1 or models[0] == name:
+            return None
+        self._substitutes[name] = models[0]
+        logger.warning(
+            "the model server does not serve %r: requests naming it are served by %r "
+            "(set LLM_STRICT_MODEL_NAME=true to answer 404 instead; logged once per name)",
+            name,
+            models[0],
+        )
+        return models[0]
 
     async def completion_room(
         self, model: str, messages: list[dict[str, str]], params: dict[str, Any]
@@ -314,6 +373,10 @@ class ModelServer:
             response = await self.client.post(TOKENIZE_PATH, json=body)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.base_url) from exc
+        if response.status_code == 404:
+            error = error_from_response(404, response.content)
+            if is_model_not_found(error):
+                raise error  # the chat request would get the same: the app may substitute
         if response.status_code in NO_ROUTE:
             self._can_tokenize = False
             return None

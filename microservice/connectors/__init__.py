@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from microservice.connectors.base import Connector, make_connector
+from microservice.connectors.base import Connector
+from microservice.connectors.registry import make_connector
 
 __all__ = ["Connector", "make_connector"]

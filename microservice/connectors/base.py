@@ -1,16 +1,13 @@
-"""The connector interface the app uses, and the factory that picks one from the settings."""
+"""The connector interface the app uses. The factory that picks one lives in `registry.py`:
+it imports the concrete connectors, which import this module, so it cannot live here."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from microservice.protocol import GenerationRequest
-from microservice.upstream import ModelServer, Piece
-
-if TYPE_CHECKING:
-    from microservice.settings import MicroserviceSettings
+from microservice.upstream import Completion, ModelServer, Piece
 
 
 class Connector(ABC):
@@ -24,8 +21,12 @@ class Connector(ABC):
         self.model_server = model_server
 
     @abstractmethod
+    async def answer(self, request: GenerationRequest) -> Completion:
+        """The whole answer: text, finish reason and (when known) usage."""
+
     async def complete(self, request: GenerationRequest) -> str:
         """The whole answer's text."""
+        return (await self.answer(request)).text
 
     @abstractmethod
     def stream(self, request: GenerationRequest) -> AsyncIterator[Piece]:
@@ -33,27 +34,3 @@ class Connector(ABC):
 
     async def aclose(self) -> None:
         await self.model_server.aclose()
-
-
-def make_connector(settings: MicroserviceSettings) -> Connector:
-    model_server = ModelServer(
-        settings.model_server_endpoint,
-        api_key=settings.api_key_value,
-        connect_timeout=settings.connect_timeout,
-        read_timeout=settings.read_timeout,
-        model_name=settings.model_name,
-    )
-    if settings.connector == "langchain":
-        # Imported here: langchain-core is only loaded when it is the chosen connector.
-        try:
-            from microservice.connectors.langchain import LangchainConnector
-        except ImportError as exc:
-            raise RuntimeError(
-                f"LLM_CONNECTOR=langchain needs langchain-core ({exc}): "
-                "pip install 'wick[microservice]'"
-            ) from exc
-
-        return LangchainConnector(model_server)
-    from microservice.connectors.generic import GenericConnector
-
-    return GenericConnector(model_server)

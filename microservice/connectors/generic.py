@@ -6,15 +6,15 @@ from collections.abc import AsyncIterator
 
 from microservice.connectors.base import Connector
 from microservice.protocol import GenerationRequest
-from microservice.upstream import Piece, post_chat, stream_chat
+from microservice.upstream import Completion, Piece, post_completion, stream_chat
 
 
 class GenericConnector(Connector):
     name = "generic"
 
-    async def complete(self, request: GenerationRequest) -> str:
+    async def answer(self, request: GenerationRequest) -> Completion:
         ms = self.model_server
-        return await post_chat(ms.client, request.payload(stream=False), ms.base_url)
+        return await post_completion(ms.client, request.payload(stream=False), ms.base_url)
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[Piece]:
         ms = self.model_server

@@ -31,13 +31,14 @@ from microservice.protocol import GenerationRequest
 from microservice.upstream import (
     CHAT_PATH,
     LIMITS,
+    Completion,
     ModelServer,
     Piece,
     auth_headers,
-    completion_text,
     error_from_response,
     iter_pieces,
     map_transport_error,
+    parse_completion,
     stream_chat,
     timeouts,
 )
@@ -125,9 +126,12 @@ class WickChatModel(BaseChatModel):
         return payload
 
     @staticmethod
-    def _result(text: str, finish_reason: str | None) -> ChatResult:
+    def _result(completion: Completion) -> ChatResult:
+        info: dict[str, Any] = {"finish_reason": completion.finish_reason}
+        if completion.usage is not None:
+            info["usage"] = completion.usage
         generation = ChatGeneration(
-            message=AIMessage(content=text), generation_info={"finish_reason": finish_reason}
+            message=AIMessage(content=completion.text), generation_info=info
         )
         return ChatResult(generations=[generation])
 
@@ -150,7 +154,7 @@ class WickChatModel(BaseChatModel):
             raise map_transport_error(exc, self.base_url) from exc
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
-        return self._result(*completion_text(response.content))
+        return self._result(parse_completion(response.content))
 
     async def _agenerate(
         self,
@@ -166,7 +170,7 @@ class WickChatModel(BaseChatModel):
             raise map_transport_error(exc, self.base_url) from exc
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
-        return self._result(*completion_text(response.content))
+        return self._result(parse_completion(response.content))
 
     def _stream(
         self,
@@ -215,14 +219,17 @@ class WickChatModel(BaseChatModel):
 
 
 class _FinishReason(AsyncCallbackHandler):
-    """Hears the finish reason that StrOutputParser drops (for OpenAI-format streaming)."""
+    """Hears the finish reason and usage that StrOutputParser drops (for OpenAI formats)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
+        self.usage: dict[str, int] | None = None
 
     async def on_llm_end(self, response: LLMResult, **kwargs: Any) -> None:
         for generation in response.generations[0] if response.generations else ():
-            self.reason = (generation.generation_info or {}).get("finish_reason") or self.reason
+            info = generation.generation_info or {}
+            self.reason = info.get("finish_reason") or self.reason
+            self.usage = info.get("usage") or self.usage
 
 
 # OPEA's two parts as a template; OpenAI message lists go in as they are.
@@ -259,9 +266,11 @@ class LangchainConnector(Connector):
             prompt, inputs = _MESSAGES_PROMPT, {"messages": request.messages}
         return prompt | llm | self.parser, inputs
 
-    async def complete(self, request: GenerationRequest) -> str:
+    async def answer(self, request: GenerationRequest) -> Completion:
         chain, inputs = self.chain(request)
-        return await chain.ainvoke(inputs)
+        finish = _FinishReason()
+        text = await chain.ainvoke(inputs, config={"callbacks": [finish]})
+        return Completion(text, finish.reason, finish.usage)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[Piece]:
         chain, inputs = self.chain(request)

@@ -1,7 +1,8 @@
 """The LLM microservice as users run it (`python -m microservice`, real sockets) in front of the
 real model server with the embedded SmolLM2, for both connectors: the seed README's curl
 payloads verbatim, OpenAI requests and chunk streaming, parameters reaching the model server,
-health_check through the model server's life (down, warming, ready, killed), disconnects, metrics.
+health_check through the model server's life (down, warming, ready, killed), disconnects, metrics;
+and GenAIComps' real orchestrator and gateway in front of it (opea-comps, a venv of its own).
 """
 
 from __future__ import annotations
@@ -433,3 +434,76 @@ def open_stream(usvc: Microservice) -> tuple[httpx.Response, Iterator[str]]:
     for _ in range(3):
         assert next(lines).startswith(("data: '", 'data: "'))
     return response, lines
+
+
+# ---------------------------------------------- GenAIComps' real megaservice, real model
+
+RAG_QUESTION = "What is the name of Wick's mascot?"
+RAG_DOC = "Wick's mascot is a purple otter named Bramble, who lives by the river."
+
+
+@pytest.fixture(scope="module")
+def megaservice(services: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """GenAIComps' orchestrator and a ChatQnA-style gateway (opea-comps, its own venv) with
+    the generic-connector microservice as the LLM node: tests/microservice/opea/."""
+    from tests.microservice.opea.env import start_megaservice
+
+    llm = services[("generic", False)].url
+    graphs = {
+        "chat": {"llm": llm, "adapters": True},
+        "rag": {"llm": llm, "adapters": True, "reranker": True},
+    }
+    mega = start_megaservice(tmp_path_factory.mktemp("opea"), graphs)
+    try:
+        yield mega
+    finally:
+        mega.stop()
+
+
+def test_opea_gateway_with_the_real_model(megaservice: Any, server: ServerProcess) -> None:
+    generated = metric(server.url, "vllm:generation_tokens_total")
+    body = {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": False,
+    }
+    response = megaservice.chatqna(body)
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+    # max_tokens 8 won over LLMParams' max_new_tokens 1024 (was a 422).
+    assert 0 < metric(server.url, "vllm:generation_tokens_total") - generated <= 8
+    streamed = megaservice.chatqna({**body, "stream": True})
+    lines = [line for line in streamed.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    text = b"".join(ast.literal_eval(line[6:]) for line in lines[:-1]).decode()
+    assert "Paris" in text
+
+
+def test_opea_rag_documents_reach_the_real_model(megaservice: Any, server: ServerProcess) -> None:
+    params = {"max_tokens": 16, "temperature": 0.0, "stream": False}
+
+    def prompt_tokens(inputs: dict[str, Any]) -> tuple[float, Any]:
+        before = metric(server.url, "vllm:prompt_tokens_total")
+        response = megaservice.schedule("rag", inputs, params)
+        assert response.status_code == 200, response.text
+        return metric(server.url, "vllm:prompt_tokens_total") - before, response.json()
+
+    without, _ = prompt_tokens({"initial_query": RAG_QUESTION, "retrieved_docs": []})
+    docs = [{"text": RAG_DOC}]
+    with_doc, result = prompt_tokens({"initial_query": RAG_QUESTION, "retrieved_docs": docs})
+    # The document and GenAIComps' RAG prompt around it reached the model (a 135M model's
+    # answer cannot be relied on to quote it; the fake-upstream tests check the prompt itself).
+    assert with_doc > without + 40, (with_doc, without)
+    assert result["result"]["text"].strip()
+
+
+def test_opea_unknown_model_name_is_served_by_the_real_model(
+    megaservice: Any, model_name: str
+) -> None:
+    params = {"model": "meta-llama/Meta-Llama-3-8B-Instruct", "max_tokens": 8, "stream": False}
+    inputs = {"messages": [{"role": "user", "content": QUESTION}]}
+    response = megaservice.schedule("chat", inputs, {**params, "temperature": 0.0})
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["result"]["text"]
+    assert model_name != params["model"]  # the model server itself would answer 404
