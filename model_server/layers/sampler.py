@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model_server.engine.request import Request
+from model_server.engine.core.request import Request
 from model_server.layers.sampling.metadata import SamplingMetadata, build_sampling_metadata
 from model_server.layers.sampling.ops import random_sample, select_candidates
 from model_server.layers.sampling.penalties import apply_penalties

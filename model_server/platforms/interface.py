@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from model_server.engine.cuda_graph import GraphCapturer
+    from model_server.engine.execution.cuda_graph import GraphCapturer
 
 
 class PlatformUnavailable(ValueError):

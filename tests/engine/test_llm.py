@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from model_server.engine.core.request import RequestStatus
 from model_server.engine.llm import LLM
-from model_server.engine.request import RequestStatus
 from model_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

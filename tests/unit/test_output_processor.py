@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from model_server.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from model_server.engine.engine_core import EngineCoreOutput
 from model_server.engine.output_processor import OutputProcessor
+from model_server.engine.outputs import EngineCoreOutput
 from model_server.sampling_params import SamplingParams
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from model_server.engine.request import Request
+from model_server.engine.core.request import Request
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from model_server.engine.input_batch import SeqChunk
+from model_server.engine.execution.input_batch import SeqChunk
 from model_server.layers.attention.backend import AttentionMetadata
 
 logger = logging.getLogger(__name__)
