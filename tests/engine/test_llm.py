@@ -96,6 +96,17 @@ def test_n2_samples_share_prompt_blocks(llm: LLM, prompt) -> None:
     assert samples[0].token_ids != samples[1].token_ids  # seed + index: distinct samples
 
 
+def test_num_cached_tokens_counts_prefix_cache_hits(llm: LLM) -> None:
+    question = "A question seen by no other test: name three rivers of Peru, longest first."
+    prompt = llm.apply_chat_template([{"role": "user", "content": question}])
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    full_blocks = (len(prompt) - 1) // llm.engine.config.block_size
+    assert first.num_cached_tokens < full_blocks * llm.engine.config.block_size
+    assert again.num_cached_tokens == full_blocks * llm.engine.config.block_size > 0
+
+
 def test_rejections_are_clear(llm: LLM, prompt) -> None:
     with pytest.raises(ValueError, match="maximum context length is 1024"):
         llm.generate([prompt * 40], SamplingParams(max_tokens=4))
