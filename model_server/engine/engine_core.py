@@ -10,7 +10,8 @@ from model_server.config import EngineConfig
 from model_server.engine.core.kv_cache_manager import KVCacheManager
 from model_server.engine.core.request import Request, RequestStatus
 from model_server.engine.core.scheduler import Scheduler, SchedulerConfig
-from model_server.engine.execution.executor import create_executor
+from model_server.engine.execution.executor import Executor, UniProcExecutor
+from model_server.engine.execution.multiproc_executor import MultiprocExecutor
 from model_server.engine.outputs import EngineCoreOutput
 from model_server.loader import ModelSource, load_model_source
 from model_server.platforms import get_platform
@@ -39,7 +40,8 @@ class EngineCore:
             )
         # Every rank gets the config as given and resolves the length itself (ModelRunner), so
         # that each tells a given length from the model's: only the model's is fitted to the cache.
-        self.executor = create_executor(config, self.source, self.platform)
+        executor_class = UniProcExecutor if config.tensor_parallel_size == 1 else MultiprocExecutor
+        self.executor: Executor = executor_class(config, self.source, self.platform)
         self.model_runner = self.executor.model_runner
         try:
             self.num_blocks = self._determine_num_blocks(config)

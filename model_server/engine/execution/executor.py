@@ -68,11 +68,3 @@ class UniProcExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
-
-
-def create_executor(config: EngineConfig, source: ModelSource, platform: Platform) -> Executor:
-    if config.tensor_parallel_size == 1:
-        return UniProcExecutor(config, source, platform)
-    from model_server.engine.execution.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, source, platform)
