@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +14,19 @@ MAX_LOGPROBS = 20
 # state (negatives are taken modulo 2**64 by the sampler).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**63 - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold while it runs (vLLM's names).
+
+    CUMULATIVE: every output holds the token ids and logprobs so far (copied each step, so the
+    engine can go on appending). DELTA: outputs hold the deltas and the cumulative text; the
+    token ids and logprobs come whole in the last output only, uncopied (the engine appends no
+    more): what the streaming servers and the offline `LLM` use.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
 
 
 @dataclass(slots=True)
@@ -42,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

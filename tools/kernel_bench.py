@@ -48,7 +48,7 @@ class Shape:
 
 def build_case_inputs(case: Case, shape: Shape, device: torch.device):
     """Random caches with shuffled block tables, real metadata, and the step's q/k/v."""
-    from model_server.engine.input_batch import SeqChunk, build_model_inputs
+    from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 
     bs = shape.block_size
     needed = [-(-(c + n) // bs) for c, n in case.requests]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_server.config import EngineConfig
-from model_server.engine.output_processor import RequestOutput
+from model_server.engine.outputs import RequestOutput
 from model_server.engine.stats import IterationStats, StatLogger
 from model_server.sampling_params import SamplingParams
 
@@ -458,9 +458,9 @@ class AsyncLLM(EngineClient):
         add_failure_callback = getattr(engine, "add_failure_callback", None)
         if add_failure_callback is not None:  # test doubles may have none
             add_failure_callback(self._on_engine_failure)
-        self._tracker = StatsTracker(engine.core.scheduler)
+        self._tracker = StatsTracker(engine.scheduler)
         self._tokenizer = engine.tokenizer
-        self._max_model_len = engine.core.config.max_model_len
+        self._max_model_len = engine.max_model_len
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
 
     def _warmup(self) -> None:
@@ -468,7 +468,7 @@ class AsyncLLM(EngineClient):
         first real request pays no one-time costs (allocator, kernels, lazy inits)."""
         engine = self._engine
         start = time.perf_counter()
-        vocab = engine.core.model_runner.vocab_size
+        vocab = engine.vocab_size
         max_len = self._max_model_len or 64
         prompt_len = max(1, min(32, max_len - 4))
         prompt = [(7 * i + 3) % vocab for i in range(prompt_len)]

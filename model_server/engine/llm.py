@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields
@@ -10,8 +11,8 @@ from typing import Any
 from model_server.config import EngineConfig
 from model_server.engine.chat_template import render_chat
 from model_server.engine.llm_engine import LLMEngine
-from model_server.engine.output_processor import RequestOutput
-from model_server.sampling_params import SamplingParams
+from model_server.engine.outputs import RequestOutput
+from model_server.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -76,6 +77,8 @@ class LLM:
         order: dict[str, int] = {}
         for prompt, params in zip(prompts, params_list, strict=True):
             request_id = str(next(self._ids))
+            # Only the last output is kept: it holds everything, and no step copies the lists.
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             self.engine.add_request(request_id, prompt, params)
             order[request_id] = len(order)
         results: list[RequestOutput | None] = [None] * len(order)

@@ -5,18 +5,41 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from model_server.config import EngineConfig
+from model_server.engine.core.request import Request
+from model_server.engine.core.scheduler import Scheduler
 from model_server.engine.engine_core import EngineCore
-from model_server.engine.output_processor import OutputProcessor, RequestOutput
-from model_server.engine.request import Request
+from model_server.engine.output_processor import OutputProcessor
+from model_server.engine.outputs import RequestOutput
 from model_server.sampling_params import SamplingParams
 
 
 class LLMEngine:
+    """Text in, text out around the `EngineCore`: tokenizes prompts, fans a request out into its
+    `n` samples, and turns the core's outputs into `RequestOutput`s (detokenized, stop strings)."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        self.config = config
         self.tokenizer = self.core.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+
+    @property
+    def config(self) -> EngineConfig:
+        """The configuration as resolved at startup (see EngineCore)."""
+        return self.core.config
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.core.config.max_model_len is not None  # resolved by the core
+        return self.core.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """Read-only for callers: its counters and live requests feed the stats."""
+        return self.core.scheduler
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -2,42 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from model_server.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from model_server.engine.engine_core import EngineCoreOutput
-from model_server.engine.model_runner import TokenLogprobs
-from model_server.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    """One sample of a request. `text`/`token_ids`/`logprobs` are cumulative; the `*_delta`
-    fields hold only what is new since the previous RequestOutput of this request."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text_delta: str = ""
-    token_ids_delta: list[int] = field(default_factory=list)
-    logprobs_delta: list[TokenLogprobs] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
+from model_server.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from model_server.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(slots=True)
@@ -110,11 +79,6 @@ class OutputProcessor:
             self._children.pop(cid, None)
         return child_ids
 
-    def set_num_cached_tokens(self, request_id: str, num_cached_tokens: int) -> None:
-        state = self._requests.get(request_id)
-        if state is not None:
-            state.num_cached_tokens = max(state.num_cached_tokens, num_cached_tokens)
-
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
@@ -130,6 +94,7 @@ class OutputProcessor:
             sample = state.samples[index]
             if sample.output.finished:
                 continue
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if self._apply(state, sample, out):
                 to_stop.append(out.request_id)
             changed[state.request_id] = state
@@ -181,26 +146,37 @@ class OutputProcessor:
             if o.logprobs is not None:
                 o.logprobs_delta = o.logprobs[sample.num_sent_logprobs :]
                 sample.num_sent_logprobs = len(o.logprobs)
+        cumulative = state.params.output_kind is RequestOutputKind.CUMULATIVE
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
-            outputs=[_snapshot(s.output) for s in state.samples],
+            outputs=[_hand_out(s.output, cumulative) for s in state.samples],
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
         )
 
 
-def _snapshot(o: CompletionOutput) -> CompletionOutput:
-    """A copy safe to hand to another thread while the processor keeps appending."""
+def _hand_out(o: CompletionOutput, cumulative: bool) -> CompletionOutput:
+    """What may cross to another thread while the processor goes on appending to `o`'s lists:
+    copies of them (CUMULATIVE), the lists themselves once the sample is finished (they no longer
+    change), or none (DELTA before the end). `text` is a str: shared as it is."""
+    token_ids, logprobs = o.token_ids, o.logprobs
+    if cumulative:
+        token_ids = list(token_ids)
+        logprobs = list(logprobs) if logprobs is not None else None
+    elif not o.finished:
+        token_ids = []
+        logprobs = [] if logprobs is not None else None
     return CompletionOutput(
         index=o.index,
         text=o.text,
-        token_ids=list(o.token_ids),
-        logprobs=list(o.logprobs) if o.logprobs is not None else None,
+        token_ids=token_ids,
+        logprobs=logprobs,
         finish_reason=o.finish_reason,
         stop_reason=o.stop_reason,
         text_delta=o.text_delta,
-        token_ids_delta=list(o.token_ids_delta),
-        logprobs_delta=list(o.logprobs_delta) if o.logprobs_delta is not None else None,
+        token_ids_delta=o.token_ids_delta,
+        logprobs_delta=o.logprobs_delta,
+        num_token_ids=len(o.token_ids),
     )

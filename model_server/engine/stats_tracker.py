@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model_server.engine.core.scheduler import Scheduler
 from model_server.engine.output_processor import RequestOutput, child_request_ids
-from model_server.engine.scheduler import Scheduler
 from model_server.engine.stats import (
     FinishedRequestStats,
     IterationStats,

@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from model_server.engine.worker import run_worker_node
+    from model_server.engine.execution.worker import run_worker_node
 
     return run_worker_node(EngineConfig.from_attrs(args))
 

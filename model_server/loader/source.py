@@ -11,6 +11,8 @@ if TYPE_CHECKING:  # heavy imports stay out of import time
     import transformers
 
 WeightIterator = Iterator[tuple[str, "torch.Tensor"]]
+# For a config that names no context length.
+_FALLBACK_CONTEXT = 2048
 
 
 class ModelLoadError(ValueError):
@@ -34,3 +36,8 @@ class ModelSource:
     weights: Callable[[], WeightIterator] | None  # None for load_format="dummy"
     num_weights: int
     format: str = "hf"  # "hf" (safetensors folder) | "gguf" | "dummy"
+
+    @property
+    def context_length(self) -> int:
+        """The model's own context length (what `max_model_len` defaults to)."""
+        return int(getattr(self.hf_config, "max_position_embeddings", 0) or _FALLBACK_CONTEXT)

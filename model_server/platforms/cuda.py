@@ -50,7 +50,7 @@ class CudaPlatform(Platform):
         return torch.cuda.mem_get_info(self.device)
 
     def memory_stats_api(self) -> ModuleType:
-        # Always complete: the KV cache is sized by profiling (engine/memory_profiler.py).
+        # Always complete: the KV cache is sized by profiling (engine/execution/memory_profiler.py).
         return torch.cuda
 
     def kernel_table(self) -> KernelTable:

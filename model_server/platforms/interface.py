@@ -19,7 +19,8 @@ from model_server.kernels.table import TORCH_KERNELS, KernelTable
 
 
 class GraphCapturer(Protocol):
-    """Records a function's device work once and replays it (engine/cuda_graph.py drives it)."""
+    """Records a function's device work once and replays it (engine/execution/cuda_graph.py
+    drives it)."""
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         """Run `fn` under capture; return (replay, output). `replay()` reruns the recorded work,
@@ -141,7 +142,7 @@ class Platform(ABC):
 
     def default_kv_cache_memory(self, bytes_per_block: int) -> int:
         """Bytes for the KV cache when the user gives no `--kv-cache-memory` and the platform
-        cannot profile memory (where it can, engine/memory_profiler.py sizes the cache).
+        cannot profile memory (where it can, engine/execution/memory_profiler.py sizes the cache).
 
         This fallback, for accelerator runtimes without allocator statistics, is a guess: 80%
         of the memory free now, after the weights loaded."""
@@ -201,7 +202,7 @@ class Platform(ABC):
         return None
 
     def graph_capturer(self) -> GraphCapturer:
-        """What records and replays device graphs (engine/cuda_graph.py); only called when
+        """What records and replays device graphs (engine/execution/cuda_graph.py); only called when
         `supports_graphs`."""
         raise NotImplementedError(f"{self.name} cannot capture device graphs")
 

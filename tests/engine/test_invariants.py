@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from model_server.engine.llm import LLM
-from model_server.engine.output_processor import CompletionOutput
+from model_server.engine.outputs import CompletionOutput
 from model_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

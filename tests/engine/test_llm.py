@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from model_server.engine.core.request import RequestStatus
 from model_server.engine.llm import LLM
-from model_server.engine.request import RequestStatus
 from model_server.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -94,6 +94,17 @@ def test_n2_samples_share_prompt_blocks(llm: LLM, prompt) -> None:
     samples = outputs[0].outputs
     assert len(samples) == 2 and all(len(s.token_ids) == 8 for s in samples)
     assert samples[0].token_ids != samples[1].token_ids  # seed + index: distinct samples
+
+
+def test_num_cached_tokens_counts_prefix_cache_hits(llm: LLM) -> None:
+    question = "A question seen by no other test: name three rivers of Peru, longest first."
+    prompt = llm.apply_chat_template([{"role": "user", "content": question}])
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    full_blocks = (len(prompt) - 1) // llm.engine.config.block_size
+    assert first.num_cached_tokens < full_blocks * llm.engine.config.block_size
+    assert again.num_cached_tokens == full_blocks * llm.engine.config.block_size > 0
 
 
 def test_rejections_are_clear(llm: LLM, prompt) -> None:

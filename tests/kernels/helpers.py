@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_server.engine.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 from model_server.engine.llm import LLM
 from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionMetadata

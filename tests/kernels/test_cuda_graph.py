@@ -1,4 +1,5 @@
-"""Decode graphs (engine/cuda_graph.py): bucketing, padding and greedy parity with eager runs.
+"""Decode graphs (engine/execution/cuda_graph.py): bucketing, padding and greedy parity with
+eager runs.
 
 On the CPU the Triton backend runs interpreted and a stand-in capturer "replays" by rerunning
 the captured function on the static buffers: everything but the CUDA recording itself is the
@@ -14,10 +15,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
-from model_server.engine.input_batch import SeqChunk
+from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
+from model_server.engine.execution.input_batch import SeqChunk
+from model_server.engine.execution.step_input import StepInput
 from model_server.engine.llm import LLM
-from model_server.engine.step_input import StepInput
 from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import TINY_CONFIGS, tiny_llm

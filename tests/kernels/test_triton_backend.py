@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_server.engine.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.attention.torch_backend import TorchAttentionBackend
 from model_server.layers.attention.triton_backend import TritonAttentionBackend

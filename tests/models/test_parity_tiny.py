@@ -22,7 +22,7 @@ import transformers
 from safetensors.torch import load_file
 from torch import nn
 
-from model_server.engine.input_batch import ModelInputs, SeqChunk, build_model_inputs
+from model_server.engine.execution.input_batch import ModelInputs, SeqChunk, build_model_inputs
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.rotary import compute_inv_freq, rope_parameters_from_config
 from model_server.models import (

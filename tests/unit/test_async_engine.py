@@ -24,7 +24,7 @@ from model_server.engine.async_engine import (
     RequestAbortedError,
     RequestOutputCollector,
 )
-from model_server.engine.output_processor import CompletionOutput, RequestOutput
+from model_server.engine.outputs import CompletionOutput, RequestOutput
 from model_server.engine.stats import IterationStats, SchedulerStats
 from model_server.sampling_params import SamplingParams
 
@@ -57,11 +57,10 @@ class FakeEngine:
             prefix_cache_hits=0,
             requests=self.requests,
         )
-        self.core = SimpleNamespace(
-            scheduler=scheduler,
-            model_runner=SimpleNamespace(vocab_size=100),
-            config=SimpleNamespace(max_model_len=MAX_LEN),
-        )
+        # What AsyncLLM reads of an LLMEngine (and nothing deeper).
+        self.scheduler = scheduler
+        self.vocab_size = 100
+        self.max_model_len = MAX_LEN
         self.tokenizer = None
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
@@ -108,7 +107,7 @@ class FakeEngine:
         return outputs
 
     def _update_gauges(self) -> None:
-        self.core.scheduler.num_running = len(self.requests)
+        self.scheduler.num_running = len(self.requests)
 
 
 class RecordingLogger:

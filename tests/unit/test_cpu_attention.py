@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from model_server.engine.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 from model_server.kernels.cpu import native
 from model_server.layers.attention.cpu_backend import CpuAttentionBackend
 from model_server.layers.attention.torch_backend import TorchAttentionBackend

@@ -18,15 +18,15 @@ import transformers
 
 import model_server.engine.engine_core as engine_core_module
 from model_server.config import EngineConfig
+from model_server.engine.core.request import Request
 from model_server.engine.engine_core import EngineCore
-from model_server.engine.memory_profiler import (
+from model_server.engine.execution.memory_profiler import (
     MemoryProfile,
     MemorySnapshot,
     check_kv_blocks,
     min_kv_blocks,
     profile_chunks,
 )
-from model_server.engine.request import Request
 from model_server.layers.sampler import Sampler
 from model_server.models.llama import LlamaForCausalLM
 from model_server.platforms import PlatformUnavailable
@@ -284,7 +284,7 @@ def test_profiled_engine_sizes_the_kv_cache(
     monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     platform = FakeGpu()
-    with caplog.at_level(logging.INFO, logger="model_server.engine.model_runner"):
+    with caplog.at_level(logging.INFO, logger="model_server.engine.execution.model_runner"):
         core = _engine(monkeypatch, spy, platform, _config(model=tiny_model))
     # One profile forward of the whole token budget, logits and sampling for max_num_seqs rows.
     assert spy.forward_tokens == [MAX_NUM_BATCHED_TOKENS]
@@ -448,7 +448,7 @@ def test_a_share_larger_than_the_free_memory_is_capped_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, spy: Spy, tiny_model: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     platform = FakeGpu(in_use_at_start=10 * MiB)
-    with caplog.at_level(logging.WARNING, logger="model_server.engine.model_runner"):
+    with caplog.at_level(logging.WARNING, logger="model_server.engine.execution.model_runner"):
         core = _engine(
             monkeypatch, spy, platform, _config(model=tiny_model, gpu_memory_utilization=0.9)
         )

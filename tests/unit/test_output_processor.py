@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from model_server.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from model_server.engine.engine_core import EngineCoreOutput
 from model_server.engine.output_processor import OutputProcessor
+from model_server.engine.outputs import EngineCoreOutput
 from model_server.sampling_params import SamplingParams
 
 
@@ -129,3 +129,46 @@ def test_the_stop_token_is_left_out_of_the_text_like_vllm() -> None:
         streamed += out.outputs[0].text_delta
         assert out.outputs[0].text == expected == streamed, kwargs
         assert out.outputs[0].token_ids == [*ids("ok"), stop_id]
+
+
+def test_output_kinds_cumulative_and_delta() -> None:
+    from model_server.engine.outputs import TokenLogprobs
+    from model_server.sampling_params import RequestOutputKind
+
+    def lp(token: int) -> TokenLogprobs:
+        return TokenLogprobs(token, -0.5, [(token, -0.5)])
+
+    proc = OutputProcessor(ByteTokenizer())
+    kinds = {"c": RequestOutputKind.CUMULATIVE, "d": RequestOutputKind.DELTA}
+    for rid, kind in kinds.items():
+        proc.add_request(rid, "p", [1], SamplingParams(max_tokens=3, logprobs=1, output_kind=kind))
+    seen: dict[str, list] = {"c": [], "d": []}
+    for i, ch in enumerate("xyz"):
+        finish = "length" if i == 2 else None
+        core = [EngineCoreOutput(rid, ids(ch), [lp(ids(ch)[0])], finish, None) for rid in kinds]
+        outs, _ = proc.process_outputs(core)
+        for out in outs:
+            seen[out.request_id].append(out.outputs[0])
+    cumulative, delta = seen["c"], seen["d"]
+    assert [o.token_ids for o in cumulative] == [ids("x"), ids("xy"), ids("xyz")]
+    assert [len(o.logprobs) for o in cumulative] == [1, 2, 3]
+    # Each cumulative output is a copy: later steps do not change what was handed out.
+    assert cumulative[0].token_ids is not cumulative[1].token_ids
+    # DELTA: deltas and the running count every step; the lists whole in the last output only.
+    assert [o.token_ids for o in delta] == [[], [], ids("xyz")]
+    assert [o.logprobs for o in delta[:2]] == [[], []] and len(delta[2].logprobs) == 3
+    assert [o.token_ids_delta for o in delta] == [ids("x"), ids("y"), ids("z")]
+    assert [o.num_token_ids for o in delta] == [1, 2, 3] == [o.num_token_ids for o in cumulative]
+    assert [o.text for o in delta] == ["x", "xy", "xyz"]
+
+
+def test_num_cached_tokens_reaches_the_request_output() -> None:
+    proc = OutputProcessor(ByteTokenizer())
+    proc.add_request("r", "p", [1] * 40, SamplingParams(max_tokens=2, n=2))
+    outs, _ = proc.process_outputs(
+        [
+            EngineCoreOutput("0_r", ids("a"), None, None, None, num_cached_tokens=16),
+            EngineCoreOutput("1_r", ids("b"), None, None, None, num_cached_tokens=32),
+        ]
+    )
+    assert outs[0].num_cached_tokens == 32  # the most over the samples

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model_server.engine.request import Request
+from model_server.engine.core.request import Request
 from model_server.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, generator_seed
 from model_server.layers.sampling.ops import Candidates, select_candidates
 from model_server.layers.sampling.penalties import apply_penalties

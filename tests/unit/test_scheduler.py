@@ -7,9 +7,10 @@ import itertools
 import pytest
 
 from model_server.config import EngineConfig
-from model_server.engine.kv_cache_manager import KVCacheManager
-from model_server.engine.request import Request, RequestStatus
-from model_server.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from model_server.engine.core.kv_cache_manager import KVCacheManager
+from model_server.engine.core.request import Request, RequestStatus
+from model_server.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from model_server.sampling_params import SamplingParams
 
 EOS = 2
@@ -65,8 +66,16 @@ def step(sched: Scheduler, token: int = 7) -> SchedulerOutput:
         token if r.num_computed_tokens + n == r.num_tokens else None
         for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens, strict=True)
     ]
-    sched.update_from_output(out, sampled)
+    sched.update_from_output(out, runner_output(sampled))
     return out
+
+
+def runner_output(sampled: list[int | None]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(sampled, [None] * len(sampled))
+
+
+def ids(outputs: list[EngineCoreOutput]) -> list[str]:
+    return [o.request_id for o in outputs]
 
 
 def tokens_of(out: SchedulerOutput) -> dict[str, int]:
@@ -106,7 +115,8 @@ def test_long_prompt_is_chunked_over_steps() -> None:
         assert len(a.block_ids) == num_blocks
         assert a.num_computed_tokens == computed - chunk
         sampled = [7] if computed == 19 else [None]
-        assert sched.update_from_output(out, sampled) == ([a] if computed == 19 else [])
+        outputs = sched.update_from_output(out, runner_output(sampled))
+        assert ids(outputs) == (["a"] if computed == 19 else [])
         assert a.num_computed_tokens == computed
     assert a.output_token_ids == [7]
     assert a.first_token_time is not None
@@ -136,7 +146,13 @@ def test_fcfs_under_a_small_budget() -> None:
 
 def test_without_chunked_prefill_a_prefill_waits_for_a_whole_budget() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(max_num_batched_tokens=8, max_model_len=16, enable_chunked_prefill=False)
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=8,
+            max_model_len=16,
+            enable_chunked_prefill=False,
+            block_size=4,
+        )
     sched = make_scheduler(
         max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
     )
@@ -294,9 +310,10 @@ def test_update_returns_requests_with_new_tokens() -> None:
     sched.add_request(b)
     out = sched.schedule()
     assert tokens_of(out) == {"a": 2, "b": 4}
-    assert sched.update_from_output(out, [5, None]) == [a]
+    [output] = sched.update_from_output(out, runner_output([5, None]))
+    assert (output.request_id, output.new_token_ids, output.finish_reason) == ("a", [5], None)
     with pytest.raises(ValueError, match="sampled tokens"):
-        sched.update_from_output(sched.schedule(), [5])
+        sched.update_from_output(sched.schedule(), runner_output([5]))
 
 
 def test_finish_requests_frees_blocks_and_is_idempotent() -> None:
@@ -322,7 +339,7 @@ def test_finish_requests_frees_blocks_and_is_idempotent() -> None:
     sched.add_request(c)
     out = sched.schedule()
     sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
-    assert sched.update_from_output(out, [7]) == []
+    assert sched.update_from_output(out, runner_output([7])) == []
     assert c.output_token_ids == [] and kv.num_free_blocks == 4
 
 

@@ -14,8 +14,8 @@ from model_server.distributed.partition import (
     shard_vocab,
 )
 from model_server.distributed.rendezvous import rendezvous_from_env
-from model_server.engine.input_batch import SeqChunk
-from model_server.engine.step_input import StepInput
+from model_server.engine.execution.input_batch import SeqChunk
+from model_server.engine.execution.step_input import StepInput
 from model_server.layers import embedding, linear
 from model_server.models import check_tensor_parallel
 

@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from model_server.engine.output_processor import CompletionOutput, RequestOutput
+from model_server.engine.outputs import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -113,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
                 for sample in out.outputs:
                     if finished[sample.index]:
                         continue
-                    num_tokens[sample.index] = len(sample.token_ids)
+                    num_tokens[sample.index] = sample.num_token_ids
                     choice = self._stream_choice(request, sample)
                     if choice is not None:
                         choices.append(choice)

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from model_server.engine.output_processor import CompletionOutput, RequestOutput
+from model_server.engine.outputs import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, CompletionRequest
 from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
@@ -124,7 +124,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     i = prompt_index * n + sample.index
                     if finished[i]:
                         continue
-                    num_tokens[i] = len(sample.token_ids)
+                    num_tokens[i] = sample.num_token_ids
                     choice = self._stream_choice(request, sample, i, echo_pending, text_offsets)
                     if choice is not None:
                         choices.append(choice)

@@ -4,6 +4,7 @@ running engine requests, logprobs formatting and SSE framing."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import uuid
@@ -21,11 +22,10 @@ from model_server.engine.async_engine import (
     RequestAbortedError,
 )
 from model_server.engine.chat_template import render_chat
-from model_server.engine.model_runner import TokenLogprobs
-from model_server.engine.output_processor import RequestOutput
+from model_server.engine.outputs import RequestOutput, TokenLogprobs
 from model_server.entrypoints.openai.protocol import APIError, ChatMessage
 from model_server.entrypoints.utils import prepend
-from model_server.sampling_params import SamplingParams
+from model_server.sampling_params import RequestOutputKind, SamplingParams
 
 # JSON has no -inf: a token the model rules out gets this logprob instead (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -251,7 +251,9 @@ class OpenAIServing:
     def _generators(
         self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
     ) -> list[AsyncGenerator[RequestOutput, None]]:
-        # One engine request per prompt, each with all n samples.
+        # One engine request per prompt, each with all n samples. Streams read the deltas and
+        # the rest the last output, which holds everything: no step copies the token lists.
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         return [
             self.engine_client.generate(prompt, params, f"{request_id}-{i}")
             for i, prompt in enumerate(prompts)

@@ -38,8 +38,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     # The same numbers as host lists, for backends that loop in Python (never synced from device).
-    # In a captured decode graph (engine/cuda_graph.py) seq_lens_cpu and max_seq_len hold the
-    # bound max_model_len instead, since the real lengths change with every replay.
+    # In a captured decode graph (engine/execution/cuda_graph.py) seq_lens_cpu and max_seq_len
+    # hold the bound max_model_len instead, since the real lengths change with every replay.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
 

@@ -32,10 +32,11 @@ from model_server.distributed.parallel_state import (
 )
 from model_server.distributed.rendezvous import rendezvous_from_env
 from model_server.distributed.step_channel import MessageKind, StepChannel
-from model_server.engine.executor import Executor, FailureCallback
-from model_server.engine.model_runner import ModelRunner, ModelRunnerOutput
-from model_server.engine.scheduler import SchedulerOutput
-from model_server.engine.worker import WorkerSpec, check_device_ids, run_worker
+from model_server.engine.core.scheduler import SchedulerOutput
+from model_server.engine.execution.executor import Executor, FailureCallback
+from model_server.engine.execution.model_runner import ModelRunner
+from model_server.engine.execution.worker import WorkerSpec, check_device_ids, run_worker
+from model_server.engine.outputs import ModelRunnerOutput
 from model_server.loader import ModelSource
 from model_server.models import check_tensor_parallel
 from model_server.platforms import Platform
@@ -116,7 +117,7 @@ class MultiprocExecutor(Executor):
 
     # ---- steps ------------------------------------------------------------------------------
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         runner = self.model_runner
         step = runner.prepare_step(scheduler_output)
         with self._lock:

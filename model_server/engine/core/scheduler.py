@@ -4,8 +4,9 @@ Pure policy over `Request` state and the `KVCacheManager`; never touches tensors
 `schedule()` hands every chosen request a number of tokens to compute: 1 for a decode, a chunk
 for a (chunked) prefill, drawn from the same `max_num_batched_tokens` budget. The engine runs the
 model on exactly those tokens and reports back through `update_from_output()`, which advances
-`num_computed_tokens`, appends sampled tokens and finishes requests. Calls must alternate:
-schedule, update, schedule, ... (a request's state only moves in `update_from_output`).
+`num_computed_tokens`, appends sampled tokens, finishes requests and emits the step's
+`EngineCoreOutput`s. Calls must alternate: schedule, update, schedule, ... (a request's state
+only moves in `update_from_output`).
 """
 
 from __future__ import annotations
@@ -17,24 +18,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from model_server.engine.kv_cache_manager import KVCacheManager
-from model_server.engine.request import Request, RequestStatus
+from model_server.engine.core.kv_cache_manager import KVCacheManager
+from model_server.engine.core.request import Request, RequestStatus
+from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from model_server.config import EngineConfig
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True, kw_only=True)
 class SchedulerConfig:
-    """Scheduling limits. `max_num_seqs` bounds the running requests, `max_num_batched_tokens`
-    the tokens computed per step. Without chunked prefill a prefill is scheduled whole or not at
-    all, so the budget must hold the longest possible sequence (`max_model_len`)."""
+    """Scheduling limits (defaults: EngineConfig's). `max_num_seqs` bounds the running requests,
+    `max_num_batched_tokens` the tokens computed per step. Without chunked prefill a prefill is
+    scheduled whole or not at all, so the budget must hold the longest possible sequence
+    (`max_model_len`)."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    block_size: int
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -72,7 +75,7 @@ class SchedulerOutput:
     (`num_computed_tokens` is advanced only by `update_from_output`). A request samples a token
     this step iff `req.num_computed_tokens + n == req.num_tokens`. Its block table already covers
     all those positions. `preempted_requests` lost their blocks this step; `finished_request_ids`
-    finished since the previous step (the runner may drop per-request state).
+    finished since the previous schedule (the runner drops their per-request state).
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -80,10 +83,6 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_requests: list[Request] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled_requests.append(request)
@@ -292,25 +291,30 @@ class Scheduler:
     # ---------------------------------------------------------------------------- update
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: list[int | None]
-    ) -> list[Request]:
-        """Apply a step's results. `sampled_token_ids` is parallel to `scheduled_requests`: the
-        sampled token of each request that sampled (see SchedulerOutput), anything (None) for the
-        others. Advances `num_computed_tokens`, caches newly full blocks, appends tokens, checks
-        stop conditions and frees finished requests. Returns the requests that got a new token
-        (finished or not), in scheduling order. Requests finished meanwhile (aborted) are skipped.
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's results: advance `num_computed_tokens`, cache newly full blocks, append
+        the sampled tokens, check stop conditions and free finished requests. Returns an output
+        for each request that got a new token (finished or not), in scheduling order; requests
+        finished meanwhile (aborted) are skipped. `runner_output`'s lists are parallel to
+        `scheduled_requests` (None where a request did not sample: see SchedulerOutput).
         """
         scheduled = scheduler_output.scheduled_requests
+        sampled_token_ids = runner_output.sampled_token_ids
         if len(sampled_token_ids) != len(scheduled):
             raise ValueError(
                 f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled "
                 "requests"
             )
         kv = self.kv_cache_manager
-        updated: list[Request] = []
+        outputs: list[EngineCoreOutput] = []
         any_finished = False
-        for request, num_new, token_id in zip(
-            scheduled, scheduler_output.num_scheduled_tokens, sampled_token_ids, strict=True
+        for request, num_new, token_id, logprobs in zip(
+            scheduled,
+            scheduler_output.num_scheduled_tokens,
+            sampled_token_ids,
+            runner_output.logprobs,
+            strict=True,
         ):
             if request.is_finished:
                 continue
@@ -323,15 +327,24 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            updated.append(request)
             status = self._check_stop(request, token_id)
             if status is not None:
                 request.status = status
                 self._release(request)
                 any_finished = True
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finish_reason=RequestStatus.finish_reason(request.status),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
-        return updated
+        return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """The finished status after appending `token_id`, or None to go on.

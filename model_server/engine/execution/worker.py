@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class WorkerSpec:
-    config: EngineConfig  # max_model_len as given (None: the model's, resolved like rank 0)
+    config: EngineConfig  # as given: each rank resolves max_model_len itself (ModelRunner)
     rank: int
     local_rank: int
     local_world_size: int
@@ -77,8 +77,8 @@ def _serve_steps(spec: WorkerSpec) -> None:
         init_tensor_parallel,
     )
     from model_server.distributed.step_channel import MessageKind, StepChannel
-    from model_server.engine.model_runner import ModelRunner
-    from model_server.engine.step_input import StepInput
+    from model_server.engine.execution.model_runner import ModelRunner
+    from model_server.engine.execution.step_input import StepInput
     from model_server.loader import load_model_source
     from model_server.platforms import get_platform
 
@@ -97,13 +97,11 @@ def _serve_steps(spec: WorkerSpec) -> None:
     )
     try:
         source = load_model_source(config.model, config.load_format)
-        max_model_len_given = config.max_model_len is not None
-        resolve_max_model_len(config, source.hf_config)
         runner = ModelRunner(config, source, platform)
         # In step with rank 0's determine_num_blocks: a profile forward (collectives) and the
         # reduction; then every rank checks the same count (rank 0 raises the same error).
         num_blocks = cpu_all_reduce_min(runner.local_num_blocks(config.kv_cache_memory))
-        runner.check_num_blocks(num_blocks, max_model_len_given)
+        runner.check_num_blocks(num_blocks)
         runner.allocate_kv_cache(num_blocks)
         channel = StepChannel(get_tp_group().cpu_group)
         logger.info("rank %d ready", tp.rank)
@@ -114,14 +112,6 @@ def _serve_steps(spec: WorkerSpec) -> None:
             runner.execute_step(StepInput.unpack(payload))
     finally:
         destroy_tensor_parallel()
-
-
-def resolve_max_model_len(config: EngineConfig, hf_config: object) -> int:
-    """`config.max_model_len`, set from the model's context length when None (every rank does
-    this the same way, so their rotary caches match)."""
-    if config.max_model_len is None:
-        config.max_model_len = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
-    return config.max_model_len
 
 
 # ---------------------------------------------------------------- other nodes (multi-node)

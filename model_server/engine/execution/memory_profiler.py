@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from model_server.config import EngineConfig
-from model_server.engine.input_batch import SeqChunk
-from model_server.engine.request import Request
-from model_server.engine.scheduler import SchedulerConfig
+from model_server.engine.core.request import Request
+from model_server.engine.core.scheduler import SchedulerConfig
+from model_server.engine.execution.input_batch import SeqChunk
 from model_server.platforms import Platform
 from model_server.sampling_params import MAX_LOGPROBS, SamplingParams
 

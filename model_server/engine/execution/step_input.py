@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from model_server.engine.input_batch import SeqChunk
+from model_server.engine.execution.input_batch import SeqChunk
 
 
 @dataclass(slots=True)

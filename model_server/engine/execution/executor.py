@@ -1,8 +1,8 @@
 """Executors: how the engine core's model steps reach the device(s).
 
 `UniProcExecutor` (tensor_parallel_size 1) calls the model runner in this process: no
-collectives, no extra processes, no copies. `MultiprocExecutor` (engine/multiproc_executor.py)
-runs rank 0 here and ranks 1..N-1 in worker processes.
+collectives, no extra processes, no copies. `MultiprocExecutor` (multiproc_executor.py) runs
+rank 0 here and ranks 1..N-1 in worker processes.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 from model_server.config import EngineConfig
-from model_server.engine.model_runner import ModelRunner, ModelRunnerOutput
-from model_server.engine.scheduler import SchedulerOutput
+from model_server.engine.core.scheduler import SchedulerOutput
+from model_server.engine.execution.model_runner import ModelRunner
+from model_server.engine.outputs import ModelRunnerOutput
 from model_server.loader import ModelSource
 from model_server.platforms import Platform
 
@@ -24,8 +25,16 @@ class Executor(ABC):
 
     model_runner: ModelRunner
 
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Drop the state of requests finished since the last step, then run the scheduled
+        requests (no model call when there are none)."""
+        self.model_runner.release(scheduler_output.finished_request_ids)
+        if not scheduler_output.scheduled_requests:
+            return ModelRunnerOutput([], [])
+        return self._execute_step(scheduler_output)
+
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
     @abstractmethod
     def determine_num_blocks(self, kv_cache_memory: int | None) -> int:
@@ -51,7 +60,7 @@ class UniProcExecutor(Executor):
         platform.prepare(config.num_threads)
         self.model_runner = ModelRunner(config, source, platform)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
     def determine_num_blocks(self, kv_cache_memory: int | None) -> int:
@@ -59,11 +68,3 @@ class UniProcExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
-
-
-def create_executor(config: EngineConfig, source: ModelSource, platform: Platform) -> Executor:
-    if config.tensor_parallel_size == 1:
-        return UniProcExecutor(config, source, platform)
-    from model_server.engine.multiproc_executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, source, platform)

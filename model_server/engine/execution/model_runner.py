@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -11,9 +12,11 @@ import torch
 
 from model_server.config import EngineConfig, parse_quantization
 from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
-from model_server.engine.cuda_graph import CUDAGraphRunner, capture_sizes
-from model_server.engine.input_batch import SeqChunk, build_model_inputs
-from model_server.engine.memory_profiler import (
+from model_server.engine.core.request import Request
+from model_server.engine.core.scheduler import SchedulerOutput
+from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
+from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.execution.memory_profiler import (
     MemoryProfile,
     MemorySnapshot,
     check_kv_blocks,
@@ -22,9 +25,8 @@ from model_server.engine.memory_profiler import (
     profile_sampling_requests,
     take_memory_snapshot,
 )
-from model_server.engine.request import Request
-from model_server.engine.scheduler import SchedulerOutput
-from model_server.engine.step_input import StepInput
+from model_server.engine.execution.step_input import StepInput
+from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
@@ -36,38 +38,29 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one generated token: its own and the `top` most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass(slots=True)
 class StepOutput:
     logits: torch.Tensor | None  # [N, vocab] float32 on rank 0 when N > 0, else None
     sample_indices: list[int]  # row j of logits belongs to chunk sample_indices[j]
 
 
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    # Parallel to SchedulerOutput.scheduled_requests; None where the request did not sample
-    # (a prefill chunk that does not reach the end of the prompt).
-    sampled_token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None]
-
-
 class ModelRunner:
+    """One rank's model, KV cache and (rank 0) sampler.
+
+    `config` is the engine's as given, with `max_model_len` resolved (the model's context length
+    when not given): every rank resolves it the same way, so their rotary caches match.
+    """
+
     def __init__(self, config: EngineConfig, source: ModelSource, platform: Platform) -> None:
-        self.config = config
+        self.max_model_len_given = config.max_model_len is not None
+        self.max_model_len: int = config.max_model_len or source.context_length
+        self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
         self.platform = platform
         self.device = platform.device
         self.dtype = platform.resolve_dtype(config.dtype)
         self.hf_config = source.hf_config
         self.block_size = config.block_size
         # Device memory in use before our weights load is not ours: neither charged to our
-        # budget nor taken (engine/memory_profiler.py). None where memory cannot be profiled.
+        # budget nor taken (memory_profiler.py). None where memory cannot be profiled.
         self.memory_baseline: MemorySnapshot | None = take_memory_snapshot(platform)
         # This rank's budget once `local_num_blocks` has profiled it.
         self.memory_profile: MemoryProfile | None = None
@@ -81,7 +74,7 @@ class ModelRunner:
             self.attn_backend,
             dtype=self.dtype,
             device=self.device,
-            max_model_len=config.max_model_len,
+            max_model_len=self.max_model_len,
             kernels=platform.kernel_table(),
         )
         if source.weights is None:
@@ -121,7 +114,7 @@ class ModelRunner:
     def local_num_blocks(self, kv_cache_memory: int | None) -> int:
         """KV blocks this rank's budget holds: `kv_cache_memory` bytes when given; else, where
         the platform can profile memory, what `gpu_memory_utilization` leaves after a profiled
-        forward (engine/memory_profiler.py; 0 when nothing is left: the caller checks the
+        forward (engine/execution/memory_profiler.py; 0 when nothing is left: the caller checks the
         count, once reduced over the ranks, with `check_num_blocks`); else the platform's
         default budget. Every rank calls this at the same time: the profile holds collectives.
         """
@@ -154,7 +147,7 @@ class ModelRunner:
         ]
         self.capture_graphs()  # the graphs hold the caches' addresses: capture after allocating
 
-    def check_num_blocks(self, num_blocks: int, max_model_len_given: bool) -> None:
+    def check_num_blocks(self, num_blocks: int) -> None:
         """Raise ValueError (with the budget's numbers) when `num_blocks`, a profiled count
         reduced over the ranks, cannot hold one sequence of a `--max-model-len` the user gave
         (the model's own length is fitted to the cache instead: EngineCore._fit_max_model_len),
@@ -162,7 +155,7 @@ class ModelRunner:
         nothing to check then."""
         if self.memory_profile is None:
             return
-        max_model_len = self.config.max_model_len if max_model_len_given else None
+        max_model_len = self.max_model_len if self.max_model_len_given else None
         check_kv_blocks(
             self.memory_profile, num_blocks, self.bytes_per_block(), max_model_len, self.block_size
         )
@@ -174,8 +167,7 @@ class ModelRunner:
         cache, then the LM head and (rank 0) the sampler on `max_num_seqs` rows, the most a
         step samples. Nothing is kept; the scratch cache is freed on return."""
         m = self.model
-        max_model_len = self.config.max_model_len or m.max_position
-        chunks = profile_chunks(self.config, max_model_len, self.block_size)
+        chunks = profile_chunks(self.config, self.max_model_len, self.block_size)
         scratch_shape = (2, 1, self.block_size, m.num_kv_heads, m.head_dim)
         scratch = [
             self.platform.allocate_zeros(scratch_shape, self.kv_cache_dtype)
@@ -297,10 +289,11 @@ class ModelRunner:
         out = self.execute_step(self.prepare_step(scheduler_output))
         return self.sample(scheduler_output.scheduled_requests, out)
 
-    def release(self, request: Request) -> None:
-        """Drop per-request sampler state (seeded generators) once a request is finished."""
+    def release(self, request_ids: list[str]) -> None:
+        """Drop the per-request sampler state (seeded generators) of finished requests."""
         if self.sampler is not None:
-            self.sampler.release(request.request_id)
+            for request_id in request_ids:
+                self.sampler.release(request_id)
 
 
 def _with_progress(weights, total: int):

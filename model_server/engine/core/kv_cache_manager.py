@@ -27,7 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from model_server.engine.request import Request
+from model_server.engine.core.request import Request
 
 
 def hash_block_tokens(parent_block_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -288,17 +288,6 @@ class KVCacheManager:
         child.block_ids = list(parent.block_ids[:num_shared])
         child.num_computed_tokens = num_shared * self.block_size
         return child.num_computed_tokens
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. Only possible when no block is in use; returns success."""
-        if self.num_free_blocks != self.num_blocks:
-            return False
-        for block_id in self._free_cached:
-            self.blocks[block_id].clear_cache_entry()
-            self._free_plain.append(block_id)
-        self._free_cached.clear()
-        self._hash_to_block.clear()
-        return True
 
     # ------------------------------------------------------------------------------ internals
 

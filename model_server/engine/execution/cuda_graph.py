@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from model_server.engine.input_batch import SeqChunk
+from model_server.engine.execution.input_batch import SeqChunk
 from model_server.layers.attention.backend import AttentionMetadata
 from model_server.platforms.interface import GraphCapturer
 
