@@ -473,7 +473,7 @@ def configuration_markdown() -> str:
             flags = ", ".join(f"`{f}`" for f in (s.flag, *s.aliases))
             if s.type is bool and s.negatable:
                 flags += f", `--no-{s.flag[2:]}`"
-            env = ", ".join(f"`{n}`" for n in s.env_names)
+            env = ", ".join([f"`{s.env_names[0]}`", *(f"`{n}` (OPEA)" for n in s.opea)])
             help_ = s.help + (f" One of: {', '.join(s.choices)}." if s.choices else "")
             out.append(f"| {flags} | {env} | {_cell(s.default_help)} | {_cell(help_)} |")
     return "\n".join(out) + "\n"
