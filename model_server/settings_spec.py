@@ -481,7 +481,7 @@ def configuration_markdown() -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) > 1:
-        print(f"usage: python -m {__spec__.name} [OUTPUT.md]", file=sys.stderr)
+        print("usage: python -m model_server.settings_spec [OUTPUT.md]", file=sys.stderr)
         return 2
     text = configuration_markdown()
     if argv:
