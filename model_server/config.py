@@ -2,85 +2,27 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
+from typing import Any
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "ki": 1024,
-    "kib": 1024,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mi": 1024**2,
-    "mib": 1024**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gi": 1024**3,
-    "gib": 1024**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "ti": 1024**4,
-    "tib": 1024**4,
-}
+from model_server.settings_spec import (
+    QUANTIZATION_METHODS,
+    engine_defaults,
+    parse_device_ids,
+    parse_quantization,
+    parse_size,
+)
 
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "EngineConfig",
+    "parse_device_ids",
+    "parse_quantization",
+    "parse_size",
+]
 
-def parse_size(text: str | int | float) -> int:
-    """Parse a memory size like `2GiB`, `512MiB`, `1.5GB` or a plain byte count.
-
-    A bare number up to 4096 is read as GiB, like vLLM's `VLLM_CPU_KVCACHE_SPACE=4`.
-    """
-    if isinstance(text, (int, float)):
-        value = float(text)
-        return int(value * 1024**3) if value <= 4096 else int(value)
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"cannot parse memory size {text!r}: use e.g. 2GiB, 512MiB or 1.5GB")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    if unit == "" and number <= 4096:
-        return int(number * 1024**3)
-    return int(number * _SIZE_UNITS[unit])
-
-
-def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
-    """`0,1` -> [0, 1] (device indices, like candle-vllm's `--d 0,1`); empty -> None."""
-    if text is None:
-        return None
-    if isinstance(text, list):
-        ids = text
-    else:
-        parts = [p.strip() for p in str(text).split(",") if p.strip()]
-        try:
-            ids = [int(p) for p in parts]
-        except ValueError:
-            raise ValueError(f"device ids must be comma-separated integers, got {text!r}") from None
-    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-        raise ValueError(f"device ids must be distinct non-negative integers, got {text!r}")
-    return ids or None
-
-
-QUANTIZATION_METHODS = ("int8",)
-# Spellings of "no quantization" (settings, env files, Helm values).
-_NONE = ("", "none", "auto")
-
-
-def parse_quantization(value: str | None) -> str | None:
-    """The method named by a flag or setting (None: no quantization); ValueError if unknown."""
-    if value is None or value.strip().lower() in _NONE:
-        return None
-    method = value.strip().lower()
-    if method == "gguf":
-        # GGUF files are read (and dequantized) by the loader whatever this says.
-        return None
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization {value!r} is not supported; choose one of: "
-            f"{', '.join(QUANTIZATION_METHODS)} (or none)"
-        )
-    return method
+# The defaults are the engine settings' (settings_spec.py), so each is spelled once.
+_D: dict[str, Any] = engine_defaults()
 
 
 @dataclass(slots=True)
@@ -93,25 +35,25 @@ class EngineConfig:
     CPU it is a fixed budget.
     """
 
-    model: str | None = None  # None: the embedded SmolLM2 GGUF
-    load_format: str = "auto"  # auto | dummy
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str | None = None  # None | int8 (weight-only, in situ; layers/quantization.py)
-    device: str = "cpu"  # cpu | cuda | gcu | hpu | auto
-    device_ids: list[int] | None = None  # local rank i uses device_ids[i]; None: 0, 1, ...
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    attention_backend: str | None = None  # None: the platform's default
-    enforce_eager: bool = False
-    gpu_memory_utilization: float = 0.9
-    num_threads: int | None = None
+    model: str | None = _D["model"]  # None: the embedded SmolLM2 GGUF
+    load_format: str = _D["load_format"]  # auto | dummy
+    dtype: str = _D["dtype"]  # auto | float32 | bfloat16 | float16
+    quantization: str | None = _D["quantization"]  # None | int8 (layers/quantization.py)
+    device: str = _D["device"]  # cpu | cuda | gcu | hpu | auto
+    device_ids: list[int] | None = _D["device_ids"]  # rank i uses device_ids[i]; None: 0, 1, ...
+    tensor_parallel_size: int = _D["tensor_parallel_size"]
+    seed: int = _D["seed"]
+    max_model_len: int | None = _D["max_model_len"]
+    max_num_seqs: int = _D["max_num_seqs"]
+    max_num_batched_tokens: int = _D["max_num_batched_tokens"]
+    block_size: int = _D["block_size"]
+    kv_cache_memory: int | None = _D["kv_cache_memory"]  # bytes
+    enable_prefix_caching: bool = _D["enable_prefix_caching"]
+    enable_chunked_prefill: bool = _D["enable_chunked_prefill"]
+    attention_backend: str | None = _D["attention_backend"]  # None: the platform's default
+    enforce_eager: bool = _D["enforce_eager"]
+    gpu_memory_utilization: float = _D["gpu_memory_utilization"]
+    num_threads: int | None = _D["num_threads"]
 
     @classmethod
     def from_attrs(cls, source: object) -> EngineConfig:

@@ -1,0 +1,495 @@
+"""The model server's settings, each declared once: type, default, help, flag, environment names.
+
+Built from `SETTINGS`: the argparse flags of every subcommand (`add_arguments`), the fields of
+the pydantic `ServerSettings` (settings.py), `EngineConfig`'s defaults (config.py) and
+docs/configuration.md (`configuration_markdown`; rewrite it with
+`python -m model_server.settings_spec docs/configuration.md`).
+
+Imports nothing heavy (no torch, no pydantic): `--help` must stay instant, and `generate`,
+`worker` and `bench` run where only the engine's dependencies are installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Group = Literal["engine", "server"]
+
+# Engine settings are flags of every command that runs an engine; only `serve` has the server
+# settings and reads the environment (LLM_* and OPEA names) under its flags.
+GROUP_COMMANDS: dict[Group, tuple[str, ...]] = {
+    "engine": ("serve", "generate", "worker", "bench throughput", "bench latency"),
+    "server": ("serve",),
+}
+
+# The served name of the embedded default model (its Hugging Face id).
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# ------------------------------------------------------------------------------- value parsers
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "ki": 1024,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse a memory size like `2GiB`, `512MiB`, `1.5GB` or a plain byte count.
+
+    A bare number up to 4096 is read as GiB, like vLLM's `VLLM_CPU_KVCACHE_SPACE=4`.
+    """
+    if isinstance(text, (int, float)):
+        value = float(text)
+        return int(value * 1024**3) if value <= 4096 else int(value)
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot parse memory size {text!r}: use e.g. 2GiB, 512MiB or 1.5GB")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    if unit == "" and number <= 4096:
+        return int(number * 1024**3)
+    return int(number * _SIZE_UNITS[unit])
+
+
+def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
+    """`0,1` -> [0, 1] (device indices, like candle-vllm's `--d 0,1`); empty -> None."""
+    if text is None:
+        return None
+    if isinstance(text, list):
+        ids = text
+    else:
+        parts = [p.strip() for p in str(text).split(",") if p.strip()]
+        try:
+            ids = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"device ids must be comma-separated integers, got {text!r}") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"device ids must be distinct non-negative integers, got {text!r}")
+    return ids or None
+
+
+QUANTIZATION_METHODS = ("int8",)
+# Spellings of "no quantization" (settings, env files, Helm values).
+_NONE = ("", "none", "auto")
+
+
+def parse_quantization(value: str | None) -> str | None:
+    """The method named by a flag or setting (None: no quantization); ValueError if unknown."""
+    if value is None or value.strip().lower() in _NONE:
+        return None
+    method = value.strip().lower()
+    if method == "gguf":
+        # GGUF files are read (and dequantized) by the loader whatever this says.
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization {value!r} is not supported; choose one of: "
+            f"{', '.join(QUANTIZATION_METHODS)} (or none)"
+        )
+    return method
+
+
+# Checks of a setting's typed value; each raises ValueError naming the setting and the value.
+
+
+def _check_tp(value: int) -> None:
+    if value < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {value}")
+
+
+def _check_kv_cache_dtype(value: str) -> None:
+    if value.lower() != "auto":
+        raise ValueError(f"kv_cache_dtype {value!r} is not supported yet; use auto")
+
+
+def _check_port(value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"port must be in 0-65535, got {value}")
+
+
+def _check_drain_timeout(value: float) -> None:
+    if value < 0:
+        raise ValueError(f"drain_timeout must be non-negative, got {value}")
+
+
+# -------------------------------------------------------------------------------- declarations
+
+
+@dataclass(slots=True, frozen=True)
+class Setting:
+    """One setting. `name` is the `ServerSettings`/`EngineConfig` field and the argparse dest;
+    the flag is `--name-with-dashes`, the environment variable `LLM_NAME` unless `env` says."""
+
+    name: str
+    type: type  # str | int | float | bool; a None default makes it optional
+    default: Any
+    help: str  # what it does; the default is appended from `default_text`
+    group: Group
+    default_text: str | None = None  # how help and docs say the default; None: from `default`
+    env: str | None = None
+    opea: tuple[str, ...] = ()  # OPEA's names, read when the LLM_* one is unset
+    aliases: tuple[str, ...] = ()  # short flags (-tp, -q)
+    choices: tuple[str, ...] | None = None  # enforced on the flag only, as before
+    parse: Callable[[Any], Any] | None = None  # user text -> value (flag and environment)
+    check: Callable[[Any], None] | None = None  # ValueError for a bad value (settings layer)
+    negatable: bool = True  # a bool flag gets --no-<flag>; False: a plain store_true switch
+    secret: bool = False  # kept out of reprs (pydantic SecretStr)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """The variables that set it, the winning one first."""
+        return (self.env or f"LLM_{self.name.upper()}", *self.opea)
+
+    @property
+    def default_help(self) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if isinstance(self.default, bool):
+            return "on" if self.default else "off"
+        if isinstance(self.default, float):
+            return f"{self.default:g}"
+        return str(self.default)
+
+    def help_text(self, *, env: bool) -> str:
+        text = f"{self.help} Default: {self.default_help}"
+        text += "" if text.endswith(".") else "."
+        return f"{text} Env: {', '.join(self.env_names)}." if env else text
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # --- engine: every command that runs an engine; names mirror `vllm serve`
+    Setting(
+        "model",
+        str,
+        None,
+        "HF folder, .gguf file, HF hub id, or (with --load-format dummy) a preset name such as "
+        "qwen3-0.6b / llama-3.1-8b.",
+        "engine",
+        default_text="the embedded SmolLM2-135M-Instruct GGUF",
+        opea=("LLM_VLLM_MODEL_NAME",),
+    ),
+    Setting(
+        "load_format",
+        str,
+        "auto",
+        "auto: real weights; dummy: random weights for the model's config (benchmarks).",
+        "engine",
+        choices=("auto", "dummy"),
+    ),
+    Setting(
+        "dtype",
+        str,
+        "auto",
+        "auto (fp32 on CPUs without native bf16, bf16 on GPUs), float32, bfloat16, float16.",
+        "engine",
+        opea=("VLLM_DTYPE",),
+    ),
+    Setting(
+        "quantization",
+        str,
+        None,
+        "int8: weight-only int8 quantization at load (per output channel; activations, norms, "
+        "embeddings and the KV cache stay in --dtype): 4x less weight memory than float32 and "
+        "faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel (cpu and cuda only). "
+        "GGUF files are always read in their own format and dequantized.",
+        "engine",
+        default_text="none",
+        aliases=("-q",),
+        check=parse_quantization,  # which device supports it is checked when the engine starts
+    ),
+    Setting(
+        "device",
+        str,
+        "cpu",
+        "cpu, cuda, gcu (Enflame, needs torch_gcu), hpu (Intel Gaudi, needs habana_frameworks) "
+        "or auto (the best present: cuda > hpu > gcu > cpu).",
+        "engine",
+    ),
+    Setting(
+        "device_ids",
+        str,  # the raw "0,1"; EngineConfig.from_attrs parses it
+        None,
+        "Comma-separated device indices for this node's ranks, e.g. 0,1 (after the vendor's "
+        "CUDA_VISIBLE_DEVICES / TOPS_VISIBLE_DEVICES / HABANA_VISIBLE_MODULES).",
+        "engine",
+        default_text="0, 1, ...",
+        check=parse_device_ids,
+    ),
+    Setting(
+        "tensor_parallel_size",
+        int,
+        1,
+        "Ranks (devices) to shard the model over; more than one node through MASTER_ADDR, "
+        "MASTER_PORT, NNODES and NODE_RANK.",
+        "engine",
+        env="LLM_TP_SIZE",
+        opea=("VLLM_TP_SIZE",),
+        aliases=("-tp",),
+        check=_check_tp,
+    ),
+    Setting("seed", int, 0, "Seed for dummy weights.", "engine"),
+    Setting(
+        "max_model_len",
+        int,
+        None,
+        "Longest prompt + output in tokens.",
+        "engine",
+        default_text="the model's context length",
+    ),
+    Setting(
+        "max_num_seqs",
+        int,
+        256,
+        "Most sequences in one step.",
+        "engine",
+        opea=("VLLM_MAX_NUM_SEQS",),
+    ),
+    Setting(
+        "max_num_batched_tokens",
+        int,
+        2048,
+        "Token budget of one step, shared by decodes and prefill chunks.",
+        "engine",
+    ),
+    Setting("block_size", int, 16, "Tokens per KV cache block.", "engine"),
+    Setting(
+        "kv_cache_memory",
+        int,  # bytes
+        None,
+        "KV cache budget, e.g. 2GiB or 512MiB (a bare number is GiB).",
+        "engine",
+        default_text="2GiB on CPU",
+        opea=("VLLM_CPU_KVCACHE_SPACE",),
+        parse=parse_size,
+    ),
+    Setting(
+        "enable_prefix_caching",
+        bool,
+        True,
+        "Reuse the KV blocks of shared prompt prefixes.",
+        "engine",
+    ),
+    Setting(
+        "enable_chunked_prefill",
+        bool,
+        True,
+        "Split long prompts across steps under the token budget.",
+        "engine",
+    ),
+    Setting(
+        "attention_backend",
+        str,
+        None,
+        "Attention implementation: torch (portable PyTorch), cpu (native C decode kernel, built on "
+        "first use; falls back to torch without a C compiler), triton (GPU).",
+        "engine",
+        default_text="the device's (cpu on CPU, triton on CUDA)",
+        # layers.attention.ATTENTION_BACKENDS (which imports torch); a test keeps them equal.
+        choices=("torch", "cpu", "triton"),
+    ),
+    Setting(
+        "enforce_eager",
+        bool,
+        False,
+        "Never capture CUDA graphs: decode steps run eagerly (CUDA only; by default they replay a "
+        "graph captured per batch-size bucket 1, 2, 4, 8, 16, ... up to max_num_seqs, at most "
+        "512).",
+        "engine",
+        negatable=False,
+    ),
+    Setting(
+        "gpu_memory_utilization",
+        float,
+        0.9,
+        "Share of each accelerator's memory this server may use, in (0, 1]. At startup a forward "
+        "of the largest step (--max-num-batched-tokens) is profiled, and the KV cache gets what "
+        "the share leaves after weights, activations and runtime memory; memory in use before "
+        "startup is not counted (nor taken). Unused with --kv-cache-memory and on CPU.",
+        "engine",
+    ),
+    Setting("num_threads", int, None, "CPU threads.", "engine", default_text="all available cores"),
+    # --- server: `serve` only
+    Setting("host", str, "0.0.0.0", "Address to listen on.", "server"),
+    Setting(
+        "port",
+        int,
+        8008,
+        "Port to listen on.",
+        "server",
+        env="LLM_MODEL_SERVER_PORT",
+        opea=("LLM_VLLM_PORT",),
+        check=_check_port,
+    ),
+    Setting(
+        "served_model_name",
+        str,
+        None,
+        "The model name clients send in requests and see in /v1/models.",
+        "server",
+        default_text=f"--model, or {DEFAULT_MODEL_NAME} for the embedded model",
+    ),
+    Setting(
+        "api_key",
+        str,
+        None,
+        "Require `Authorization: Bearer <key>` on every endpoint except /health, /metrics and "
+        "/version.",
+        "server",
+        default_text="no key",
+        secret=True,
+    ),
+    Setting(
+        "skip_warmup",
+        bool,
+        False,
+        "Report ready right after loading, without the warmup requests.",
+        "server",
+        default_text="warm up",
+        opea=("VLLM_SKIP_WARMUP",),
+    ),
+    Setting(
+        "drain_timeout",
+        float,
+        30.0,
+        "Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest are aborted.",
+        "server",
+        check=_check_drain_timeout,
+    ),
+    Setting(
+        "kv_cache_dtype",
+        str,
+        "auto",
+        "KV cache data type. Only auto (the model dtype) for now.",
+        "server",
+        check=_check_kv_cache_dtype,
+    ),
+    Setting("access_log", bool, True, "Log one line per HTTP request.", "server"),
+    Setting(
+        "log_level",
+        str,
+        "info",
+        "Logging level (to stderr): debug, info, warning, error.",
+        "server",
+    ),
+)
+
+SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def settings_of(group: Group) -> tuple[Setting, ...]:
+    return tuple(s for s in SETTINGS if s.group == group)
+
+
+def engine_defaults() -> dict[str, Any]:
+    """`EngineConfig`'s field defaults: its fields are the engine settings."""
+    return {s.name: s.default for s in settings_of("engine")}
+
+
+# --------------------------------------------------------------------------------------- flags
+
+
+def add_arguments(parser: argparse.ArgumentParser, group: Group, *, from_environment: bool) -> None:
+    """The group's flags on `parser`, in an argument group of that name.
+
+    `from_environment=False`: each flag's argparse default is the setting's default (the
+    namespace is complete; `generate`, `worker`, `bench`). `from_environment=True` (`serve`):
+    every default is None and help names the variables. No flag stores None when it is given
+    (values, store_true and --x/--no-x all store something else), so a None in the namespace
+    means "not on the command line": the settings layer drops those and lets the environment,
+    then the declared default, fill them in.
+    """
+    g = parser.add_argument_group(group)
+    for s in settings_of(group):
+        kwargs: dict[str, Any] = {
+            "dest": s.name,
+            "default": None if from_environment else s.default,
+            "help": s.help_text(env=from_environment),
+        }
+        if s.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if s.negatable else "store_true"
+        else:
+            kwargs["type"] = s.parse or (s.type if s.type is not str else None)
+            if s.choices is not None:
+                kwargs["choices"] = list(s.choices)
+        g.add_argument(s.flag, *s.aliases, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------- docs
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def configuration_markdown() -> str:
+    """docs/configuration.md: every setting with its flag, variables, default and description."""
+    opea = [n for s in SETTINGS for n in s.opea]
+    out = [
+        "# Model server configuration",
+        "",
+        "<!-- Generated from model_server/settings_spec.py; do not edit. Rewrite it with",
+        "     python -m model_server.settings_spec docs/configuration.md -->",
+        "",
+        "Every setting is a flag of `python -m model_server serve` and an environment variable "
+        "(`.env`, compose, the Helm chart's values all use the same `LLM_*` names). "
+        "A flag given on the command line wins; otherwise the `LLM_*` variable; otherwise "
+        "OPEA's name for it (" + ", ".join(f"`{n}`" for n in opea) + "); otherwise the default. "
+        "Empty variables count as unset.",
+        "",
+        "`generate`, `worker`, `bench throughput` and `bench latency` take the engine flags "
+        "with the same defaults; they do not read the environment.",
+    ]
+    for group in GROUP_COMMANDS:
+        commands = ", ".join(f"`{c}`" for c in GROUP_COMMANDS[group])
+        out += ["", f"## {group.capitalize()} settings ({commands})", ""]
+        out += ["| Flag | Environment | Default | Description |", "|---|---|---|---|"]
+        for s in settings_of(group):
+            flags = ", ".join(f"`{f}`" for f in (s.flag, *s.aliases))
+            if s.type is bool and s.negatable:
+                flags += f", `--no-{s.flag[2:]}`"
+            env = ", ".join([f"`{s.env_names[0]}`", *(f"`{n}` (OPEA)" for n in s.opea)])
+            help_ = s.help + (f" One of: {', '.join(s.choices)}." if s.choices else "")
+            out.append(f"| {flags} | {env} | {_cell(s.default_help)} | {_cell(help_)} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        print("usage: python -m model_server.settings_spec [OUTPUT.md]", file=sys.stderr)
+        return 2
+    text = configuration_markdown()
+    if argv:
+        Path(argv[0]).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
