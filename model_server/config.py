@@ -25,14 +25,15 @@ __all__ = [
 _D: dict[str, Any] = engine_defaults()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class EngineConfig:
-    """Everything the engine needs to start. Names mirror `vllm serve` flags.
+    """Everything the engine needs to start. Names mirror `vllm serve` flags. Frozen: the engine
+    resolves it once (`EngineCore.config`) and nothing changes it after.
 
     `max_model_len=None` takes the model's own context length; `kv_cache_memory=None` sizes the
     KV cache on accelerators from a profiled forward: what `gpu_memory_utilization` of the
-    device leaves after weights, activations and runtime memory (engine/memory_profiler.py); on
-    CPU it is a fixed budget.
+    device leaves after weights, activations and runtime memory
+    (engine/execution/memory_profiler.py); on CPU it is a fixed budget.
     """
 
     model: str | None = _D["model"]  # None: the embedded SmolLM2 GGUF
