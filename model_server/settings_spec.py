@@ -434,7 +434,12 @@ def add_arguments(parser: argparse.ArgumentParser, group: Group, *, from_environ
         if s.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if s.negatable else "store_true"
         else:
-            kwargs["type"] = s.parse or (s.type if s.type is not str else None)
+            if s.parse is not None and from_environment:
+                # The settings layer parses the text, as it does a variable's: parsing here too
+                # would parse twice (`100B` -> 100 -> read again as a bare number: 100 GiB).
+                kwargs["type"] = None
+            else:
+                kwargs["type"] = s.parse or (s.type if s.type is not str else None)
             if s.choices is not None:
                 kwargs["choices"] = list(s.choices)
         g.add_argument(s.flag, *s.aliases, **kwargs)

@@ -181,3 +181,9 @@ def test_env_example_names_only_real_variables_with_the_declared_defaults() -> N
         if name in server and value:
             s = server[name]
             assert getattr(ServerSettings(**{s.name: value}), s.name) == s.default, name
+
+
+@pytest.mark.parametrize(("flag", "expected"), [("100B", 100), ("2GiB", 2 << 30), ("4", 4 << 30)])
+def test_serve_parses_a_size_flag_once(flag: str, expected: int) -> None:
+    args = build_parser().parse_args(["serve", "--kv-cache-memory", flag])
+    assert settings_from_args(args).kv_cache_memory == expected
