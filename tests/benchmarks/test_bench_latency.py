@@ -34,7 +34,7 @@ from model_server.benchmarks.latency import LatencyResult, format_bound
 from model_server.entrypoints.cli import main
 from model_server.layers.attention import get_attention_backend
 from model_server.models.registry import build_model
-from tests.unit.test_bench_throughput import TINY
+from tests.benchmarks.test_bench_throughput import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 

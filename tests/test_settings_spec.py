@@ -24,7 +24,7 @@ from model_server.settings_spec import (
     settings_of,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "configuration.md"
 
 

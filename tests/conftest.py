@@ -1,3 +1,5 @@
+"""Fixtures shared across suites: the chat prompts the engine, model and quantization tests use."""
+
 from __future__ import annotations
 
 import pytest
