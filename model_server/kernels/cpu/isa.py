@@ -31,20 +31,17 @@ class Isa:
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 # Best first; `generic` is plain -O3 for the compiler's default target (any architecture).
 ISAS: tuple[Isa, ...] = (
     Isa(
         "avx512_bf16",
         (*_AVX512, "-mavx512bf16", "-mprefer-vector-width=512"),
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                   "avx512_bf16"}),
-    ),  # fmt: skip
-    Isa(
-        "avx512",
-        (*_AVX512, "-mprefer-vector-width=512"),
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+        _AVX512_FLAGS | {"avx512_bf16"},
     ),
-    Isa("avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
+    Isa("avx512", (*_AVX512, "-mprefer-vector-width=512"), _AVX512_FLAGS),
+    Isa("avx2", _AVX2, _AVX2_FLAGS),
     Isa("generic", (), frozenset()),
 )
 ISA_NAMES = tuple(isa.name for isa in ISAS)
