@@ -42,6 +42,7 @@ def _check(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
+    min_work_per_thread: int = native.MIN_WORK_PER_THREAD,
 ) -> None:
     b = make_batch(
         requests,
@@ -65,6 +66,7 @@ def _check(
         md.query_start_loc,
         md.seq_lens,
         scale,
+        min_work_per_thread=min_work_per_thread,
     )
     expected = paged_attention_reference(
         b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables, scale
@@ -93,15 +95,27 @@ def test_block_sizes(isa, dtype, block_size) -> None:
 
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_few_tiles_take_one_kv_head_per_item(isa, dtype) -> None:
+    """Fewer tiles than 4 per thread: one kv head per item, on two threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(isa, [(33, 1), (20, 6)], 8, 4, 96, 8, dtype, min_work_per_thread=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_many_decodes_take_whole_sequence_items(isa, dtype, num_threads) -> None:
     """With >= 4 tiles per thread an item covers all kv heads of a sequence (the kernel's other
-    split): same results, with one thread and with two."""
+    split): same results, with one thread and with two (forced: the steps are small)."""
     requests = [(n, 1) for n in (0, 5, 7, 8, 9, 15, 16, 17, 30, 41, 63)] + [(4, 9)]
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        _check(isa, requests, 8, 2, 64, 8, dtype, seed=1)
+        _check(isa, requests, 8, 2, 64, 8, dtype, seed=1, min_work_per_thread=0)
     finally:
         torch.set_num_threads(previous)
 

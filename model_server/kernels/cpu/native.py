@@ -40,6 +40,9 @@ BUILD_TIMEOUT_S = 120
 MAX_HEAD_DIM = 512
 # Values of the kernel's `dtype` argument: q, caches and out all of this type.
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Multiply-adds (~0.1-0.3 ms) worth another thread: smaller steps, e.g. a batch-1 decode, run on
+# fewer threads than torch's instead of paying a fork/join (see the kernel's comment).
+MIN_WORK_PER_THREAD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn = lib.wick_paged_attention
     fn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, i32]
+    fn.argtypes += [ctypes.c_float, i32, i64]
     fn.restype = i32
     lib.wick_isa.restype = ctypes.c_char_p
     return lib
@@ -183,6 +186,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    min_work_per_thread: int = MIN_WORK_PER_THREAD,
 ) -> torch.Tensor:
     """Causal paged attention for decodes and prefills alike, K/V read from the cache.
 
@@ -190,6 +194,7 @@ def paged_attention(
     K/V already stored); block_tables [B, >=nb] int; query_start_loc [B + 1] int (request i owns
     rows [qsl[i], qsl[i+1])); seq_lens [B] int, each >= its query count -> out [T, H, D] in q's
     dtype. See paged_attention.c for the contract; `unsupported_reason` must have said None.
+    Up to torch's thread count run it, fewer for small steps (0 `min_work_per_thread`: all).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -217,6 +222,7 @@ def paged_attention(
         block_size,
         scale,
         torch.get_num_threads(),
+        min_work_per_thread,
     )
     if status == -2:
         raise ValueError("paged attention: a request has more query tokens than context")

@@ -326,13 +326,15 @@ static void attend_any(const int head_dim, const int is_bf16, const Geometry *ge
 #undef CASE
 }
 
-/* Returns 0; -1 when a scratch buffer could not be allocated (the output is then partial);
+/* `min_work_per_thread`: multiply-adds that justify one more thread (0: use all of them).
+ * Returns 0; -1 when a scratch buffer could not be allocated (the output is then partial);
  * -2 on inconsistent lengths (a sequence with more queries than context), before any work. */
 int wick_paged_attention(int dtype, const void *q, const void *k_cache, const void *v_cache,
                          const int32_t *block_tables, int64_t bt_stride,
                          const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                          int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int num_threads) {
+                         int block_size, float scale, int num_threads,
+                         int64_t min_work_per_thread) {
   const Geometry geo = {
       .num_heads = num_heads,
       .group = num_heads / num_kv_heads,
@@ -366,6 +368,19 @@ int wick_paged_attention(int dtype, const void *q, const void *k_cache, const vo
       tile_j0[n++] = j0;
     }
   }
+
+  /* Threads: no more than the work keeps busy. A small step (a batch-1 decode is ~10^5
+   * multiply-adds, tens of microseconds) runs on one thread rather than paying a fork/join and
+   * a barrier, which on a loaded machine can wait a whole scheduler tick for a descheduled
+   * thread. Work counts Q.K and P.V multiply-adds, causal prefill triangles halved. */
+  int64_t work = 0;
+  for (int s = 0; s < num_seqs; s++) {
+    const int64_t qlen = query_start_loc[s + 1] - query_start_loc[s];
+    work += qlen * (seq_lens[s] - qlen / 2);
+  }
+  work *= 2 * (int64_t)num_heads * head_dim;
+  if (min_work_per_thread > 0 && work / min_work_per_thread < num_threads)
+    num_threads = work / min_work_per_thread > 1 ? (int)(work / min_work_per_thread) : 1;
 
   /* Whole sequences' kv heads per item once there are a few tiles per thread. */
   const int heads_per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
