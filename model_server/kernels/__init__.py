@@ -8,7 +8,8 @@ triton by accident):
     (`Platform.kernel_table()`), the model builder hands it to every layer.
   - `portable`: the PyTorch implementations every other one must match.
   - `cpu`: the CPU matmuls (`cpu.linear`: skinny-batch float and int8 weight-only) and the native
-    paged-decode attention kernel (`cpu.native`).
+    paged attention kernel for decodes and prefills, fp32 and bf16 (`cpu.native`, built per
+    vector ISA chosen in `cpu.isa`).
   - `store_kv`: write new K/V into the paged cache by slot mapping (`store_kv_cache`).
   - `paged_decode`: decode attention, GQA groups via tl.dot, split-K + reduce
     (`paged_decode_attention`, `choose_num_splits`).

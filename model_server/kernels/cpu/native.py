@@ -1,11 +1,13 @@
-"""Native CPU kernels: C sources in this folder, compiled on first use with the system's C
-compiler and loaded through ctypes (no torch headers, so a build takes well under a second).
+"""Native CPU attention: paged_attention.c, compiled on first use with the system's C compiler for
+the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch
+headers, so a build takes about a second).
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
-not writable), keyed by the source, the compiler, the flags and the CPU's feature flags: a cache
-shared between machines never hands a `-march=native` build to a CPU that lacks its instructions.
-Without a compiler, or when every build fails, `load_library()` returns None and callers fall
-back to PyTorch; the reason is logged once.
+not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
+the ISA explicitly (no -march=native), so a cached build is only ever loaded where its ISA was
+chosen from the CPU's flags. When an ISA's build fails, the next lower one is tried; without a
+compiler or when every build fails, `load_kernels()` returns None and logs why once, and callers
+fall back to PyTorch.
 """
 
 from __future__ import annotations
@@ -18,32 +20,37 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from model_server.kernels.cpu.isa import ISAS, Isa, choose_isas
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-# Tried in order; OpenMP and -march=native are optional (the code is correct without them).
-FLAG_SETS: tuple[tuple[str, ...], ...] = (
-    ("-O3", "-march=native", "-fopenmp"),
-    ("-O3", "-fopenmp"),
-    ("-O3",),
-)
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
+# -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source.
+_COMMON = ("-O3", "-fopenmp-simd", "-fno-strict-aliasing")
+_THREADING: tuple[tuple[str, ...], ...] = (("-fopenmp",), ())
 BUILD_TIMEOUT_S = 120
+# Scratch rows are head_dim floats per query row; larger heads are untested and refused.
+MAX_HEAD_DIM = 512
+# Values of the kernel's `dtype` argument: q, caches and out all of this type.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Multiply-adds (~0.1-0.3 ms) worth another thread: smaller steps, e.g. a batch-1 decode, run on
+# fewer threads than torch's instead of paying a fork/join (see the kernel's comment).
+MIN_WORK_PER_THREAD = 1 << 20
 
 
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine
+@dataclass(frozen=True)
+class NativeKernels:
+    """A loaded build: the library and the ISA it was compiled for."""
+
+    lib: ctypes.CDLL
+    isa: str
 
 
 def _cache_dirs() -> list[Path]:
@@ -74,21 +81,54 @@ def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
             os.unlink(tmp)
 
 
+def load_kernels(isa: str | None = None) -> NativeKernels | None:
+    """The kernels for this CPU (or the `WICK_CPU_ISA` path), built on first call per ISA;
+    None when they cannot be built here (the reason is logged once). `isa` names one path
+    exactly (tests; the caller checks that the CPU runs it), without lower fallbacks."""
+    if isa is not None:
+        return _load((next(i for i in ISAS if i.name == isa),))
+    return _load(tuple(choose_isas()))
+
+
+def clear_cache() -> None:
+    """Forget loaded builds (tests change the cache dir, the compiler or the ISA)."""
+    _load.cache_clear()
+
+
 @cache
-def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, built on first call; None when they cannot be built here."""
+def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
     cc = _compiler()
     if cc is None:
         logger.warning("no C compiler found (set CC): CPU attention falls back to PyTorch")
         return None
-    source = SOURCE.read_bytes()
     errors: list[str] = []
-    for flags in FLAG_SETS:
+    for isa in isas:
+        kernels = _load_isa(cc, isa, errors)
+        if kernels is not None:
+            if isa is not isas[0]:
+                logger.warning(
+                    "CPU attention kernels: the %s build failed (%s); using %s",
+                    isas[0].name,
+                    "; ".join(errors),
+                    isa.name,
+                )
+            return kernels
+    logger.warning(
+        "could not build the CPU attention kernels (%s): falling back to PyTorch",
+        "; ".join(errors),
+    )
+    return None
+
+
+def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
+    source = SOURCE.read_bytes()
+    for threading in _THREADING:
+        flags = (*_COMMON, *isa.cflags, *threading)
         key = hashlib.sha256(
-            b"|".join([source, cc.encode(), " ".join(flags).encode(), _cpu_identity().encode()])
+            b"|".join([source, cc.encode(), isa.name.encode(), " ".join(flags).encode()])
         ).hexdigest()[:16]
         for directory in _cache_dirs():
-            target = directory / f"paged_decode-{key}.so"
+            target = directory / f"paged_attention-{isa.name}-{key}.so"
             if not target.is_file():
                 start = time.perf_counter()
                 try:
@@ -97,7 +137,7 @@ def load_library() -> ctypes.CDLL | None:
                     errors.append(f"{directory}: {exc}")
                     continue
                 if error is not None:
-                    errors.append(f"{' '.join(flags)}: {error}")
+                    errors.append(f"{isa.name} {' '.join(flags)}: {error}")
                     break  # these flags fail with this compiler; try the next set
                 logger.info(
                     "built CPU attention kernels (%s) in %.2fs",
@@ -105,36 +145,94 @@ def load_library() -> ctypes.CDLL | None:
                     time.perf_counter() - start,
                 )
             try:
-                return _bind(ctypes.CDLL(str(target)))
+                return NativeKernels(_bind(ctypes.CDLL(str(target))), isa.name)
             except OSError as exc:
                 errors.append(f"{target}: {exc}")
-    logger.warning(
-        "could not build the CPU attention kernels (%s): falling back to PyTorch",
-        "; ".join(errors),
-    )
     return None
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    fn = lib.wick_paged_decode_f32
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn = lib.wick_paged_attention
+    fn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, i32, i64]
     fn.restype = i32
+    lib.wick_isa.restype = ctypes.c_char_p
     return lib
 
 
-def paged_decode_supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `paged_decode` can run these inputs (fp32 on the CPU, contiguous caches)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
-        and k_cache.is_contiguous()
+def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int) -> str | None:
+    """Why `paged_attention` cannot run these inputs, or None when it can."""
+    if q.device.type != "cpu":
+        return f"runs on the CPU only, not {q.device.type}"
+    if q.dtype not in _DTYPE_CODES:
+        return f"dtype {q.dtype} is not supported (float32 and bfloat16 are)"
+    if k_cache.dtype != q.dtype:
+        return f"KV cache dtype {k_cache.dtype} differs from the query's {q.dtype}"
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not supported (1 to {MAX_HEAD_DIM} are)"
+    if not k_cache.is_contiguous():
+        return "the KV cache is not contiguous"
+    return None
+
+
+def paged_attention(
+    kernels: NativeKernels,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    min_work_per_thread: int = MIN_WORK_PER_THREAD,
+) -> torch.Tensor:
+    """Causal paged attention for decodes and prefills alike, K/V read from the cache.
+
+    q [T, H, D] fp32 or bf16; caches [num_blocks, block_size, Hkv, D] of q's dtype (this step's
+    K/V already stored); block_tables [B, >=nb] int; query_start_loc [B + 1] int (request i owns
+    rows [qsl[i], qsl[i+1])); seq_lens [B] int, each >= its query count -> out [T, H, D] in q's
+    dtype. See paged_attention.c for the contract; `unsupported_reason` must have said None.
+    Up to torch's thread count run it, fewer for small steps (0 `min_work_per_thread`: all).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
+    status = kernels.lib.wick_paged_attention(
+        _DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.stride(0),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        lens.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+        min_work_per_thread,
     )
+    if status == -2:
+        raise ValueError("paged attention: a request has more query tokens than context")
+    if status != 0:
+        raise MemoryError("paged attention could not allocate its scratch buffers")
+    return out
 
 
 def paged_decode(
-    lib: ctypes.CDLL,
+    kernels: NativeKernels,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -142,31 +240,6 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [B, H, D] fp32, caches [num_blocks, block_size, Hkv, D], block_tables [B, >=nb] int32,
-    seq_lens [B] int32 (each >= 1) -> [B, H, D]. See paged_decode.c for the contract."""
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
-    # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
-    status = lib.wick_paged_decode_f32(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise MemoryError("paged decode attention could not allocate its scores buffer")
-    return out
+    """One query token per request: q [B, H, D], seq_lens [B] -> [B, H, D]."""
+    starts = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(kernels, q, k_cache, v_cache, block_tables, starts, seq_lens, scale)

@@ -1,0 +1,99 @@
+"""Which vector ISA the native CPU kernels are built for, chosen from the CPU's flags at run time.
+
+The flags are read as `platforms/cpu.py` reads them (the `flags` line of /proc/cpuinfo, replaced
+by `WICK_CPU_FLAGS` when set), here because kernels may not import platforms. `WICK_CPU_ISA`
+forces a lower path than the CPU allows, e.g. `avx2` on an AVX-512 machine to test both paths
+there; a forced path the CPU cannot run is refused with a warning and the best one is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from functools import cache
+
+logger = logging.getLogger(__name__)
+
+CPU_FLAGS_ENV = "WICK_CPU_FLAGS"  # the same variable platforms/cpu.py honours
+CPU_ISA_ENV = "WICK_CPU_ISA"
+
+
+@dataclass(frozen=True)
+class Isa:
+    name: str
+    # Compiler flags of this build: explicit, never -march=native, so that the build is what the
+    # name says and a forced lower path really runs the lower instructions.
+    cflags: tuple[str, ...]
+    # /proc/cpuinfo flags the CPU needs to run it.
+    requires: frozenset[str]
+
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+# Best first; `generic` is plain -O3 for the compiler's default target (any architecture).
+ISAS: tuple[Isa, ...] = (
+    Isa(
+        "avx512_bf16",
+        (*_AVX512, "-mavx512bf16", "-mprefer-vector-width=512"),
+        _AVX512_FLAGS | {"avx512_bf16"},
+    ),
+    Isa("avx512", (*_AVX512, "-mprefer-vector-width=512"), _AVX512_FLAGS),
+    Isa("avx2", _AVX2, _AVX2_FLAGS),
+    Isa("generic", (), frozenset()),
+)
+ISA_NAMES = tuple(isa.name for isa in ISAS)
+
+
+def cpu_flags() -> frozenset[str]:
+    faked = os.environ.get(CPU_FLAGS_ENV)
+    if faked is not None:
+        return frozenset(faked.split())
+    return _read_cpu_flags("/proc/cpuinfo")
+
+
+@cache
+def _read_cpu_flags(cpuinfo: str) -> frozenset[str]:
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_isas(flags: frozenset[str]) -> list[Isa]:
+    """The paths a CPU with `flags` can run, best first (always ends with `generic`)."""
+    return [isa for isa in ISAS if isa.requires <= flags]
+
+
+def choose_isas() -> list[Isa]:
+    """The paths to try, best first: the CPU's, capped by `WICK_CPU_ISA` when it is set."""
+    return _choose(cpu_flags(), os.environ.get(CPU_ISA_ENV, "").strip().lower())
+
+
+@cache
+def _choose(flags: frozenset[str], forced: str) -> list[Isa]:
+    runnable = supported_isas(flags)
+    if forced in ("", "auto"):
+        return runnable
+    if forced not in ISA_NAMES:
+        logger.warning(
+            "%s=%s is not one of %s: using %s", CPU_ISA_ENV, forced, ISA_NAMES, runnable[0].name
+        )
+        return runnable
+    names = [isa.name for isa in runnable]
+    if forced not in names:
+        logger.warning(
+            "%s=%s: this CPU lacks %s; using %s",
+            CPU_ISA_ENV,
+            forced,
+            " ".join(sorted(next(i for i in ISAS if i.name == forced).requires - flags)),
+            names[0],
+        )
+        return runnable
+    return runnable[names.index(forced) :]

@@ -1,0 +1,262 @@
+"""The native CPU paged attention (kernels/cpu/paged_attention.c) against the per-request PyTorch
+reference, on every ISA path this machine runs (AVX2 forced on AVX-512 machines), fp32 and bf16,
+decodes and prefills over cached prefixes, GQA, odd head dims, block boundaries."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from model_server.kernels.cpu import isa as isa_mod
+from model_server.kernels.cpu import native
+from model_server.kernels.reference import paged_attention_reference, store_kv_reference
+from tests.kernels.helpers import make_batch
+
+# Every path the CPU under test can run, best first (generic always).
+RUNNABLE = [i.name for i in isa_mod.supported_isas(isa_mod.cpu_flags())]
+# fp32 sums in another order; bf16 differs from the fp32 reference by the output's rounding
+# (2^-8 relative) and, on avx512_bf16, by the dot products' bf16 pair sums.
+TOL = {torch.float32: {"atol": 3e-5, "rtol": 3e-5}, torch.bfloat16: {"atol": 1.6e-2, "rtol": 1e-2}}
+
+# (num_cached, num_new): decodes at and around block boundaries incl. a one-token context,
+# a whole prompt, chunks after cached prefixes (crossing blocks, longer than a query tile),
+# a prefix hit of exactly one block, a one-token prefill.
+MIXED = [(0, 1), (7, 1), (8, 1), (26, 1), (0, 13), (9, 30), (8, 5), (3, 2), (0, 1), (40, 17)]
+
+
+def _kernels(isa: str) -> native.NativeKernels:
+    kernels = native.load_kernels(isa)
+    assert kernels is not None and kernels.isa == isa
+    assert kernels.lib.wick_isa().decode() == isa  # the build really is that path
+    return kernels
+
+
+def _check(
+    isa: str,
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    min_work_per_thread: int = native.MIN_WORK_PER_THREAD,
+) -> None:
+    b = make_batch(
+        requests,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        fill=float("nan"),  # a read of a slot past a request's context poisons its output
+        seed=seed,
+    )
+    md = b.metadata
+    store_kv_reference(b.k, b.v, b.k_cache, b.v_cache, md.slot_mapping)
+    scale = head_dim**-0.5
+    out = native.paged_attention(
+        _kernels(isa),
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        md.block_tables,
+        md.query_start_loc,
+        md.seq_lens,
+        scale,
+        min_work_per_thread=min_work_per_thread,
+    )
+    expected = paged_attention_reference(
+        b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables, scale
+    )
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 128), (8, 2, 80), (6, 2, 96), (4, 1, 72), (3, 3, 36)],
+)
+def test_mixed_batch_matches_reference(isa, dtype, num_heads, num_kv_heads, head_dim) -> None:
+    _check(isa, MIXED, num_heads, num_kv_heads, head_dim, 8, dtype)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_block_sizes(isa, dtype, block_size) -> None:
+    requests = [(0, 1), (block_size - 1, 1), (block_size, 1), (block_size + 1, 3), (5, 20)]
+    _check(isa, requests, 4, 2, 64, block_size, dtype)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_few_tiles_take_one_kv_head_per_item(isa, dtype) -> None:
+    """Fewer tiles than 4 per thread: one kv head per item, on two threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(isa, [(33, 1), (20, 6)], 8, 4, 96, 8, dtype, min_work_per_thread=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_many_decodes_take_whole_sequence_items(isa, dtype, num_threads) -> None:
+    """With >= 4 tiles per thread an item covers all kv heads of a sequence (the kernel's other
+    split): same results, with one thread and with two (forced: the steps are small)."""
+    requests = [(n, 1) for n in (0, 5, 7, 8, 9, 15, 16, 17, 30, 41, 63)] + [(4, 9)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        _check(isa, requests, 8, 2, 64, 8, dtype, seed=1, min_work_per_thread=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_paged_decode_wrapper() -> None:
+    b = make_batch([(3, 1), (17, 1)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+    md = b.metadata
+    store_kv_reference(b.k, b.v, b.k_cache, b.v_cache, md.slot_mapping)
+    out = native.paged_decode(
+        native.load_kernels(), b.q, b.k_cache, b.v_cache, md.block_tables, md.seq_lens, 0.2
+    )
+    expected = paged_attention_reference(
+        b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables, 0.2
+    )
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+def test_more_queries_than_context_is_refused() -> None:
+    q = torch.randn(2, 2, 16)
+    cache = torch.randn(4, 4, 2, 16)
+    with pytest.raises(ValueError, match="more query tokens"):
+        native.paged_attention(
+            native.load_kernels(),
+            q,
+            cache,
+            cache,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([0, 2]),
+            torch.tensor([1]),
+            0.25,
+        )
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype", "head_dim", "reason"),
+    [
+        (torch.float16, torch.float16, 64, "float16 is not supported"),
+        (torch.float32, torch.bfloat16, 64, "differs"),
+        (torch.bfloat16, torch.bfloat16, 1024, "head_dim 1024"),
+    ],
+)
+def test_unsupported_reasons(q_dtype, kv_dtype, head_dim, reason) -> None:
+    q = torch.zeros(1, 1, head_dim, dtype=q_dtype)
+    cache = torch.zeros(1, 1, 1, head_dim, dtype=kv_dtype)
+    assert reason in native.unsupported_reason(q, cache, head_dim)
+    ok = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    assert native.unsupported_reason(ok, torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16), 64) is None
+
+
+# ---- ISA selection -----------------------------------------------------------------------------
+
+AVX512_BF16_FLAGS = "sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16"
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    isa_mod._choose.cache_clear()
+    yield monkeypatch
+    isa_mod._choose.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("flags", "forced", "best"),
+    [
+        (AVX512_BF16_FLAGS, None, "avx512_bf16"),
+        (AVX512_BF16_FLAGS, "avx2", "avx2"),
+        (AVX512_BF16_FLAGS, "AVX512", "avx512"),
+        (AVX512_BF16_FLAGS.replace(" avx512_bf16", ""), None, "avx512"),
+        ("sse2 avx2 fma f16c", None, "avx2"),
+        ("sse2 avx", None, "generic"),
+        ("", "generic", "generic"),
+    ],
+)
+def test_isa_follows_the_flags_and_the_override(fresh_choice, flags, forced, best) -> None:
+    fresh_choice.setenv(isa_mod.CPU_FLAGS_ENV, flags)
+    if forced is None:
+        fresh_choice.delenv(isa_mod.CPU_ISA_ENV, raising=False)
+    else:
+        fresh_choice.setenv(isa_mod.CPU_ISA_ENV, forced)
+    chosen = isa_mod.choose_isas()
+    assert chosen[0].name == best
+    assert chosen[-1].name == "generic"  # lower paths remain as build fallbacks
+
+
+def test_forcing_an_isa_the_cpu_lacks_warns(fresh_choice, caplog) -> None:
+    fresh_choice.setenv(isa_mod.CPU_FLAGS_ENV, "sse2 avx2 fma f16c")
+    fresh_choice.setenv(isa_mod.CPU_ISA_ENV, "avx512_bf16")
+    with caplog.at_level(logging.WARNING):
+        assert isa_mod.choose_isas()[0].name == "avx2"
+    assert "lacks" in caplog.text and "avx512_bf16" in caplog.text
+
+
+def test_forced_isa_is_what_loads(fresh_choice) -> None:
+    fresh_choice.setenv(isa_mod.CPU_ISA_ENV, "avx2")
+    if "avx2" not in RUNNABLE:
+        pytest.skip("this CPU has no AVX2")
+    native.clear_cache()
+    try:
+        kernels = native.load_kernels()
+        assert kernels is not None and kernels.isa == "avx2"
+    finally:
+        native.clear_cache()
+
+
+def test_builds_are_cached_per_isa(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
+    native.clear_cache()
+    try:
+        for isa in RUNNABLE[-2:]:
+            assert native.load_kernels(isa) is not None
+        built = sorted(p.name for p in (tmp_path / "kernels").glob("paged_attention-*.so"))
+        assert [name.split("-")[1] for name in built] == sorted(RUNNABLE[-2:])
+        mtimes = [(tmp_path / "kernels" / n).stat().st_mtime_ns for n in built]
+        native.clear_cache()
+        for isa in RUNNABLE[-2:]:
+            assert native.load_kernels(isa) is not None
+        assert [(tmp_path / "kernels" / n).stat().st_mtime_ns for n in built] == mtimes
+    finally:
+        native.clear_cache()
+
+
+def test_failed_isa_build_falls_back_to_a_lower_path(tmp_path, monkeypatch, caplog) -> None:
+    """A compiler that rejects the AVX-512 flags (an old one) still gets the AVX2 build."""
+    if "avx512" not in RUNNABLE:
+        pytest.skip("needs an AVX-512 CPU")
+    import shutil
+
+    real = shutil.which("gcc") or shutil.which("cc")
+    fake_cc = tmp_path / "cc"
+    fake_cc.write_text(
+        f'#!/bin/sh\ncase "$*" in *avx512*) echo "cc: unknown -mavx512f" >&2; exit 1;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    fake_cc.chmod(0o755)
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_compiler", lambda: str(fake_cc))
+    native.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING):
+            kernels = native.load_kernels()
+        assert kernels is not None and kernels.isa == "avx2"
+        assert "using avx2" in caplog.text
+    finally:
+        native.clear_cache()
