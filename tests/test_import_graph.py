@@ -14,7 +14,7 @@ from tests.import_graph import cycles, import_graph, longest_chain, module_files
 
 LAYERS: list[tuple[str, ...]] = [
     # Plain values every layer shares; the settings' declarations (config's defaults).
-    ("utils", "sampling_params", "config", "settings_spec", "engine.outputs"),
+    ("sampling_params", "config", "settings_spec", "engine.outputs"),
     ("distributed", "kernels"),
     ("platforms",),  # devices, and the kernel table each hands the model builder
     ("layers",),
