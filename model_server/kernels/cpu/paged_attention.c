@@ -23,9 +23,8 @@
  * Vector paths: this file is compiled once per ISA by kernels/cpu/native.py with explicit -m
  * flags (no -march=native), and the loops below are written for the auto-vectorizer
  * (`omp simd`, -fopenmp-simd): bf16 -> fp32 is a 16-bit left shift of the bits, so AVX2 and
- * AVX-512 both vectorize it (vpmovzxwd + vpslld). With AVX512-BF16 (__AVX512BF16__) Q.K on bf16
- * runs on vdpbf16ps instead: 32 bf16 products per instruction, accumulated in fp32, without
- * converting K. Built with -fno-strict-aliasing: the bf16 shifts write floats through uint32_t.
+ * AVX-512 both vectorize it (vpmovzxwd + vpslld). With AVX512-BF16 (__AVX512BF16__) and
+ * -DWICK_VDPBF16PS, Q.K on bf16 runs on vdpbf16ps instead (off by default: see dot_bf16). Built with -fno-strict-aliasing: the bf16 shifts write floats through uint32_t.
  */
 #include <float.h>
 #include <stdint.h>
@@ -97,7 +96,11 @@ static inline bf16_t f32_to_bf16(float f) {
   return (bf16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
 }
 
-#if defined(__AVX512BF16__)
+/* Off by default: with Q.K on vdpbf16ps, SmolLM2-135M in bf16 on a Zen 4 EPYC answered
+ * "What is the capital of France?" with gibberish, while the shift-conversion path (the same
+ * build without it) and the torch backend answer "Paris", although the kernel tests against the
+ * PyTorch reference pass on both. Until that is understood, -DWICK_VDPBF16PS turns it on. */
+#if defined(__AVX512BF16__) && defined(WICK_VDPBF16PS)
 /* sum_d a[d] * b[d] over bf16 rows on vdpbf16ps (pairs of products added into fp32 lanes); the
  * tail (head_dim not a multiple of 32) is loaded masked, its missing lanes zero. */
 static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
