@@ -69,7 +69,7 @@ def format_compute_bound(achieved: float, batch_size: int, rate: ComputeRate, dt
     achieved_flops = rate.flops_per_step / step_s
     return (
         f"compute: torch.mm {dtype} at {rate.rows} rows on the model's shapes "
-        f"{rate.flops_per_s / 1e9:.1f} GFLOP/s; decode step {rate.flops_per_step / 1e9:.4g} GFLOP "
-        f"at {achieved_flops / 1e9:.1f} GFLOP/s = {100 * achieved_flops / rate.flops_per_s:.1f}% "
+        f"{rate.flops_per_s / 1e9:.4g} GFLOP/s; decode step {rate.flops_per_step / 1e9:.4g} GFLOP "
+        f"at {achieved_flops / 1e9:.4g} GFLOP/s = {100 * achieved_flops / rate.flops_per_s:.1f}% "
         f"of it ({rate.bound_tokens_per_s(batch_size):.1f} tok/s compute bound)"
     )

@@ -215,8 +215,8 @@ def test_bench_latency_cli_on_cpu(
 
     # The compute bound: torch.mm at the batch's 2 rows over the tiny model's linear shapes.
     compute = re.search(
-        r"^compute: torch\.mm float32 at 2 rows on the model's shapes ([\d.]+) GFLOP/s; decode "
-        r"step ([\d.e+-]+) GFLOP at ([\d.]+) GFLOP/s = ([\d.]+)% of it \(([\d.]+) tok/s compute "
+        r"^compute: torch\.mm float32 at 2 rows on the model's shapes ([\d.e+-]+) GFLOP/s; decode "
+        r"step ([\d.e+-]+) GFLOP at ([\d.e+-]+) GFLOP/s = ([\d.]+)% of it \(([\d.]+) tok/s compute "
         r"bound\)$",
         out,
         re.MULTILINE,
