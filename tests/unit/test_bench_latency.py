@@ -5,9 +5,9 @@ script's behaviour without a GPU."""
 from __future__ import annotations
 
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from model_server.config import parse_device_ids
 from model_server.kernels.cpu import linear as cpu_linear
-from model_server.kernels.cpu.linear import int8_linear, skinny_linear
+from model_server.kernels.cpu.linear import skinny_linear
 from model_server.kernels.cpu.linear_tuning import CpuInt8Linear, CpuLinear
-from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.kernels.table import TORCH_KERNELS
 from model_server.platforms import (
     AUTO_ORDER,
     Platform,
