@@ -79,35 +79,40 @@ def forced_auto_dtype() -> torch.dtype | None:
     return aliases[value]
 
 
-def _pass_seconds(shapes: Sequence[LinearShape], dtype: torch.dtype, rows: int) -> float:
-    total = 0.0
+# The dtypes' kernels are timed interleaved, in one `time_candidates` call per shape and row
+# count, so a busy neighbour slows both alike; longer than a tuning pair, for more rounds.
+PAIR_BUDGET_S = 0.1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _pass_seconds(shapes: Sequence[LinearShape], rows: int) -> dict[str, float]:
+    """Seconds of one pass over `shapes` at `rows` rows, per dtype name (inf: no kernel ran)."""
+    total = dict.fromkeys(DTYPES, 0.0)
     for n, k, count in shapes:
         timed_n = max(1, min(n, MAX_TIMED_ELEMENTS // max(k, 1)))
-        # Filled, not empty: uninitialized memory may hold denormals or NaNs, which time apart.
-        weight = torch.full((timed_n, k), 0.01, dtype=dtype)
-        x = torch.full((rows, k), 0.5, dtype=dtype)
-        calls = {"torch": functools.partial(F.linear, x, weight, None)}
-        try:
-            packed = pack_onednn_weight(weight)
-            calls["packed"] = functools.partial(onednn_packed_linear, x, packed, None)
-        except Exception as exc:
-            logger.debug("no oneDNN packed kernel in %s: %s", dtype, exc)
-        times = time_candidates(calls)
-        if not times:
-            return float("inf")
-        total += count * min(times.values()) * n / timed_n
+        calls = {}
+        for name, dtype in DTYPES.items():
+            # Filled, not empty: uninitialized memory may hold denormals or NaNs.
+            weight = torch.full((timed_n, k), 0.01, dtype=dtype)
+            x = torch.full((rows, k), 0.5, dtype=dtype)
+            calls[f"{name}/torch"] = functools.partial(F.linear, x, weight, None)
+            try:
+                packed = pack_onednn_weight(weight)
+                calls[f"{name}/packed"] = functools.partial(onednn_packed_linear, x, packed, None)
+            except Exception as exc:
+                logger.debug("no oneDNN packed kernel in %s: %s", dtype, exc)
+        times = time_candidates(calls, PAIR_BUDGET_S)
+        for name in DTYPES:
+            best = min((t for c, t in times.items() if c.startswith(name)), default=float("inf"))
+            total[name] += count * best * n / timed_n
     return total
 
 
 def measure_dtype_speed(shapes: Sequence[LinearShape]) -> DtypeFigures:
     """Time the model's linears (`shapes`) in fp32 and bf16; a dtype whose kernels all fail
     times as infinitely slow."""
-    return DtypeFigures(
-        _pass_seconds(shapes, torch.float32, DECODE_ROWS),
-        _pass_seconds(shapes, torch.bfloat16, DECODE_ROWS),
-        _pass_seconds(shapes, torch.float32, PREFILL_ROWS),
-        _pass_seconds(shapes, torch.bfloat16, PREFILL_ROWS),
-    )
+    decode, prefill = _pass_seconds(shapes, DECODE_ROWS), _pass_seconds(shapes, PREFILL_ROWS)
+    return DtypeFigures(decode["fp32"], decode["bf16"], prefill["fp32"], prefill["bf16"])
 
 
 def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> tuple[DtypeFigures, bool]:
