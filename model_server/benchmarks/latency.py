@@ -16,6 +16,12 @@ with max_tokens=`--output-len` (greedy, ignore_eos). A decode step then takes
     decode: <tok/s> tok/s at batch 1 = <pct>% of the 222.7 tok/s bound (3350 GB/s spec, 15.04 GB
         per step); <pct>% of the <tok/s> tok/s measured-copy bound (<GB/s> GB/s copy)
 
+and on CPUs the compute bound (benchmarks/compute.py), torch.mm on the model's linear shapes at
+the batch's row count in the run's dtype:
+
+    compute: torch.mm bfloat16 at 16 rows on the model's shapes <GFLOP/s> GFLOP/s; decode step
+        <GFLOP> GFLOP at <GFLOP/s> GFLOP/s = <pct>% of it (<tok/s> tok/s compute bound)
+
 and with `--baseline transformers` the same batch through HF `generate` (`transformers prefill`,
 `transformers decode`, then `ratio: decode X.XXx, prefill Y.YYx (wick / transformers)`).
 """
@@ -36,6 +42,11 @@ from model_server.benchmarks.bandwidth import (
     decode_step_bytes,
     measure_copy_bandwidth,
     peak_bandwidth_gbs,
+)
+from model_server.benchmarks.compute import (
+    format_compute_bound,
+    linear_shape_counts,
+    measure_gemm_rate,
 )
 from model_server.benchmarks.hf_baseline import (
     BaselineTarget,
@@ -258,6 +269,13 @@ def run_latency_benchmark(args: argparse.Namespace, config: EngineConfig) -> int
         f"GB + KV cache {step.kv_cache / GB:.4g} GB at mean context {step.mean_context:g})",
         flush=True,
     )
+    # The matmul shapes of the step (every linear layer and the LM head), for the compute bound.
+    from model_server.engine.execution.kernel_tuning import linear_sites
+
+    shapes = linear_shape_counts(
+        tuple(site.weight.shape) for site in linear_sites(runner.model, 1, 1)
+    )
+    run_dtype = runner.dtype
     target = baseline_target(llm)
     # Release the engine first: the copy buffers and the baseline need the memory it holds.
     del runner
@@ -265,8 +283,12 @@ def run_latency_benchmark(args: argparse.Namespace, config: EngineConfig) -> int
     del llm
     free_device_memory(target.platform)
 
-    report_bound(args, target, name, step, args.batch_size / wick.decode_s_per_token)
+    achieved = args.batch_size / wick.decode_s_per_token
+    report_bound(args, target, name, step, achieved)
     free_device_memory(target.platform)
+    if target.platform.shares_host_memory and shapes:  # the host CPU computes
+        rate = measure_gemm_rate(shapes, args.batch_size, run_dtype)
+        print(format_compute_bound(achieved, args.batch_size, rate, dtype), flush=True)
 
     if args.baseline == "transformers":
         hf = measure_latency(hf_run(HFGenerator(target)), prompts, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -10,14 +11,27 @@ from functools import cache
 import numpy as np
 import torch
 
+from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
+from model_server.kernels.cpu.linear_tuning import (
+    CpuInt8Linear,
+    CpuLinear,
+    tune_cpu_linears,
+    tuning_enabled,
+)
+from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
+from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import KernelTable
 from model_server.platforms.interface import Platform
 
+logger = logging.getLogger(__name__)
+
 _DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-# MKL-friendly matmuls for decode's few rows and PyTorch's int8 weight-only kernel
-# (kernels/cpu/linear.py); norms and activations stay on the portable PyTorch ops.
-_CPU_KERNELS = KernelTable(linear=skinny_linear, int8_linear=int8_linear)
+# With tuning off (WICK_CPU_LINEAR_TUNING=0): the fixed MKL-friendly matmuls for decode's few
+# rows and PyTorch's int8 weight-only kernel (kernels/cpu/linear.py). Norms and activations stay
+# on the portable PyTorch ops either way.
+_FIXED_CPU_KERNELS = KernelTable(linear=skinny_linear, int8_linear=int8_linear)
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 # Replaces the flags read from /proc/cpuinfo (space-separated): runs the native-bf16 branches
 # on a CPU without it (or the fp32 ones on a CPU with it), e.g. to test both on one machine.
@@ -64,8 +78,30 @@ class CpuPlatform(Platform):
 
     def default_dtype(self) -> torch.dtype:
         # Without native bf16 (avx512_bf16 / AMX) bf16 runs 3-10x slower than fp32 on CPUs.
-        flags = _cpu_flags()
-        return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
+        return torch.bfloat16 if _NATIVE_BF16_FLAGS & _cpu_flags() else torch.float32
+
+    def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
+        """fp32 without native bf16 (nothing measured); with it, bf16 only where the model's
+        linears (`linear_shapes`) run faster in bf16 on this machine (kernels/cpu/
+        dtype_choice.py, cached), or as WICK_CPU_AUTO_DTYPE says. With tuning off or no shapes
+        given: bf16 on the flags alone."""
+        if self.default_dtype() != torch.bfloat16:
+            return torch.float32
+        forced = forced_auto_dtype()
+        if forced is not None:
+            logger.info("dtype auto: %s (%s)", forced, "WICK_CPU_AUTO_DTYPE")
+            return forced
+        if not linear_shapes or not tuning_enabled():
+            return torch.bfloat16
+        figures, cached = dtype_figures(linear_shapes, self._tuning_cache())
+        dtype = torch.bfloat16 if figures.bf16_wins else torch.float32
+        logger.info(
+            "dtype auto: %s on this CPU's native bf16 (%s%s)",
+            str(dtype).removeprefix("torch."),
+            figures.describe(),
+            ", cached" if cached else "",
+        )
+        return dtype
 
     def default_kv_cache_memory(self, bytes_per_block: int) -> int:
         return _DEFAULT_KV_CACHE_BYTES
@@ -85,4 +121,37 @@ class CpuPlatform(Platform):
         torch.set_num_threads(threads)
 
     def kernel_table(self) -> KernelTable:
-        return _CPU_KERNELS
+        """A fresh table per model: its matmuls are fitted to that model's weights by
+        `tune_kernels` (the fixed ones with WICK_CPU_LINEAR_TUNING=0)."""
+        if not tuning_enabled():
+            return _FIXED_CPU_KERNELS
+        return KernelTable(linear=CpuLinear(), int8_linear=CpuInt8Linear())
+
+    def tune_kernels(
+        self, kernels: KernelTable, sites: Sequence[LinearSite], dtype: torch.dtype
+    ) -> None:
+        """Time the matmul candidates for the model's linear shapes on this CPU (or read the
+        timings cached by an earlier start) and set the table's choices; logs one line per
+        shape."""
+        if not isinstance(kernels.linear, CpuLinear) or not isinstance(
+            kernels.int8_linear, CpuInt8Linear
+        ):
+            return  # the fixed table (tuning off) or a table from elsewhere
+        report = tune_cpu_linears(
+            sites, dtype, kernels.linear, kernels.int8_linear, self._tuning_cache()
+        )
+        logger.info(
+            "cpu linear kernels for %d shapes: %d timed in %.2fs, %d cached%s",
+            report.timed + report.cached,
+            report.timed,
+            report.seconds,
+            report.cached,
+            f"; packed copies beside shared weights: {report.extra_bytes / 2**20:.1f} MiB"
+            if report.extra_bytes
+            else "",
+        )
+        for line in report.lines:
+            logger.info("cpu linear %s", line)
+
+    def _tuning_cache(self) -> TuningCache:
+        return TuningCache.open(machine_identity(_cpu_flags()))

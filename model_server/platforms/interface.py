@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 
 
@@ -223,6 +224,14 @@ class Platform(ABC):
         on CUDA), so call it in the process that builds the model."""
         return TORCH_KERNELS
 
+    def tune_kernels(
+        self, kernels: KernelTable, sites: Sequence[LinearSite], dtype: torch.dtype
+    ) -> None:
+        """Fit `kernels` (a table this platform's `kernel_table()` made) to the loaded model's
+        linear weights (`sites`; activations in `dtype`) on this machine, once, before the model
+        runs. May re-lay out exclusive weights in place. Nothing to do by default."""
+        return None
+
     def init_distributed_backend(self) -> None:
         """Import whatever registers `dist_backend` with torch.distributed (eccl, hccl)."""
         return None
@@ -240,9 +249,17 @@ class Platform(ABC):
                 f"quantization {method} is not supported on {self.name} (supported: {have})"
             )
 
-    def resolve_dtype(self, name: str) -> torch.dtype:
+    def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
+        """What `--dtype auto` means for a model whose linear weights are `linear_shapes`
+        ((N, K, how many layers), possibly empty): `default_dtype()` unless the platform
+        measures."""
+        return self.default_dtype()
+
+    def resolve_dtype(
+        self, name: str, linear_shapes: Sequence[tuple[int, int, int]] = ()
+    ) -> torch.dtype:
         if name in ("auto", "", None):
-            return self.default_dtype()
+            return self.auto_dtype(linear_shapes)
         if name not in _DTYPE_ALIASES:
             raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
         dtype = _DTYPE_ALIASES[name]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,21 @@ def test_bench_latency_cli_on_cpu(
     assert figures.copy_pct == pytest.approx(
         100 * figures.decode_tps / figures.copy_bound_tps, rel=0.002, abs=0.06
     )
+
+    # The compute bound: torch.mm at the batch's 2 rows over the tiny model's linear shapes.
+    compute = re.search(
+        r"^compute: torch\.mm float32 at 2 rows on the model's shapes ([\d.e+-]+) GFLOP/s; decode "
+        r"step ([\d.e+-]+) GFLOP at ([\d.e+-]+) GFLOP/s = ([\d.]+)% of it \(([\d.]+) tok/s compute "
+        r"bound\)$",
+        out,
+        re.MULTILINE,
+    )
+    assert compute is not None, out
+    rate, step_gflop, achieved, pct, bound_tps = map(float, compute.groups())
+    linears = (4 + 2 * 2) * 8 * 32 + 32 * 4 * 8 + 2 * 64 * 32 + 32 * 64  # per layer
+    assert step_gflop == pytest.approx(2 * 2 * (2 * linears + 256 * 32) / 1e9, rel=1e-3)
+    assert rate > 0 and pct == pytest.approx(100 * achieved / rate, rel=0.01, abs=0.06)
+    assert bound_tps == pytest.approx(2 * rate / step_gflop, rel=0.01)
 
     assert "transformers prefill: " in out
     assert figures.hf_decode_tps is not None and figures.hf_decode_tps > 0

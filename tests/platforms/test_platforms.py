@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from model_server.config import parse_device_ids
 from model_server.kernels.cpu import linear as cpu_linear
-from model_server.kernels.cpu.linear import int8_linear, skinny_linear
-from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.kernels.cpu.linear import skinny_linear
+from model_server.kernels.cpu.linear_tuning import CpuInt8Linear, CpuLinear
+from model_server.kernels.table import TORCH_KERNELS
 from model_server.platforms import (
     AUTO_ORDER,
     Platform,
@@ -67,11 +68,12 @@ def test_skinny_linear_single_row_uses_all_threads_split() -> None:
 
 
 def test_kernel_tables() -> None:
-    # The CPU runs its own matmuls (float and int8) and PyTorch's norms and activations; the
-    # platforms without kernels of their own hand out the portable table. (CUDA's Triton table is
-    # tested in tests/kernels/test_fused_ops.py, under the interpreter.)
+    # The CPU runs its own matmuls (float and int8: tuned per machine, see
+    # tests/kernels/test_cpu_linear.py; fixed ones with tuning off) and PyTorch's norms and
+    # activations; the platforms without kernels of their own hand out the portable table.
+    # (CUDA's Triton table is tested in tests/kernels/test_fused_ops.py, under the interpreter.)
     cpu = get_platform("cpu").kernel_table()
-    assert cpu == KernelTable(linear=skinny_linear, int8_linear=int8_linear)
+    assert isinstance(cpu.linear, CpuLinear) and isinstance(cpu.int8_linear, CpuInt8Linear)
     assert (cpu.rms_norm, cpu.silu_and_mul) == (TORCH_KERNELS.rms_norm, TORCH_KERNELS.silu_and_mul)
     assert TORCH_KERNELS.linear is F.linear
     for name in ("gcu", "hpu"):
@@ -229,10 +231,13 @@ def test_faked_cpu_flags_reach_the_engine(
     monkeypatch: pytest.MonkeyPatch, flags: str, expected: str
 ) -> None:
     """WICK_CPU_FLAGS stands in for /proc/cpuinfo (subprocesses inherit it): the engine built
-    with `--dtype auto` runs in the dtype those flags call for, whatever this CPU is."""
+    with `--dtype auto` runs in the dtype those flags call for, whatever this CPU is. (With
+    native bf16 `auto` also measures which dtype is faster: the measured winner is pinned to
+    bf16 here; tests/kernels/test_cpu_linear.py fakes the measurement both ways.)"""
     from model_server.engine.llm import LLM
 
     monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, flags)
+    monkeypatch.setenv("WICK_CPU_AUTO_DTYPE", "bfloat16")
     assert cpu_platform._cpu_flags() == frozenset(flags.split())
     llm = LLM("smollm2-135m", load_format="dummy", kv_cache_memory=8 << 20, max_model_len=64)
     assert str(llm.engine.core.model_runner.dtype) == f"torch.{expected}"

@@ -11,11 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from model_server.config import EngineConfig, parse_quantization
-from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
+from model_server.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from model_server.engine.core.request import Request
 from model_server.engine.core.scheduler import SchedulerOutput
 from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
+from model_server.engine.execution.kernel_tuning import config_linear_shapes, linear_sites
 from model_server.engine.execution.memory_profiler import (
     MemoryProfile,
     MemorySnapshot,
@@ -56,8 +60,12 @@ class ModelRunner:
         self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
         self.platform = platform
         self.device = platform.device
-        self.dtype = platform.resolve_dtype(config.dtype)
         self.hf_config = source.hf_config
+        # `auto` may time the model's linear shapes in each dtype (CPUs with native bf16).
+        tp_size = get_tensor_model_parallel_world_size()
+        self.dtype = platform.resolve_dtype(
+            config.dtype, config_linear_shapes(self.hf_config, tp_size)
+        )
         self.block_size = config.block_size
         # Device memory in use before our weights load is not ours: neither charged to our
         # budget nor taken (memory_profiler.py). None where memory cannot be profiled.
@@ -69,13 +77,14 @@ class ModelRunner:
         backend_name = config.attention_backend or platform.default_attention_backend
         self.attn_backend = get_attention_backend(backend_name)
         start = time.perf_counter()
+        kernels = platform.kernel_table()
         self.model = build_model(
             self.hf_config,
             self.attn_backend,
             dtype=self.dtype,
             device=self.device,
             max_model_len=self.max_model_len,
-            kernels=platform.kernel_table(),
+            kernels=kernels,
         )
         if source.weights is None:
             init_dummy_weights(self.model, seed=config.seed)
@@ -84,6 +93,11 @@ class ModelRunner:
         if self.quantization is not None:
             quantize_model(self.model, self.quantization)
         self.model.eval()
+        # Once the weights are final, before anything runs: the platform fits the table's
+        # matmuls to them (CPU: times kernels per shape and row bucket, cached on disk).
+        max_head_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        sites = linear_sites(self.model, self.config.max_num_batched_tokens, max_head_rows)
+        platform.tune_kernels(kernels, sites, self.dtype)
         logger.info(
             "loaded %s (%s, %s%s) in %.2fs with the %s attention backend",
             source.path,

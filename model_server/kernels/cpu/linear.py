@@ -1,7 +1,10 @@
-"""CPU matmuls for the few rows of decode steps, float and int8 weight-only (the CPU platform's
-`KernelTable.linear` and `.int8_linear`, see platforms/cpu.py).
+"""CPU matmuls, float and int8 weight-only: the candidates that kernels/cpu/linear_tuning.py
+times per (weight shape, row bucket) on the machine it runs on, and `skinny_linear` /
+`int8_linear`, the fixed choices used when tuning is off (`WICK_CPU_LINEAR_TUNING=0`).
 
-The measurements behind the thresholds below are from MKL on AVX2 with 2 threads.
+Every candidate follows F.linear's contract: x [M, K], weight [N, K], bias [N] | None -> a new
+contiguous [M, N] in x's dtype; inputs are never written. The measurements behind the fixed
+thresholds below are from MKL on AVX2 with 2 threads.
 """
 
 from __future__ import annotations
@@ -47,6 +50,65 @@ def skinny_linear(
     return out
 
 
+def _add_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        out += bias
+    return out
+
+
+def mm_transposed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`W @ x^T`, transposed back: BLAS picks its kernel for a [N, K] x [K, M] product, which
+    for few rows is often not the one it picks for x @ W^T."""
+    return _add_bias(torch.mm(weight, x.t()).t().contiguous(), bias)
+
+
+def bmm_row_split_applies(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `bmm_row_split` runs these inputs: one row, N divisible by the thread count."""
+    parts = torch.get_num_threads()
+    return rows == 1 and parts > 1 and weight.shape[0] % parts == 0
+
+
+def bmm_row_split(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One row: W's rows split into one bmm batch per thread, so a gemv that BLAS would run on
+    one thread streams the weight on all of them. Only where `bmm_row_split_applies`."""
+    n, k = weight.shape
+    parts = torch.get_num_threads()
+    # [parts, n / parts, k] @ [parts, k, 1] -> [n] as a [1, n] row.
+    out = torch.bmm(weight.view(parts, n // parts, k), x.t().expand(parts, k, 1)).view(1, n)
+    return _add_bias(out, bias)
+
+
+def row_blocks(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`W @ x^T` one cache-sized block of W's rows at a time (a large matrix and 8+ rows)."""
+    n, k = weight.shape
+    block = max(1, _BLOCK_BYTES // (k * weight.element_size()))
+    out = torch.empty((x.shape[0], n), dtype=x.dtype)
+    for start in range(0, n, block):
+        out[:, start : start + block] = torch.mm(weight[start : start + block], x.t()).t()
+    return _add_bias(out, bias)
+
+
+def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] in oneDNN's blocked layout for this CPU (an opaque `torch._mkldnn` tensor
+    of the same bytes), what inductor prepacks for CPU linears. Raises where torch's oneDNN has
+    no kernel for the dtype (fp16 without avx512_fp16, a build without oneDNN)."""
+    # The batch-size hint does not change the layout oneDNN picks (measured with torch 2.13).
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def onednn_packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ W^T + bias with W prepacked by `pack_onednn_weight` -> [M, N] in x's dtype."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 # Rows up to which PyTorch's int8 weight-only kernel (bf16 activations) beats the float matmul
 # (measured on AVX2, 2 threads, SmolLM2's 576x1536 shapes: 1.6-3x faster at 1-8 rows, about even
 # at 12, 1.2-1.6x slower from 16 rows on). More rows dequantize into a reused buffer instead.
@@ -80,7 +142,7 @@ class _Int8Scratch:
 _int8_scratch = _Int8Scratch()
 
 
-def _dequantized_linear(
+def dequantized_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x @ dequantized(weight)^T + bias, dequantizing one cache-sized block of rows at a time."""
@@ -110,9 +172,13 @@ def int8_linear(
     returns bf16. More rows: dequantize block by block, then the float matmul.
     """
     if x.shape[0] <= _INT8_KERNEL_MAX_ROWS:
-        out = torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scale)
-        out = out.to(x.dtype)
-        if bias is not None:
-            out += bias
-        return out
-    return _dequantized_linear(x, qweight, scale, bias)
+        return int8_kernel_linear(x, qweight, scale, bias)
+    return dequantized_linear(x, qweight, scale, bias)
+
+
+def int8_kernel_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`torch._weight_int8pack_mm`: streams the int8 codes with x rounded to bf16."""
+    out = torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scale).to(x.dtype)
+    return _add_bias(out, bias)

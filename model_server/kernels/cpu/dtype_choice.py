@@ -1,0 +1,134 @@
+"""`--dtype auto` on CPUs with native bf16: bf16 only where the model's matmuls run faster in it.
+
+Native bf16 instructions (avx512_bf16, amx_bf16) make bf16 possible, not necessarily faster:
+whether it is depends on the BLAS/oneDNN kernels torch has for this CPU. So the model's linear
+shapes are timed in both dtypes, at a decode row count and a prefill row count, each with the
+faster of F.linear and oneDNN's prepacked kernel (what `tune_cpu_linears` will choose from), and
+weighted by how many layers have that shape. The figures are cached with the linear timings
+(kernels/cpu/tuning_cache.py). `WICK_CPU_AUTO_DTYPE=bfloat16|float32` stands in for the
+measurement (tests; pinning the choice without `--dtype`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model_server.kernels.cpu.linear import onednn_packed_linear, pack_onednn_weight
+from model_server.kernels.cpu.linear_tuning import time_candidates
+from model_server.kernels.cpu.tuning_cache import TuningCache
+
+logger = logging.getLogger(__name__)
+
+AUTO_DTYPE_ENV = "WICK_CPU_AUTO_DTYPE"
+DECODE_ROWS = 1
+PREFILL_ROWS = 64
+# A timed weight has at most this many elements (rows are cut, the time scaled back up), so a
+# large model's LM head costs neither a GiB of scratch nor seconds.
+MAX_TIMED_ELEMENTS = 8 << 20
+
+# (N, K, how many layers have it)
+LinearShape = tuple[int, int, int]
+
+
+@dataclass(slots=True, frozen=True)
+class DtypeFigures:
+    """Seconds of one pass over the model's linears, per dtype and row count."""
+
+    fp32_decode_s: float
+    bf16_decode_s: float
+    fp32_prefill_s: float
+    bf16_prefill_s: float
+
+    @property
+    def bf16_speedup(self) -> float:
+        """Geometric mean of bf16's speedup at the decode and the prefill row count."""
+        return math.sqrt(
+            (self.fp32_decode_s / self.bf16_decode_s) * (self.fp32_prefill_s / self.bf16_prefill_s)
+        )
+
+    @property
+    def bf16_wins(self) -> bool:
+        return self.bf16_speedup > 1.0
+
+    def describe(self) -> str:
+        return (
+            f"linears at {DECODE_ROWS} row(s) {self.fp32_decode_s * 1e3:.2f} ms fp32 vs "
+            f"{self.bf16_decode_s * 1e3:.2f} ms bf16, at {PREFILL_ROWS} rows "
+            f"{self.fp32_prefill_s * 1e3:.2f} ms fp32 vs {self.bf16_prefill_s * 1e3:.2f} ms bf16 "
+            f"(bf16 {self.bf16_speedup:.2f}x)"
+        )
+
+
+def forced_auto_dtype() -> torch.dtype | None:
+    value = os.environ.get(AUTO_DTYPE_ENV, "").strip().lower()
+    if not value:
+        return None
+    aliases = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    aliases |= {"float32": torch.float32, "fp32": torch.float32}
+    if value not in aliases:
+        raise ValueError(f"{AUTO_DTYPE_ENV}={value!r}: expected bfloat16 or float32")
+    return aliases[value]
+
+
+# The dtypes' kernels are timed interleaved, in one `time_candidates` call per shape and row
+# count, so a busy neighbour slows both alike; longer than a tuning pair, for more rounds.
+PAIR_BUDGET_S = 0.1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _pass_seconds(shapes: Sequence[LinearShape], rows: int) -> dict[str, float]:
+    """Seconds of one pass over `shapes` at `rows` rows, per dtype name (inf: no kernel ran)."""
+    total = dict.fromkeys(DTYPES, 0.0)
+    for n, k, count in shapes:
+        timed_n = max(1, min(n, MAX_TIMED_ELEMENTS // max(k, 1)))
+        calls = {}
+        for name, dtype in DTYPES.items():
+            # Filled, not empty: uninitialized memory may hold denormals or NaNs.
+            weight = torch.full((timed_n, k), 0.01, dtype=dtype)
+            x = torch.full((rows, k), 0.5, dtype=dtype)
+            calls[f"{name}/torch"] = functools.partial(F.linear, x, weight, None)
+            try:
+                packed = pack_onednn_weight(weight)
+                calls[f"{name}/packed"] = functools.partial(onednn_packed_linear, x, packed, None)
+            except Exception as exc:
+                logger.debug("no oneDNN packed kernel in %s: %s", dtype, exc)
+        times = time_candidates(calls, PAIR_BUDGET_S)
+        for name in DTYPES:
+            best = min((t for c, t in times.items() if c.startswith(name)), default=float("inf"))
+            total[name] += count * best * n / timed_n
+    return total
+
+
+def measure_dtype_speed(shapes: Sequence[LinearShape]) -> DtypeFigures:
+    """Time the model's linears (`shapes`) in fp32 and bf16; a dtype whose kernels all fail
+    times as infinitely slow."""
+    decode, prefill = _pass_seconds(shapes, DECODE_ROWS), _pass_seconds(shapes, PREFILL_ROWS)
+    return DtypeFigures(decode["fp32"], decode["bf16"], prefill["fp32"], prefill["bf16"])
+
+
+def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> tuple[DtypeFigures, bool]:
+    """The figures for `shapes`, from `cache` when it has them (then True), else measured now
+    and stored."""
+    digest = hashlib.sha256(repr(sorted(shapes)).encode()).hexdigest()[:16]
+    key = f"dtype/{DECODE_ROWS}/{PREFILL_ROWS}/{digest}"
+    entry = cache.get(key)
+    if isinstance(entry, dict):
+        try:
+            figures = DtypeFigures(**{name: float(v) for name, v in entry.items()})
+            if all(v > 0 for v in entry.values()):
+                return figures, True
+        except (TypeError, ValueError):
+            pass
+    figures = measure_dtype_speed(shapes)
+    cache.put(key, {name: getattr(figures, name) for name in DtypeFigures.__slots__})
+    cache.save()
+    return figures, False

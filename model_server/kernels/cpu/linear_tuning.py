@@ -1,0 +1,465 @@
+"""CPU matmuls chosen for the machine at startup: `CpuLinear` / `CpuInt8Linear` (the CPU kernel
+table's `linear` and `int8_linear`) dispatch on (weight, row bucket) to the candidate that
+`tune_cpu_linears` timed fastest on this CPU, at this thread count, in this dtype.
+
+Why: which matmul is fastest differs by CPU (MKL picks slow kernels on AMD; oneDNN's prepacked
+weights win on AVX-512 but not everywhere), by dtype, by shape and by row count. Rows are
+bucketed to the next power of two (1, 2, 4, ..., 256; more rows use the 256 bucket).
+
+Candidates (kernels/cpu/linear.py): F.linear (torch's own BLAS/oneDNN choice), `W @ x^T`, the
+one-row bmm split, `W @ x^T` in blocks of rows, oneDNN with a prepacked weight; for int8 weights
+PyTorch's int8 kernel and dequantize-then-matmul. A candidate that raises is dropped (debug log).
+
+Memory: a prepacked weight holds the same bytes in oneDNN's layout. Where only the layer reads
+the weight (`LinearSite.exclusive`) and the packed kernel is the better choice over the buckets,
+the packed copy replaces the dense values (the parameter keeps its shape and dtype on a one-element
+expanded placeholder), so memory does not grow. A weight another module reads (a tied
+embedding) keeps its dense values; it is packed as well only where packed wins, and that extra
+memory is logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from model_server.kernels.cpu.linear import (
+    _BLOCK_BYTES,
+    bmm_row_split,
+    bmm_row_split_applies,
+    dequantized_linear,
+    int8_kernel_linear,
+    int8_linear,
+    mm_transposed,
+    onednn_packed_linear,
+    pack_onednn_weight,
+    row_blocks,
+    skinny_linear,
+)
+from model_server.kernels.cpu.tuning_cache import TuningCache
+from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.table import Int8LinearFn, LinearFn
+
+logger = logging.getLogger(__name__)
+
+# "0" (or off/false/no): the fixed kernels of kernels/cpu/linear.py, nothing timed.
+TUNING_ENV = "WICK_CPU_LINEAR_TUNING"
+# Seconds of timing at most per start (all shapes together); buckets left untimed take the
+# choice of the largest timed one.
+BUDGET_ENV = "WICK_CPU_LINEAR_TUNING_BUDGET_S"
+DEFAULT_BUDGET_S = 10.0
+# Timing of one (shape, bucket): interleaved rounds of every live candidate until about this
+# long, 2 to 10 rounds after the first call (more rounds: more chances of a quiet moment on a
+# shared machine).
+PAIR_BUDGET_S = 0.03
+MIN_ROUNDS, MAX_ROUNDS = 2, 10
+# Another candidate replaces F.linear only when at least this much faster: near-ties are noise,
+# and switching kernels between neighbouring buckets for nothing makes the plan hard to read.
+MARGIN = 0.03
+# A candidate this many times slower than the best on its first call is not timed further.
+DOMINATED = 3.0
+MAX_BUCKET = 256
+# The decode tricks (W @ x^T, the bmm split, row blocks) only for this few rows.
+SKINNY_MAX_ROWS = 64
+
+TORCH = "torch"
+MM_T = "mm_t"
+BMM_SPLIT = "bmm_split"
+ROW_BLOCKS = "row_blocks"
+PACKED = "onednn_packed"
+INT8_KERNEL = "int8_kernel"
+DEQUANT = "dequantize"
+
+DENSE_FNS: dict[str, LinearFn] = {
+    TORCH: F.linear,
+    MM_T: mm_transposed,
+    BMM_SPLIT: bmm_row_split,
+    ROW_BLOCKS: row_blocks,
+}
+INT8_FNS: dict[str, Int8LinearFn] = {INT8_KERNEL: int8_kernel_linear, DEQUANT: dequantized_linear}
+
+# Timings of one shape: per bucket, candidate name -> best seconds.
+BucketTimes = list[dict[str, float]]
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get(TUNING_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def tuning_budget_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(BUDGET_ENV, DEFAULT_BUDGET_S)))
+    except ValueError:
+        return DEFAULT_BUDGET_S
+
+
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """Powers of two from 1 up to the first that holds `max_rows` (at most MAX_BUCKET)."""
+    buckets = [1]
+    while buckets[-1] < min(max_rows, MAX_BUCKET):
+        buckets.append(buckets[-1] * 2)
+    return tuple(buckets)
+
+
+def bucket_index(rows: int, num_buckets: int) -> int:
+    """The bucket of `rows`: the smallest power of two >= rows, the last one beyond."""
+    return min(max(rows - 1, 0).bit_length(), num_buckets - 1)
+
+
+def _packed_call(
+    packed: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return onednn_packed_linear(x, packed, bias)
+
+
+class CpuLinear:
+    """`KernelTable.linear` on CPUs: per weight (by identity, then by shape and dtype) one
+    function per row bucket, set by `tune_cpu_linears`. Weights it was not tuned for run
+    `skinny_linear`. Immutable for callers; one instance per kernel table, so per model."""
+
+    __slots__ = ("_by_shape", "_by_weight")
+
+    def __init__(self) -> None:
+        # id(weight) -> (weight, one function per bucket). The weight is held so its id stays
+        # unique; packed functions ignore it (its values may have moved into the packed copy).
+        self._by_weight: dict[int, tuple[torch.Tensor, tuple[LinearFn, ...]]] = {}
+        # (N, K, dtype) -> one dense function per bucket, for weights of a tuned shape.
+        self._by_shape: dict[tuple[int, int, torch.dtype], tuple[LinearFn, ...]] = {}
+
+    def set_weight_plan(self, weight: torch.Tensor, fns: Sequence[LinearFn]) -> None:
+        self._by_weight[id(weight)] = (weight, tuple(fns))
+
+    def set_shape_plan(
+        self, shape: tuple[int, int], dtype: torch.dtype, fns: Sequence[LinearFn]
+    ) -> None:
+        self._by_shape[(shape[0], shape[1], dtype)] = tuple(fns)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        entry = self._by_weight.get(id(weight))
+        if entry is not None and entry[0] is weight:
+            fns = entry[1]
+        else:
+            fns = self._by_shape.get((weight.shape[0], weight.shape[1], weight.dtype))
+            if fns is None:
+                return skinny_linear(x, weight, bias)
+        if x.dim() != 2:  # [..., K] -> [..., N] through the 2-D kernels
+            out = self(x.reshape(-1, x.shape[-1]), weight, bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if x.shape[0] == 0:
+            out = x.new_empty((0, weight.shape[0]))
+            return out
+        return fns[bucket_index(x.shape[0], len(fns))](x, weight, bias)
+
+
+class CpuInt8Linear:
+    """`KernelTable.int8_linear` on CPUs: per (N, K, activation dtype) one function per row
+    bucket; untuned shapes run the fixed `int8_linear`."""
+
+    __slots__ = ("_by_shape",)
+
+    def __init__(self) -> None:
+        self._by_shape: dict[tuple[int, int, torch.dtype], tuple[Int8LinearFn, ...]] = {}
+
+    def set_shape_plan(
+        self, shape: tuple[int, int], dtype: torch.dtype, fns: Sequence[Int8LinearFn]
+    ) -> None:
+        self._by_shape[(shape[0], shape[1], dtype)] = tuple(fns)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        fns = self._by_shape.get((qweight.shape[0], qweight.shape[1], x.dtype))
+        if fns is None or x.shape[0] == 0:
+            return int8_linear(x, qweight, scale, bias)
+        return fns[bucket_index(x.shape[0], len(fns))](x, qweight, scale, bias)
+
+
+# ---- timing -------------------------------------------------------------------------------
+
+
+def time_candidates(
+    calls: dict[str, Callable[[], object]], pair_budget_s: float = PAIR_BUDGET_S
+) -> dict[str, float]:
+    """Best seconds of each call: one first call each (a raising one is dropped), then
+    interleaved rounds (so a noisy neighbour slows all alike) of those within DOMINATED of the
+    best, about `pair_budget_s` in all. The minimum is kept: noise only ever adds time."""
+    times: dict[str, float] = {}
+    for name, call in calls.items():
+        try:
+            start = time.perf_counter()
+            call()
+            times[name] = time.perf_counter() - start
+        except Exception as exc:  # a kernel this CPU or torch build lacks
+            logger.debug("cpu linear candidate %s dropped: %s", name, exc)
+    if not times:
+        return times
+    best = min(times.values())
+    live = [name for name, t in times.items() if t <= DOMINATED * best]
+    round_s = sum(times[name] for name in live)
+    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(pair_budget_s / max(round_s, 1e-9))))
+    for _ in range(rounds):
+        for name in live:
+            start = time.perf_counter()
+            calls[name]()
+            times[name] = min(times[name], time.perf_counter() - start)
+    return times
+
+
+def float_candidates(rows: int, weight: torch.Tensor) -> list[str]:
+    """Dense candidates worth timing at `rows` (the packed one is added by the caller)."""
+    names = [TORCH]
+    if rows <= SKINNY_MAX_ROWS:
+        names.append(MM_T)
+        if bmm_row_split_applies(rows, weight):
+            names.append(BMM_SPLIT)
+        if rows >= 8 and weight.numel() * weight.element_size() > 2 * _BLOCK_BYTES:
+            names.append(ROW_BLOCKS)
+    return names
+
+
+@dataclass(slots=True)
+class _Group:
+    """Sites of one (kind, dtype, shape): timed once, planned per site."""
+
+    key: str
+    sites: list[LinearSite]
+    act_dtype: torch.dtype
+    buckets: tuple[int, ...] = ()
+    times: BucketTimes = field(default_factory=list)
+    from_cache: bool = False
+    inherited_from: int | None = None  # first bucket index that copied a smaller one's times
+
+    @property
+    def int8(self) -> bool:
+        return self.sites[0].weight.dtype == torch.int8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.sites[0].weight.shape
+        return int(n), int(k)
+
+
+def _time_group(group: _Group, deadline: float) -> None:
+    """Time every bucket of `group` (smallest first) until `deadline`; later buckets copy the
+    last timed one."""
+    site = group.sites[0]
+    weight = site.weight
+    n, k = group.shape
+    packed: torch.Tensor | None = None
+    if not group.int8:
+        try:
+            packed = pack_onednn_weight(weight)
+        except Exception as exc:
+            logger.debug("cpu linear candidate %s dropped for %dx%d: %s", PACKED, n, k, exc)
+    gen = torch.Generator().manual_seed(0)
+    group.times = []
+    for index, rows in enumerate(group.buckets):
+        if index > 0 and time.perf_counter() > deadline:
+            group.inherited_from = index
+            group.times.extend(dict(group.times[-1]) for _ in group.buckets[index:])
+            break
+        x = torch.randn(rows, k, generator=gen).to(group.act_dtype)
+        calls: dict[str, Callable[[], object]]
+        if group.int8:
+            scale = site.scale
+            assert scale is not None
+            calls = {
+                name: functools.partial(fn, x, weight, scale, None) for name, fn in INT8_FNS.items()
+            }
+        else:
+            calls = {
+                name: functools.partial(DENSE_FNS[name], x, weight, None)
+                for name in float_candidates(rows, weight)
+            }
+            if packed is not None:
+                calls[PACKED] = functools.partial(onednn_packed_linear, x, packed, None)
+        # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
+        group.times.append(time_candidates(calls) or {TORCH: float("inf")})
+
+
+def _valid_entry(entry: Any, buckets: tuple[int, ...]) -> BucketTimes | None:
+    """The cached timings of `buckets`, or None when the entry does not cover them."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("times"), list):
+        return None
+    cached = entry.get("buckets")
+    if not isinstance(cached, list) or cached[: len(buckets)] != list(buckets):
+        return None
+    times = entry["times"][: len(buckets)]
+    ok = len(times) == len(buckets) and all(
+        isinstance(t, dict) and t and all(isinstance(v, float | int) for v in t.values())
+        for t in times
+    )
+    return [{name: float(v) for name, v in t.items()} for t in times] if ok else None
+
+
+# ---- choosing -----------------------------------------------------------------------------
+
+
+def _best(times: dict[str, float], allowed: Callable[[str], bool] = lambda _: True) -> str:
+    """The fastest allowed candidate; F.linear unless another beats it by MARGIN."""
+    usable = {name: t for name, t in times.items() if allowed(name)}
+    if not usable:
+        return TORCH
+    best = min(usable, key=usable.__getitem__)
+    if TORCH in usable and usable[best] > usable[TORCH] * (1 - MARGIN):
+        return TORCH
+    return best
+
+
+def _is_dense(name: str) -> bool:
+    return name in DENSE_FNS
+
+
+def _packed_only_pays(times: BucketTimes) -> bool:
+    """Whether packed everywhere beats the best dense kernel per bucket, summed over buckets as
+    ratios to each bucket's best (every bucket counts alike)."""
+    inf = float("inf")
+    packed = dense = 0.0
+    for t in times:
+        best = min(t.values())
+        packed += t.get(PACKED, inf) / best
+        dense += t[_best(t, _is_dense)] / best if any(map(_is_dense, t)) else inf
+    return packed <= dense
+
+
+def _ranges(buckets: tuple[int, ...], names: Sequence[str]) -> str:
+    """'rows 1-2 mm_t, 3-64 torch, 65+ onednn_packed' from a choice per bucket."""
+    parts: list[str] = []
+    first = 0
+    for i, name in enumerate(names):
+        if i + 1 < len(names) and names[i + 1] == name:
+            continue
+        lo, hi = (buckets[first - 1] + 1 if first else 1), buckets[i]
+        if i == len(names) - 1 and hi >= MAX_BUCKET:
+            span = f"{lo}+"
+        else:
+            span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        parts.append(f"{span} {name}")
+        first = i + 1
+    return "rows " + ", ".join(parts)
+
+
+@dataclass(slots=True)
+class TuningReport:
+    """What `tune_cpu_linears` did: shapes timed now and read from the cache, the seconds spent
+    timing, the bytes of packed copies kept beside dense weights, one log line per shape."""
+
+    timed: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    extra_bytes: int = 0
+    lines: list[str] = field(default_factory=list)
+
+
+def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
+    names = [_best(t) for t in group.times]
+    int8.set_shape_plan(group.shape, group.act_dtype, [INT8_FNS[name] for name in names])
+    return _ranges(group.buckets, names)
+
+
+def _plan_float(group: _Group, linear: CpuLinear, report: TuningReport) -> str:
+    best = [_best(t) for t in group.times]
+    dense = [_best(t, _is_dense) for t in group.times]
+    dense_fns = [DENSE_FNS[name] for name in dense]
+    linear.set_shape_plan(group.shape, group.act_dtype, dense_fns)
+    if PACKED not in best:
+        return _ranges(group.buckets, dense)
+    packed_only = _packed_only_pays(group.times)
+    layouts: list[str] = []
+    for site in group.sites:
+        if site.exclusive and not packed_only:
+            layouts.append("dense")
+            continue  # the shape plan serves it
+        try:
+            packed = pack_onednn_weight(site.weight)
+        except Exception as exc:
+            logger.debug("cannot pack %s: %s", site.name, exc)
+            layouts.append("dense")
+            continue
+        call = functools.partial(_packed_call, packed)
+        if site.exclusive:
+            # The packed copy now holds the values: keep shape and dtype, drop the bytes.
+            site.weight.data = torch.zeros((), dtype=site.weight.dtype).expand(group.shape)
+            linear.set_weight_plan(site.weight, [call] * len(group.buckets))
+            layouts.append("packed")
+        else:
+            fns = [call if name == PACKED else DENSE_FNS[name] for name in best]
+            linear.set_weight_plan(site.weight, fns)
+            report.extra_bytes += site.weight.numel() * site.weight.element_size()
+            layouts.append("packed + dense (shared weight)")
+    chosen = [PACKED] * len(best) if packed_only else dense
+    if any(layout.startswith("packed +") for layout in layouts):
+        chosen = best
+    kinds = sorted(set(layouts))
+    return f"{_ranges(group.buckets, chosen)} [{', '.join(kinds)}]"
+
+
+def tune_cpu_linears(
+    sites: Sequence[LinearSite],
+    act_dtype: torch.dtype,
+    linear: CpuLinear,
+    int8: CpuInt8Linear,
+    cache: TuningCache,
+    budget_s: float | None = None,
+) -> TuningReport:
+    """Time the candidates for every distinct (kind, shape) of `sites` in `act_dtype` (or read
+    their timings from `cache`), then set `linear`'s and `int8`'s plans. Exclusive weights for
+    which oneDNN's packed layout wins are re-laid out in place (see the module docstring).
+    Call once per model, after its weights are loaded (and quantized), before it runs."""
+    report = TuningReport()
+    groups: dict[str, _Group] = {}
+    for site in sites:
+        is_int8 = site.weight.dtype == torch.int8
+        if site.weight.dim() != 2 or (not is_int8 and site.weight.dtype != act_dtype):
+            continue  # not a matmul weight of this model's dtype: the fallback serves it
+        act = str(act_dtype).removeprefix("torch.")
+        n, k = site.weight.shape
+        kind = f"int8-{act}" if is_int8 else act
+        key = f"linear/{kind}/{n}x{k}"
+        group = groups.setdefault(key, _Group(key, [], act_dtype))
+        group.sites.append(site)
+    for group in groups.values():
+        group.buckets = row_buckets(max(site.max_rows for site in group.sites))
+        times = _valid_entry(cache.get(group.key), group.buckets)
+        if times is not None:
+            group.times, group.from_cache = times, True
+    pending = [g for g in groups.values() if not g.from_cache]
+    start = time.perf_counter()
+    budget = tuning_budget_s() if budget_s is None else budget_s
+    for i, group in enumerate(pending):
+        # An equal share of what is left to each shape still to time.
+        now = time.perf_counter()
+        left = budget - (now - start)
+        _time_group(group, now + max(0.0, left) / (len(pending) - i))
+        cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
+    report.seconds = time.perf_counter() - start
+    report.timed, report.cached = len(pending), len(groups) - len(pending)
+    cache.save()
+    for group in groups.values():
+        if group.int8:
+            text = _plan_int8(group, int8)
+        else:
+            text = _plan_float(group, linear, report)
+        n, k = group.shape
+        note = "cached" if group.from_cache else "timed"
+        if group.inherited_from is not None:
+            note += f", budget spent: {group.buckets[group.inherited_from]}+ rows inherit"
+        report.lines.append(
+            f"{group.key.removeprefix('linear/').replace('/', ' ')} x{len(group.sites)} ({note}): "
+            f"{text}"
+        )
+    return report

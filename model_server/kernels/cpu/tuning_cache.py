@@ -1,0 +1,118 @@
+"""The on-disk cache of CPU kernel timings, so that only the first start on a machine times.
+
+One JSON file per machine identity: the CPU's model name and feature flags, torch's version and
+the thread count (what decides which kernel is fastest). It lives under
+`${WICK_CACHE_DIR:-~/.cache/wick}/cpu_tuning/`, the root of the native kernels' builds
+(kernels/cpu/native.py) and of the GGUF weight cache. Entries are keyed by what was timed
+(kind, dtype, shape, row buckets) and hold raw timings, so every choice derived from them is
+reproducible. A file that
+cannot be read or parsed, or was written for another identity or format, is ignored with one
+warning and rewritten on the next save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+def cache_root() -> Path:
+    """Wick's cache folder: $WICK_CACHE_DIR, else ~/.cache/wick (as kernels/cpu/native.py)."""
+    return Path(os.environ.get("WICK_CACHE_DIR") or Path.home() / ".cache" / "wick")
+
+
+def _cpuinfo_field(*names: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(names):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_identity(flags: frozenset[str] | None = None) -> dict[str, str]:
+    """What the timings depend on. `flags`: the CPU's feature flags (the platform's view, which
+    WICK_CPU_FLAGS may fake); read from /proc/cpuinfo when None."""
+    if flags is None:
+        flags = frozenset(_cpuinfo_field("flags", "Features").split())
+    flag_text = " ".join(sorted(flags))
+    return {
+        "cpu": _cpuinfo_field("model name") or os.uname().machine,
+        "flags_sha": hashlib.sha256(flag_text.encode()).hexdigest()[:16],
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+    }
+
+
+@dataclass(slots=True)
+class TuningCache:
+    """Timings by key, loaded from and saved to one file (`path` None: memory only)."""
+
+    path: Path | None
+    identity: dict[str, str]
+    entries: dict[str, Any] = field(default_factory=dict)
+    dirty: bool = False
+
+    @classmethod
+    def open(cls, identity: dict[str, str], root: Path | None = None) -> TuningCache:
+        """The cache file of `identity` under `root` (default `cache_root()`), read if present."""
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+        path = (root or cache_root()) / "cpu_tuning" / f"{digest}.json"
+        cache = cls(path, identity)
+        cache.entries = _read(path, identity)
+        return cache
+
+    def get(self, key: str) -> Any | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        self.entries[key] = value
+        self.dirty = True
+
+    def save(self) -> None:
+        """Write the file atomically (a concurrent reader sees the old or the new one); an
+        unwritable folder only costs the timing at the next start."""
+        if self.path is None or not self.dirty:
+            return
+        payload = {"version": FORMAT_VERSION, "identity": self.identity, "entries": self.entries}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(payload, f, sort_keys=True)
+            os.replace(tmp, self.path)
+            self.dirty = False
+        except OSError as exc:
+            logger.warning("cannot write the CPU tuning cache %s: %s", self.path, exc)
+
+
+def _read(path: Path, identity: dict[str, str]) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        payload = json.loads(path.read_text())
+        if (
+            not isinstance(payload, dict)
+            or payload.get("version") != FORMAT_VERSION
+            or payload.get("identity") != identity
+            or not isinstance(payload.get("entries"), dict)
+        ):
+            raise ValueError("stale or foreign format")
+        return payload["entries"]
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        logger.warning("ignoring the CPU tuning cache %s (%s): timing again", path, exc)
+        return {}

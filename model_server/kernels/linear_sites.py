@@ -1,0 +1,27 @@
+"""What a platform may tune its matmuls for once the model is built: every linear weight of the
+model (and the LM head), with the most rows it will ever multiply (`Platform.tune_kernels`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True, frozen=True)
+class LinearSite:
+    """One linear layer's weight as the layer hands it to `KernelTable.linear` (or, quantized,
+    to `.int8_linear`).
+
+    `weight`: the float weight [N, K] (the parameter itself), or the int8 codes [N, K] with
+    `scale` [N] bf16. `max_rows`: the most rows of x per call (the step's token budget; the
+    number of sampled rows for the LM head). `exclusive`: no other module reads the weight (a
+    tied embedding does), so a platform may move its values into another layout and keep only
+    that.
+    """
+
+    weight: torch.Tensor
+    max_rows: int
+    exclusive: bool
+    scale: torch.Tensor | None = None
+    name: str = ""

@@ -1,0 +1,337 @@
+"""The CPU's tuned matmuls (kernels/cpu/linear_tuning.py): every candidate the tuner can pick,
+at every row bucket, equals F.linear; the timings are cached on disk and a second start times
+nothing; a corrupt cache is ignored; `--dtype auto` follows the flags and the (faked)
+measurement. No test asserts on a timing: the timer is replaced where a choice is forced."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_server.kernels.cpu import dtype_choice, linear_tuning
+from model_server.kernels.cpu.dtype_choice import AUTO_DTYPE_ENV, DtypeFigures
+from model_server.kernels.cpu.linear_tuning import (
+    BMM_SPLIT,
+    DEQUANT,
+    INT8_KERNEL,
+    MM_T,
+    PACKED,
+    ROW_BLOCKS,
+    TORCH,
+    TUNING_ENV,
+    CpuInt8Linear,
+    CpuLinear,
+    bucket_index,
+    row_buckets,
+    tune_cpu_linears,
+)
+from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
+from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.portable import int8_linear_dequant
+from model_server.kernels.table import KernelTable
+from model_server.platforms import cpu as cpu_platform
+from model_server.platforms import get_platform
+
+AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
+ZEN4_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+ROWS = [1, 2, 3, 8, 13, 64, 100, 300]
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the bmm split needs more than one thread
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> TuningCache:
+    return TuningCache.open(machine_identity(frozenset()), tmp_path)
+
+
+def force(monkeypatch: pytest.MonkeyPatch, winner: str) -> list[int]:
+    """Replace the timer: every candidate runs once (so a failing one is still dropped) and
+    `winner` times fastest wherever it is offered. Returns a list counting the timed pairs."""
+    counter: list[int] = []
+
+    def fake(calls, pair_budget_s=0.0):
+        counter.append(1)
+        times = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except Exception:
+                continue
+            times[name] = 1.0 if name == winner else 2.0
+        return times
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    return counter
+
+
+def test_row_buckets() -> None:
+    assert row_buckets(1) == (1,)
+    assert row_buckets(5) == (1, 2, 4, 8)
+    assert row_buckets(2048) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    buckets = row_buckets(2048)
+    assert [buckets[bucket_index(r, len(buckets))] for r in (1, 2, 3, 5, 256, 257, 4000)] == [
+        1, 2, 4, 8, 256, 256, 256,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, PACKED])
+@pytest.mark.parametrize(("n", "k"), [(96, 48), (97, 33)])  # N odd (not split by 2), K odd
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_candidate_equals_f_linear(
+    monkeypatch: pytest.MonkeyPatch,
+    cache: TuningCache,
+    two_threads: None,
+    dtype: torch.dtype,
+    winner: str,
+    n: int,
+    k: int,
+    bias: bool,
+) -> None:
+    # Row blocks only apply to large weights: make 5 rows of W "large".
+    monkeypatch.setattr(linear_tuning, "_BLOCK_BYTES", 5 * k * 2)
+    monkeypatch.setattr("model_server.kernels.cpu.linear._BLOCK_BYTES", 5 * k * 2)
+    force(monkeypatch, winner)
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    reference = w.clone()
+    linear = CpuLinear()
+    tune_cpu_linears([LinearSite(w, 300, exclusive=True)], dtype, linear, CpuInt8Linear(), cache)
+    for rows in ROWS:
+        x = torch.randn(rows, k).to(dtype)
+        got = linear(x, w, b)
+        assert got.shape == (rows, n) and got.dtype == dtype and got.is_contiguous()
+        want = F.linear(x.float(), reference.float(), None if b is None else b.float())
+        torch.testing.assert_close(got.float(), want, **TOLERANCE[dtype])
+    # 3-D inputs and an unknown weight of the tuned shape go through the same plans.
+    x3 = torch.randn(2, 3, k).to(dtype)
+    want3 = F.linear(x3.float(), reference.float(), None if b is None else b.float())
+    torch.testing.assert_close(linear(x3, w, b).float(), want3, **TOLERANCE[dtype])
+    other = torch.randn(n, k).to(dtype)
+    x = torch.randn(5, k).to(dtype)
+    torch.testing.assert_close(
+        linear(x, other).float(), F.linear(x.float(), other.float()), **TOLERANCE[dtype]
+    )
+
+
+def test_packed_exclusive_weight_is_relaid_out_in_place(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache
+) -> None:
+    """Packed winning everywhere: an exclusive weight's dense bytes go (shape and dtype stay),
+    a shared one keeps them and the extra bytes are reported."""
+    force(monkeypatch, PACKED)
+    w, shared = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False), torch.randn(64, 32)
+    ref_w, ref_shared = w.detach().clone(), shared.clone()
+    linear = CpuLinear()
+    sites = [LinearSite(w, 16, exclusive=True), LinearSite(shared, 16, exclusive=False)]
+    report = tune_cpu_linears(sites, torch.float32, linear, CpuInt8Linear(), cache)
+    assert w.shape == (64, 32) and w.dtype == torch.float32 and w.stride() == (0, 0)
+    assert torch.equal(shared, ref_shared) and report.extra_bytes == shared.numel() * 4
+    x = torch.randn(7, 32)
+    torch.testing.assert_close(linear(x, w), F.linear(x, ref_w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(linear(x, shared), F.linear(x, shared), atol=1e-5, rtol=1e-5)
+    assert any("packed" in line for line in report.lines)
+
+
+@pytest.mark.parametrize("winner", [INT8_KERNEL, DEQUANT])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int8_candidates_equal_the_portable_kernel(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache, winner: str, dtype: torch.dtype
+) -> None:
+    force(monkeypatch, winner)
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (97, 48), dtype=torch.int8)
+    scale = (torch.rand(97) / 100).to(torch.bfloat16)
+    int8 = CpuInt8Linear()
+    tune_cpu_linears([LinearSite(q, 64, True, scale)], dtype, CpuLinear(), int8, cache)
+    for rows in (1, 5, 64, 70):
+        x = torch.randn(rows, 48).to(dtype)
+        b = torch.randn(97).to(dtype)
+        # Both paths round x to bf16 or compute in x's dtype: compare at bf16 precision.
+        torch.testing.assert_close(
+            int8(x, q, scale, b).float(),
+            int8_linear_dequant(x, q, scale, b).float(),
+            atol=5e-2,
+            rtol=2e-2,
+        )
+
+
+def test_the_cache_round_trips_and_a_second_start_times_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    counter = force(monkeypatch, MM_T)
+    identity = machine_identity(frozenset({"avx2"}))
+    w = torch.randn(40, 24)
+    first = CpuLinear()
+    site = LinearSite(w, 32, exclusive=True)
+    report = tune_cpu_linears(
+        [site], torch.float32, first, CpuInt8Linear(), TuningCache.open(identity, tmp_path)
+    )
+    assert report.timed == 1 and report.cached == 0 and len(counter) == len(row_buckets(32))
+    files = list((tmp_path / "cpu_tuning").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["identity"] == identity
+
+    timed_before = len(counter)
+    second = CpuLinear()
+    cache = TuningCache.open(identity, tmp_path)
+    report = tune_cpu_linears([site], torch.float32, second, CpuInt8Linear(), cache)
+    assert len(counter) == timed_before  # nothing timed
+    assert report.timed == 0 and report.cached == 1 and "(cached)" in report.lines[0]
+    assert "mm_t" in report.lines[0]
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(second(x, w), first(x, w))
+    # More rows than cached: the shape is timed again.
+    tune_cpu_linears([LinearSite(w, 64, True)], torch.float32, CpuLinear(), CpuInt8Linear(), cache)
+    assert len(counter) == timed_before + len(row_buckets(64))
+    # Another machine identity (thread count, torch, CPU) has its own file.
+    other = TuningCache.open({**identity, "threads": "99"}, tmp_path)
+    assert other.entries == {} and other.path != files[0]
+
+
+@pytest.mark.parametrize(
+    "content", ["{not json", json.dumps({"version": 0}), json.dumps([1, 2]), "\x00\xff"]
+)
+def test_a_corrupt_cache_file_is_ignored_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    content: str,
+) -> None:
+    counter = force(monkeypatch, TORCH)
+    identity = machine_identity(frozenset())
+    path = TuningCache.open(identity, tmp_path).path
+    assert path is not None
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING):
+        cache = TuningCache.open(identity, tmp_path)
+    assert len([r for r in caplog.records if "ignoring the CPU tuning cache" in r.message]) == 1
+    w = torch.randn(8, 8)
+    linear = CpuLinear()
+    tune_cpu_linears([LinearSite(w, 4, True)], torch.float32, linear, CpuInt8Linear(), cache)
+    assert counter  # timed again, and the file rewritten valid
+    assert json.loads(path.read_text())["entries"]
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w))
+
+
+def test_a_malformed_entry_is_timed_again(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache
+) -> None:
+    counter = force(monkeypatch, TORCH)
+    cache.put("linear/float32/8x8", {"buckets": [1, 2, 4], "times": ["x", None, 3]})
+    tune_cpu_linears(
+        [LinearSite(torch.randn(8, 8), 4, True)], torch.float32, CpuLinear(), CpuInt8Linear(), cache
+    )
+    assert len(counter) == 3
+
+
+def test_the_real_timer_drops_failing_candidates_and_keeps_the_minimum() -> None:
+    calls = {"ok": lambda: None, "fails": lambda: 1 / 0}
+    times = linear_tuning.time_candidates(calls)
+    assert set(times) == {"ok"} and times["ok"] >= 0
+
+
+def test_tuning_off_is_the_fixed_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    platform = get_platform("cpu")
+    monkeypatch.setenv(TUNING_ENV, "0")
+    fixed = platform.kernel_table()
+    assert fixed == KernelTable(
+        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
+    )
+    monkeypatch.setenv(TUNING_ENV, "1")
+    tuned = platform.kernel_table()
+    assert isinstance(tuned.linear, CpuLinear) and isinstance(tuned.int8_linear, CpuInt8Linear)
+    assert platform.kernel_table().linear is not tuned.linear  # one per model
+
+
+# ---- --dtype auto ---------------------------------------------------------------------------
+
+SHAPES = [(960, 576, 30), (576, 576, 30), (49152, 576, 1)]
+
+
+def fake_figures(monkeypatch: pytest.MonkeyPatch, bf16_faster: bool) -> list[int]:
+    calls: list[int] = []
+
+    def measure(shapes):
+        calls.append(1)
+        fast, slow = 1.0, 2.0
+        bf16 = fast if bf16_faster else slow
+        fp32 = slow if bf16_faster else fast
+        return DtypeFigures(fp32, bf16, fp32, bf16)
+
+    monkeypatch.setattr(dtype_choice, "measure_dtype_speed", measure)
+    return calls
+
+
+@pytest.fixture
+def isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.delenv(TUNING_ENV, raising=False)
+    return tmp_path
+
+
+def test_auto_without_native_bf16_is_fp32_without_measuring(
+    monkeypatch: pytest.MonkeyPatch, isolated_cache: Path
+) -> None:
+    calls = fake_figures(monkeypatch, bf16_faster=True)
+    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, AVX2_FLAGS)
+    assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "bfloat16")  # a measured winner cannot add the flags
+    assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
+    assert calls == []
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_auto_with_native_bf16_follows_the_measurement(
+    monkeypatch: pytest.MonkeyPatch,
+    isolated_cache: Path,
+    caplog: pytest.LogCaptureFixture,
+    bf16_faster: bool,
+) -> None:
+    calls = fake_figures(monkeypatch, bf16_faster)
+    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, ZEN4_FLAGS)
+    platform = get_platform("cpu")
+    expected = torch.bfloat16 if bf16_faster else torch.float32
+    with caplog.at_level(logging.INFO):
+        assert platform.resolve_dtype("auto", SHAPES) == expected
+    assert any(r.message.startswith("dtype auto: ") for r in caplog.records)
+    assert platform.resolve_dtype("auto", SHAPES) == expected  # cached: measured once
+    assert len(calls) == 1
+    assert platform.resolve_dtype("float32", SHAPES) == torch.float32  # pinned dtypes are kept
+    assert platform.resolve_dtype("bfloat16", SHAPES) == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("forced", "expected"), [("bf16", torch.bfloat16), ("float32", torch.float32)]
+)
+def test_auto_dtype_env_stands_in_for_the_measurement(
+    monkeypatch: pytest.MonkeyPatch, isolated_cache: Path, forced: str, expected: torch.dtype
+) -> None:
+    calls = fake_figures(monkeypatch, bf16_faster=expected != torch.bfloat16)
+    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, ZEN4_FLAGS)
+    monkeypatch.setenv(AUTO_DTYPE_ENV, forced)
+    assert get_platform("cpu").resolve_dtype("auto", SHAPES) == expected and calls == []
+
+
+def test_the_real_dtype_measurement_runs_on_small_shapes(isolated_cache: Path) -> None:
+    figures = dtype_choice.measure_dtype_speed([(64, 32, 2), (16, 32, 1)])
+    assert figures.fp32_decode_s > 0 and figures.bf16_prefill_s > 0
+    assert "bf16" in figures.describe()
