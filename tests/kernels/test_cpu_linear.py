@@ -250,6 +250,10 @@ def test_the_real_timer_drops_failing_candidates_and_keeps_the_minimum() -> None
 
 def test_tuning_off_is_the_fixed_table(monkeypatch: pytest.MonkeyPatch) -> None:
     platform = get_platform("cpu")
+    monkeypatch.delenv(TUNING_ENV, raising=False)  # off unless asked for
+    assert platform.kernel_table() == KernelTable(
+        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
+    )
     monkeypatch.setenv(TUNING_ENV, "0")
     fixed = platform.kernel_table()
     assert fixed == KernelTable(
@@ -284,7 +288,7 @@ def fake_figures(monkeypatch: pytest.MonkeyPatch, bf16_faster: bool) -> list[int
 def isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
-    monkeypatch.delenv(TUNING_ENV, raising=False)
+    monkeypatch.setenv(TUNING_ENV, "1")  # opt-in: --dtype auto measures only with tuning on
     return tmp_path
 
 

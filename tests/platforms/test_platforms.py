@@ -67,11 +67,12 @@ def test_skinny_linear_single_row_uses_all_threads_split() -> None:
         torch.set_num_threads(before)
 
 
-def test_kernel_tables() -> None:
-    # The CPU runs its own matmuls (float and int8: tuned per machine, see
-    # tests/kernels/test_cpu_linear.py; fixed ones with tuning off) and PyTorch's norms and
+def test_kernel_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU runs its own matmuls (float and int8: fixed ones, or tuned per machine with
+    # WICK_CPU_LINEAR_TUNING=1, see tests/kernels/test_cpu_linear.py) and PyTorch's norms and
     # activations; the platforms without kernels of their own hand out the portable table.
     # (CUDA's Triton table is tested in tests/kernels/test_fused_ops.py, under the interpreter.)
+    monkeypatch.setenv("WICK_CPU_LINEAR_TUNING", "1")
     cpu = get_platform("cpu").kernel_table()
     assert isinstance(cpu.linear, CpuLinear) and isinstance(cpu.int8_linear, CpuInt8Linear)
     assert (cpu.rms_norm, cpu.silu_and_mul) == (TORCH_KERNELS.rms_norm, TORCH_KERNELS.silu_and_mul)
