@@ -306,8 +306,9 @@ SETTINGS: tuple[Setting, ...] = (
         "attention_backend",
         str,
         None,
-        "Attention implementation: torch (portable PyTorch), cpu (native C decode kernel, built on "
-        "first use; falls back to torch without a C compiler), triton (GPU).",
+        "Attention implementation: torch (portable PyTorch), cpu (native C paged attention for "
+        "decodes and prefills in fp32 and bf16, built on first use for the CPU's ISA; falls back "
+        "to torch, with a warning, without a C compiler), triton (GPU).",
         "engine",
         default_text="the device's (cpu on CPU, triton on CUDA)",
         # layers.attention.ATTENTION_BACKENDS (which imports torch); a test keeps them equal.
