@@ -30,8 +30,12 @@ def skinny_linear(
     MKL's sgemm picks a poor kernel for x [M, K] @ W^T at small M and a good one for
     W [N, K] @ x^T. At M = 1 its gemv runs on one thread (~15 GB/s of weights); splitting W's
     rows into one bmm batch per thread streams them at ~27 GB/s, near the memory bandwidth.
+
+    fp32 only: these are workarounds for MKL's sgemm, and PyTorch hands other dtypes to
+    oneDNN, where they cost instead (bf16 on a Zen 4, SmolLM2's shapes at 1 row: the bmm split
+    69-120 us against F.linear's 47-86, 4.8 ms against 3.1 for the LM head).
     """
-    if x.dim() != 2 or x.shape[0] not in _SKINNY_ROWS:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] not in _SKINNY_ROWS:
         return F.linear(x, weight, bias)
     n, k = weight.shape
     parts = torch.get_num_threads()
