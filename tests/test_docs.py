@@ -75,7 +75,7 @@ def test_the_readme_is_a_front_door() -> None:
 
 def test_the_link_checker_sees_broken_links(tmp_path: Path) -> None:
     doc = tmp_path / "x.md"
-    doc.write_text("# Title\n[a](missing.md) [b](#title) [c](https://example.com)\n"
+    doc.write_text("# Title\n[a](missing.md) [b](#title) [c](https://docs.example)\n"
                    "```\n[d](in-code.md)\n```\n")  # fmt: skip
     assert links(doc) == ["missing.md", "#title"]
     assert anchors(doc) == {"title"}

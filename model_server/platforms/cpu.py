@@ -6,12 +6,12 @@ import logging
 import math
 import os
 from collections.abc import Sequence
-from functools import cache
 
 import numpy as np
 import torch
 
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
+from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
 from model_server.kernels.cpu.linear_tuning import (
     CpuInt8Linear,
@@ -32,29 +32,6 @@ _DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # on the portable PyTorch ops either way.
 _FIXED_CPU_KERNELS = KernelTable(linear=skinny_linear, int8_linear=int8_linear)
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-# Replaces the flags read from /proc/cpuinfo (space-separated): runs the native-bf16 branches
-# on a CPU without it (or the fp32 ones on a CPU with it), e.g. to test both on one machine.
-CPU_FLAGS_ENV = "WICK_CPU_FLAGS"
-
-
-def _cpu_flags() -> frozenset[str]:
-    faked = os.environ.get(CPU_FLAGS_ENV)
-    if faked is not None:
-        return frozenset(faked.split())
-    return _read_cpu_flags("/proc/cpuinfo")
-
-
-@cache
-def _read_cpu_flags(cpuinfo: str) -> frozenset[str]:
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 class CpuPlatform(Platform):

@@ -43,7 +43,7 @@ TOGGLES: dict[str, dict[str, Any]] = {
     "secrets": {"secrets": {"hfToken": "hf_x", "apiKey": "k1", "usvcApiKey": "k2"}},
     "existing-secret": {"secrets": {"existingSecret": "wick-keys"}},
     "no-tests": {"tests": {"enabled": False}},
-    "registry": {"image": {"registry": "registry.example.com/", "tag": "1.2.3"}},
+    "registry": {"image": {"registry": "registry.example/", "tag": "1.2.3"}},
 }
 
 
@@ -237,13 +237,13 @@ def test_accelerator_count_and_registry(chart: helm_python.Chart) -> None:
     docs = render(
         chart,
         {"device": "hpu", "accelerator": {"count": 8},
-         "image": {"registry": "registry.example.com/", "tag": "1.2.3"}},
+         "image": {"registry": "registry.example/", "tag": "1.2.3"}},
     )  # fmt: skip
     c = container(one(docs, "Deployment", MS))
     assert c["resources"]["limits"]["habana.ai/gaudi"] == 8
-    assert c["image"] == "registry.example.com/wick/model-server-hpu:1.2.3"
+    assert c["image"] == "registry.example/wick/model-server-hpu:1.2.3"
     usvc = container(one(docs, "Deployment", USVC))
-    assert usvc["image"] == "registry.example.com/wick/llm-microservice:1.2.3"
+    assert usvc["image"] == "registry.example/wick/llm-microservice:1.2.3"
 
 
 @pytest.mark.parametrize("device", DEVICES)

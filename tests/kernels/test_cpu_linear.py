@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_server.kernels.cpu import dtype_choice, linear_tuning
+from model_server.kernels.cpu import dtype_choice, isa, linear_tuning
 from model_server.kernels.cpu.dtype_choice import AUTO_DTYPE_ENV, DtypeFigures
 from model_server.kernels.cpu.linear_tuning import (
     BMM_SPLIT,
@@ -296,7 +296,7 @@ def test_auto_without_native_bf16_is_fp32_without_measuring(
     monkeypatch: pytest.MonkeyPatch, isolated_cache: Path
 ) -> None:
     calls = fake_figures(monkeypatch, bf16_faster=True)
-    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, AVX2_FLAGS)
+    monkeypatch.setenv(isa.CPU_FLAGS_ENV, AVX2_FLAGS)
     assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
     monkeypatch.setenv(AUTO_DTYPE_ENV, "bfloat16")  # a measured winner cannot add the flags
     assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
@@ -311,7 +311,7 @@ def test_auto_with_native_bf16_follows_the_measurement(
     bf16_faster: bool,
 ) -> None:
     calls = fake_figures(monkeypatch, bf16_faster)
-    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, ZEN4_FLAGS)
+    monkeypatch.setenv(isa.CPU_FLAGS_ENV, ZEN4_FLAGS)
     platform = get_platform("cpu")
     expected = torch.bfloat16 if bf16_faster else torch.float32
     with caplog.at_level(logging.INFO):
@@ -330,7 +330,7 @@ def test_auto_dtype_env_stands_in_for_the_measurement(
     monkeypatch: pytest.MonkeyPatch, isolated_cache: Path, forced: str, expected: torch.dtype
 ) -> None:
     calls = fake_figures(monkeypatch, bf16_faster=expected != torch.bfloat16)
-    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, ZEN4_FLAGS)
+    monkeypatch.setenv(isa.CPU_FLAGS_ENV, ZEN4_FLAGS)
     monkeypatch.setenv(AUTO_DTYPE_ENV, forced)
     assert get_platform("cpu").resolve_dtype("auto", SHAPES) == expected and calls == []
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model_server.config import parse_device_ids
+from model_server.kernels.cpu import isa
 from model_server.kernels.cpu import linear as cpu_linear
 from model_server.kernels.cpu.linear import skinny_linear
 from model_server.kernels.cpu.linear_tuning import CpuInt8Linear, CpuLinear
@@ -219,7 +220,7 @@ def test_cpu_auto_dtype_is_bf16_only_with_native_bf16(
 ) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
-    assert cpu_platform._read_cpu_flags(str(cpuinfo)) == frozenset(flags.split())
+    assert isa.read_cpu_flags(str(cpuinfo)) == frozenset(flags.split())
     monkeypatch.setattr(cpu_platform, "_cpu_flags", lambda: frozenset(flags.split()))
     platform = get_platform("cpu")
     assert platform.resolve_dtype("auto") == expected
@@ -237,7 +238,7 @@ def test_faked_cpu_flags_reach_the_engine(
     bf16 here; tests/kernels/test_cpu_linear.py fakes the measurement both ways.)"""
     from model_server.engine.llm import LLM
 
-    monkeypatch.setenv(cpu_platform.CPU_FLAGS_ENV, flags)
+    monkeypatch.setenv(isa.CPU_FLAGS_ENV, flags)
     monkeypatch.setenv("WICK_CPU_AUTO_DTYPE", "bfloat16")
     assert cpu_platform._cpu_flags() == frozenset(flags.split())
     llm = LLM("smollm2-135m", load_format="dummy", kv_cache_memory=8 << 20, max_model_len=64)

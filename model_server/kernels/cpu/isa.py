@@ -1,7 +1,7 @@
 """Which vector ISA the native CPU kernels are built for, chosen from the CPU's flags at run time.
 
-The flags are read as `platforms/cpu.py` reads them (the `flags` line of /proc/cpuinfo, replaced
-by `WICK_CPU_FLAGS` when set), here because kernels may not import platforms. `WICK_CPU_ISA`
+The CPU's flags are read here (the `flags` line of /proc/cpuinfo, replaced by `WICK_CPU_FLAGS`
+when set), for the kernels and for platforms/cpu.py (which sits above kernels). `WICK_CPU_ISA`
 forces a lower path than the CPU allows, e.g. `avx2` on an AVX-512 machine to test both paths
 there; a forced path the CPU cannot run is refused with a warning and the best one is used.
 """
@@ -15,7 +15,9 @@ from functools import cache
 
 logger = logging.getLogger(__name__)
 
-CPU_FLAGS_ENV = "WICK_CPU_FLAGS"  # the same variable platforms/cpu.py honours
+# Replaces the flags read from /proc/cpuinfo (space-separated): runs the native-bf16 branches
+# on a CPU without it (or the fp32 ones on a CPU with it), e.g. to test both on one machine.
+CPU_FLAGS_ENV = "WICK_CPU_FLAGS"
 CPU_ISA_ENV = "WICK_CPU_ISA"
 
 
@@ -51,11 +53,11 @@ def cpu_flags() -> frozenset[str]:
     faked = os.environ.get(CPU_FLAGS_ENV)
     if faked is not None:
         return frozenset(faked.split())
-    return _read_cpu_flags("/proc/cpuinfo")
+    return read_cpu_flags("/proc/cpuinfo")
 
 
 @cache
-def _read_cpu_flags(cpuinfo: str) -> frozenset[str]:
+def read_cpu_flags(cpuinfo: str) -> frozenset[str]:
     try:
         with open(cpuinfo) as f:
             for line in f:
