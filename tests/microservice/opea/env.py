@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from tests.ports import free_port
+
 HERE = Path(__file__).parent
 REQUIREMENTS = HERE / "requirements.txt"
 INSTALL_TIMEOUT_S = 900
@@ -49,12 +51,6 @@ def opea_python() -> Path:
             raise RuntimeError(f"installing {wanted.strip()} failed:\n{done.stderr[-4000:]}")
         stamp.write_text(wanted)
     return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
