@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
+
+from tests.loopback import serve_asgi
 
 
 @dataclass
@@ -104,27 +103,6 @@ class FakeOpenAI:
         yield "data: [DONE]\n\n"
 
 
-@contextmanager
-def serve(fake: FakeOpenAI) -> Iterator[str]:
-    """Run `fake` with uvicorn on a free loopback port in a thread; yields its base URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(fake.app(), log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("fake OpenAI server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+def serve(fake: FakeOpenAI) -> AbstractContextManager[str]:
+    """Run `fake` on a free loopback port in a thread; the context yields its base URL."""
+    return serve_asgi(fake.app(), lifespan="off")

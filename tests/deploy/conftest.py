@@ -13,7 +13,7 @@ import helm_python
 import pytest
 import yaml
 
-from tests.ports import free_port  # noqa: F401 (re-exported for the suites' tests)
+from tests.loopback import free_port  # noqa: F401 (re-exported for the suites' tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "wick"

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from model_server.loader.embedded import embedded_model_available
-from tests.ports import free_port
+from tests.loopback import free_port
 
 SERVE_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "256MiB")
 READY_TIMEOUT_S = 240.0

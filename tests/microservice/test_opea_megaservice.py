@@ -23,7 +23,8 @@ from microservice.connectors import make_connector
 from microservice.rag import default_prompt
 from microservice.settings import MicroserviceSettings
 from tests.fake_openai_server import FakeOpenAI, serve
-from tests.microservice.opea.env import Megaservice, serve_asgi, start_megaservice
+from tests.loopback import serve_asgi
+from tests.microservice.opea.env import Megaservice, start_megaservice
 
 SERVED = "served-model"
 QUESTION = "What is the code word?"

@@ -86,6 +86,15 @@ static inline void bf16_to_f32_row(const bf16_t *restrict src, float *restrict d
   }
 }
 
+/* One cached K or V row as fp32: in place for an fp32 cache; converted into `buf` for bf16
+ * (once per row, then reused by every query row of the work item). */
+static inline const float *cache_row(const void *cache, const int64_t at, const int is_bf16,
+                                     float *restrict buf, const int head_dim) {
+  if (!is_bf16) return (const float *)cache + at;
+  bf16_to_f32_row((const bf16_t *)cache + at, buf, 1.f, head_dim);
+  return buf;
+}
+
 /* fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN. */
 static inline bf16_t f32_to_bf16(float f) {
   union {
@@ -207,13 +216,8 @@ static inline __attribute__((always_inline)) void attend(
       const int64_t at = (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride;
       for (int kk = 0; kk < nkh; kk++) {
         const int64_t kat = at + (int64_t)(kh0 + kk) * head_dim;
-        const float *k;
-        if (is_bf16 && !dp) { /* convert the row once, reused by nq * group query rows */
-          bf16_to_f32_row((const bf16_t *)k_cache + kat, kvrow, 1.f, head_dim);
-          k = kvrow;
-        } else {
-          k = (const float *)k_cache + kat;
-        }
+        /* With vdpbf16ps the bf16 row is read as it is: nothing to convert. */
+        const float *k = dp ? NULL : cache_row(k_cache, kat, is_bf16, kvrow, head_dim);
         for (int jj = jj_lo; jj < nq; jj++)
           for (int g = 0; g < group; g++) {
             const int r = (kk * nq + jj) * group + g;
@@ -263,13 +267,7 @@ static inline __attribute__((always_inline)) void attend(
       const int64_t at = (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride;
       for (int kk = 0; kk < nkh; kk++) {
         const int64_t vat = at + (int64_t)(kh0 + kk) * head_dim;
-        const float *v;
-        if (is_bf16) {
-          bf16_to_f32_row((const bf16_t *)v_cache + vat, kvrow, 1.f, head_dim);
-          v = kvrow;
-        } else {
-          v = (const float *)v_cache + vat;
-        }
+        const float *v = cache_row(v_cache, vat, is_bf16, kvrow, head_dim);
         for (int jj = jj_lo; jj < nq; jj++)
           for (int g = 0; g < group; g++) {
             const int r = (kk * nq + jj) * group + g;

@@ -8,20 +8,16 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.ports import free_port
+from tests.loopback import free_port
 
 HERE = Path(__file__).parent
 REQUIREMENTS = HERE / "requirements.txt"
@@ -120,28 +116,3 @@ def start_megaservice(log_dir: Path, graphs: dict[str, dict[str, Any]]) -> Megas
         time.sleep(0.2)
     service.stop()
     raise TimeoutError(f"megaservice not up after 90 s:\n{service.log()}")
-
-
-@contextmanager
-def serve_asgi(app: Any) -> Iterator[str]:
-    """`app` under uvicorn on a free loopback port, in a thread; yields its base URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the loopback server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
