@@ -226,7 +226,7 @@ def test_builds_are_cached_per_isa(tmp_path, monkeypatch) -> None:
     try:
         for isa in RUNNABLE[-2:]:
             assert native.load_kernels(isa) is not None
-        built = sorted(p.name for p in (tmp_path / "kernels").glob("paged_attention-*.so"))
+        built = sorted(p.name for p in (tmp_path / "kernels").glob("wick_cpu-*.so"))
         assert [name.split("-")[1] for name in built] == sorted(RUNNABLE[-2:])
         mtimes = [(tmp_path / "kernels" / n).stat().st_mtime_ns for n in built]
         native.clear_cache()

@@ -1,6 +1,7 @@
-"""Native CPU attention: paged_attention.c, compiled on first use with the system's C compiler for
-the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch
-headers, so a build takes about a second).
+"""Native CPU kernels: the C files in SOURCES (paged attention, and the ones each file's docstring
+names), compiled together into one library on first use with the system's C compiler for the best
+vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a
+build takes about a second). `NativeKernels.lib` binds every file's entry points (`_bind`).
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -30,7 +31,10 @@ from model_server.kernels.cpu.isa import ISAS, Isa, choose_isas
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+_HERE = Path(__file__).parent
+# Compiled as one library; HEADERS are part of the cache key.
+SOURCES: tuple[Path, ...] = (_HERE / "paged_attention.c",)
+HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h",)
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source.
 _COMMON = ("-O3", "-fopenmp-simd", "-fno-strict-aliasing")
@@ -63,11 +67,12 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
-    """Compile SOURCE into `target` atomically; returns an error text or None on success."""
+    """Compile SOURCES into `target` atomically; returns an error text or None on success."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", str(SOURCE), "-o", tmp, "-lm"]
+    sources = [str(p) for p in SOURCES]
+    cmd = [cc, *flags, "-shared", "-fPIC", "-std=c11", *sources, "-o", tmp, "-lm"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
@@ -121,14 +126,14 @@ def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
 
 
 def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     for threading in _THREADING:
         flags = (*_COMMON, *isa.cflags, *threading)
         key = hashlib.sha256(
             b"|".join([source, cc.encode(), isa.name.encode(), " ".join(flags).encode()])
         ).hexdigest()[:16]
         for directory in _cache_dirs():
-            target = directory / f"paged_attention-{isa.name}-{key}.so"
+            target = directory / f"wick_cpu-{isa.name}-{key}.so"
             if not target.is_file():
                 start = time.perf_counter()
                 try:
@@ -152,7 +157,9 @@ def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Argument and return types of every entry point, one block per source file."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    # paged_attention.c
     fn = lib.wick_paged_attention
     fn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32]
     fn.argtypes += [ctypes.c_float, i32, i64]

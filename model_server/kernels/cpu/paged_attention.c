@@ -30,13 +30,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "wick_cpu.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 #define QUERY_TILE 16 /* queries per prefill work item: K/V rows are reused this many times */
-
-typedef uint16_t bf16_t;
 
 /* Which build this is, for the loader's log and the tests. */
 const char *wick_isa(void) {
@@ -51,41 +51,6 @@ const char *wick_isa(void) {
 #endif
 }
 
-/* exp(x) for x <= 0 (scores minus their row max) in plain arithmetic, so that the softmax loop
- * vectorizes (glibc's expf is one scalar call per score). Cephes' expf: x = n ln2 + r, ln2 split
- * in two for exactness, e^r by a polynomial, 2^n added to the exponent bits. Relative error
- * below 1e-7; inputs below -87 are clamped (e^-87 ~ 1.6e-38, nothing next to the max's 1). */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = (float)(int)(x * 1.44269504088896341f - 0.5f); /* rounded, x <= 0 */
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  union {
-    float f;
-    int32_t i;
-  } bits = {p};
-  bits.i += (int32_t)n << 23;
-  return bits.f;
-}
-
-/* bf16 row -> fp32 row times `mul`: the bf16 bits are the fp32's upper half. */
-static inline void bf16_to_f32_row(const bf16_t *restrict src, float *restrict dst, float mul,
-                                   int n) {
-  uint32_t *restrict bits = (uint32_t *)dst;
-#pragma omp simd
-  for (int i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
-  if (mul != 1.f) {
-#pragma omp simd
-    for (int i = 0; i < n; i++) dst[i] *= mul;
-  }
-}
-
 /* One cached K or V row as fp32: in place for an fp32 cache; converted into `buf` for bf16
  * (once per row, then reused by every query row of the work item). */
 static inline const float *cache_row(const void *cache, const int64_t at, const int is_bf16,
@@ -93,16 +58,6 @@ static inline const float *cache_row(const void *cache, const int64_t at, const 
   if (!is_bf16) return (const float *)cache + at;
   bf16_to_f32_row((const bf16_t *)cache + at, buf, 1.f, head_dim);
   return buf;
-}
-
-/* fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN. */
-static inline bf16_t f32_to_bf16(float f) {
-  union {
-    float f;
-    uint32_t u;
-  } b = {f};
-  if ((b.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b.u >> 16) | 0x40u);
-  return (bf16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
 }
 
 /* Off by default: with Q.K on vdpbf16ps, SmolLM2-135M in bf16 on a Zen 4 EPYC answered

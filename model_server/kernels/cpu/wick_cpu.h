@@ -1,0 +1,55 @@
+/* Helpers shared by the CPU kernels (kernels/cpu/*.c): bf16 <-> fp32 and a vectorizable exp.
+ * Everything is static inline: each kernel file is its own translation unit of one library. */
+#ifndef WICK_CPU_H
+#define WICK_CPU_H
+
+#include <stdint.h>
+
+typedef uint16_t bf16_t;
+
+/* exp(x) for x <= 0 (scores minus their row max) in plain arithmetic, so that the softmax loop
+ * vectorizes (glibc's expf is one scalar call per score). Cephes' expf: x = n ln2 + r, ln2 split
+ * in two for exactness, e^r by a polynomial, 2^n added to the exponent bits. Relative error
+ * below 1e-7; inputs below -87 are clamped (e^-87 ~ 1.6e-38, nothing next to the max's 1). */
+static inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = (float)(int)(x * 1.44269504088896341f - 0.5f); /* rounded, x <= 0 */
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  union {
+    float f;
+    int32_t i;
+  } bits = {p};
+  bits.i += (int32_t)n << 23;
+  return bits.f;
+}
+
+/* bf16 row -> fp32 row times `mul`: the bf16 bits are the fp32's upper half. */
+static inline void bf16_to_f32_row(const bf16_t *restrict src, float *restrict dst, float mul,
+                                   int n) {
+  uint32_t *restrict bits = (uint32_t *)dst;
+#pragma omp simd
+  for (int i = 0; i < n; i++) bits[i] = (uint32_t)src[i] << 16;
+  if (mul != 1.f) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) dst[i] *= mul;
+  }
+}
+
+/* fp32 -> bf16, round to nearest even; NaN stays a (quiet) NaN. */
+static inline bf16_t f32_to_bf16(float f) {
+  union {
+    float f;
+    uint32_t u;
+  } b = {f};
+  if ((b.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b.u >> 16) | 0x40u);
+  return (bf16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+#endif /* WICK_CPU_H */
