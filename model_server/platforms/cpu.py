@@ -127,6 +127,12 @@ class CpuPlatform(Platform):
             if report.extra_bytes
             else "",
         )
+        if report.busy:
+            logger.warning(
+                "other processes used %.0f%% of the CPU while the matmuls were timed: the "
+                "choice may be off, and is not cached (timed again at the next start)",
+                100 * report.others_share,
+            )
         for line in report.lines:
             logger.info("cpu linear %s", line)
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from model_server.kernels.cpu.cpu_load import LoadWindow
 from model_server.kernels.cpu.linear import (
     _BLOCK_BYTES,
     bmm_row_split,
@@ -50,11 +51,10 @@ from model_server.kernels.table import Int8LinearFn, LinearFn
 
 logger = logging.getLogger(__name__)
 
-# "1" (or on/true/yes) turns the timing on; unset or anything else: the fixed kernels of
-# kernels/cpu/linear.py, nothing timed. Opt-in until measured on a quiet machine: timed on a busy
-# one (a 2-core box under other jobs' load), the plans favoured single-thread kernels and fp32
-# batch-1 decode ran 24-26 tok/s against the fixed table's 35, and the cached plan outlives the
-# load it was timed under.
+# On unless "0" (or off/false/no): then the fixed kernels of kernels/cpu/linear.py, nothing
+# timed. Timings taken while other processes kept the machine busy (kernels/cpu/cpu_load.py) are
+# used for that start only, never cached: on a 2-core box under another job's load the plans
+# favoured single-thread kernels (fp32 batch-1 decode 24-26 tok/s against the fixed table's 35).
 TUNING_ENV = "WICK_CPU_LINEAR_TUNING"
 # Seconds of timing at most per start (all shapes together); buckets left untimed take the
 # choice of the largest timed one.
@@ -95,7 +95,7 @@ BucketTimes = list[dict[str, float]]
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get(TUNING_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return os.environ.get(TUNING_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def tuning_budget_s() -> float:
@@ -367,6 +367,9 @@ class TuningReport:
     seconds: float = 0.0
     extra_bytes: int = 0
     lines: list[str] = field(default_factory=list)
+    # Share of the cores other processes used while timing; above BUSY_SHARE nothing was cached.
+    others_share: float = 0.0
+    busy: bool = False
 
 
 def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
@@ -443,16 +446,22 @@ def tune_cpu_linears(
             group.times, group.from_cache = times, True
     pending = [g for g in groups.values() if not g.from_cache]
     start = time.perf_counter()
+    window = LoadWindow()
     budget = tuning_budget_s() if budget_s is None else budget_s
     for i, group in enumerate(pending):
         # An equal share of what is left to each shape still to time.
         now = time.perf_counter()
         left = budget - (now - start)
         _time_group(group, now + max(0.0, left) / (len(pending) - i))
-        cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
     report.seconds = time.perf_counter() - start
     report.timed, report.cached = len(pending), len(groups) - len(pending)
-    cache.save()
+    if pending:
+        report.others_share = window.others_share()
+        report.busy = window.busy_machine()
+    if not report.busy:  # busy timings serve this start only (see TUNING_ENV)
+        for group in pending:
+            cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
+        cache.save()
     for group in groups.values():
         if group.int8:
             text = _plan_int8(group, int8)
