@@ -33,7 +33,6 @@ from model_server.kernels.cpu.linear_tuning import (
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.portable import int8_linear_dequant
-from model_server.kernels.table import KernelTable
 from model_server.platforms import cpu as cpu_platform
 from model_server.platforms import get_platform
 
@@ -251,14 +250,12 @@ def test_the_real_timer_drops_failing_candidates_and_keeps_the_minimum() -> None
 def test_tuning_off_is_the_fixed_table(monkeypatch: pytest.MonkeyPatch) -> None:
     platform = get_platform("cpu")
     monkeypatch.delenv(TUNING_ENV, raising=False)  # off unless asked for
-    assert platform.kernel_table() == KernelTable(
-        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
-    )
+    fixed_matmuls = (cpu_platform.skinny_linear, cpu_platform.int8_linear)
+    table = platform.kernel_table()
+    assert (table.linear, table.int8_linear) == fixed_matmuls
     monkeypatch.setenv(TUNING_ENV, "0")
     fixed = platform.kernel_table()
-    assert fixed == KernelTable(
-        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
-    )
+    assert fixed is table  # one shared table (per native build)
     monkeypatch.setenv(TUNING_ENV, "1")
     tuned = platform.kernel_table()
     assert isinstance(tuned.linear, CpuLinear) and isinstance(tuned.int8_linear, CpuInt8Linear)
