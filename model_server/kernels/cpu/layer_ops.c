@@ -45,13 +45,17 @@ static inline void store(void *row, const int64_t i, const float v, const int is
   }
 }
 
+static inline int64_t elem_size(const int is_bf16) {
+  return is_bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
+}
+
 /* The row `offset` elements into `base`. */
 static inline const void *at(const void *base, const int64_t offset, const int is_bf16) {
-  return (const char *)base + offset * (is_bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float));
+  return (const char *)base + offset * elem_size(is_bf16);
 }
 
 static inline void *at_mut(void *base, const int64_t offset, const int is_bf16) {
-  return (char *)base + offset * (is_bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float));
+  return (char *)base + offset * elem_size(is_bf16);
 }
 
 /* Rows of a [A, B, N] tensor with unit stride along N: row r starts at
