@@ -164,11 +164,11 @@ def test_rms_norm_other_layouts(isa) -> None:
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rms_norm_threaded(isa, dtype, two_threads) -> None:
-    """A prefill-sized step (2048 x 577) splits its rows over two threads: the same rows as on
+    """A long prefill's rows (4096 x 577) split over two threads: the same rows as on
     one thread, bit for bit, and PyTorch's numerics."""
     kernels = _kernels(isa)
-    x = _randn(2048, 577, dtype=dtype, seed=11)
-    residual = _randn(2048, 577, dtype=dtype, seed=12)
+    x = _randn(4096, 577, dtype=dtype, seed=11)
+    residual = _randn(4096, 577, dtype=dtype, seed=12)
     weight = _weight(577, dtype)
     assert x.numel() >= THREADS * layer_ops.MIN_ELEMENTS_PER_THREAD
     out, summed = layer_ops.fused_add_rms_norm(kernels, x, residual, weight, 1e-6)
@@ -218,6 +218,7 @@ def test_silu_and_mul_layouts_and_extremes(isa) -> None:
 def test_silu_and_mul_threaded(isa, dtype, two_threads) -> None:
     kernels = _kernels(isa)
     x = _randn(1024, 2 * 1536, dtype=dtype, seed=16)
+    assert 3 * x.numel() // 2 >= THREADS * layer_ops.MIN_ELEMENTS_PER_THREAD
     out = layer_ops.silu_and_mul(kernels, x)
     assert torch.equal(out, layer_ops.silu_and_mul(kernels, x, min_work_per_thread=1 << 40))
     _assert_close(out, portable.silu_and_mul_torch(x))
@@ -286,9 +287,10 @@ def test_rotary_contiguous_and_int32_positions(isa) -> None:
 @pytest.mark.parametrize("isa", RUNNABLE)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rotary_threaded(isa, dtype, two_threads) -> None:
-    tokens = 2048
+    tokens = 4096
     positions = torch.arange(tokens).flip(0)
     _, q, k = _qkv_views(tokens, 9, 3, 64, dtype, seed=20)
+    assert q.numel() + k.numel() >= THREADS * layer_ops.MIN_ELEMENTS_PER_THREAD
     cache = _rope(64, tokens, dtype)
     kernels = _kernels(isa)
     q_out, k_out = layer_ops.rotary_embedding(kernels, positions, q, k, cache)

@@ -30,10 +30,12 @@ logger = logging.getLogger(__name__)
 
 # Values of the kernels' `dtype` argument (as in native.py).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Elements (read or written) worth another thread: these ops stream memory at a few elements
-# per nanosecond, so 2^18 is ~0.1 ms, well above a fork/join. A decode step's rows (a few
-# thousand elements) and a short prompt's stay on the calling thread.
-MIN_ELEMENTS_PER_THREAD = 1 << 18
+# Elements (read or written) worth another thread: these ops stream 1-5 elements per
+# nanosecond, so 2^20 is 0.2-1 ms of work, like paged attention's MIN_WORK_PER_THREAD. A fork/
+# join costs microseconds on an idle machine but a scheduler tick (milliseconds, measured) when
+# another process holds the second core: a decode step's rows and short prompts stay on the
+# calling thread.
+MIN_ELEMENTS_PER_THREAD = 1 << 20
 
 
 @cache
@@ -47,17 +49,32 @@ def _warn_fallback(kernel: str, reason: str) -> None:
     )
 
 
+def _dtype_code(*tensors: torch.Tensor) -> int | None:
+    """The kernels' dtype code when the tensors are CPU tensors of one dtype they take, else
+    None (`_dtype_reason` then says why). Cheap: it runs on every call."""
+    dtype = tensors[0].dtype
+    code = _DTYPE_CODES.get(dtype)
+    if code is None or not all(t.is_cpu and t.dtype == dtype for t in tensors):
+        return None
+    return code
+
+
 def _dtype_reason(tensors: dict[str, torch.Tensor]) -> str | None:
     """Why the C kernels cannot take these tensors (named for the message), or None."""
     first_name, first = next(iter(tensors.items()))
-    if first.device.type != "cpu":
-        return f"runs on the CPU only, not {first.device.type}"
+    for name, t in tensors.items():
+        if not t.is_cpu:
+            return f"{name} is on {t.device.type}, not the CPU"
     if first.dtype not in _DTYPE_CODES:
         return f"dtype {first.dtype} is not supported (float32 and bfloat16 are)"
     for name, t in tensors.items():
         if t.dtype != first.dtype:
             return f"{name} is {t.dtype} while {first_name} is {first.dtype}"
     return None
+
+
+def _fallback(kernel: str, reason: str | None) -> None:
+    _warn_fallback(kernel, reason or "unsupported inputs")
 
 
 def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -67,18 +84,30 @@ def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     dims do not merge into two."""
     if t.stride(-1) != 1:
         t = t.contiguous()
+    if t.dim() == 2:  # the hidden states: the common case first
+        return t, 1, t.stride(0), 0
     if t.dim() == 1:
         return t, 1, 0, 0
     if t.dim() > 3:
         t = t.reshape(-1, *t.shape[-2:])  # a view when the leading dims merge, else a copy
-    if t.dim() == 2:
-        return t, 1, t.stride(0), 0
     a, b, _ = t.shape
     if b == 1:
         return t, 1, t.stride(0), 0
     if a == 1 or t.stride(0) == b * t.stride(1):  # evenly spaced rows
         return t, 1, t.stride(1), 0
     return t, b, t.stride(0), t.stride(1)  # e.g. Qwen3's [T, H, D] heads of the fused qkv
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------------
+
+
+def _norm_code(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> int | None:
+    """The dtype code when the C RMSNorm takes these inputs, else None (`_norm_reason`)."""
+    if weight.shape != x.shape[-1:]:
+        return None
+    if residual is None:
+        return _dtype_code(x, weight)
+    return _dtype_code(x, weight, residual) if residual.shape == x.shape else None
 
 
 def _norm_reason(
@@ -96,21 +125,26 @@ def _norm_reason(
 
 def _rms_norm_call(
     kernels: NativeKernels,
+    code: int,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     min_work_per_thread: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(normalized, x + residual or None) as new contiguous tensors of x's shape; x has rows."""
+    """(normalized, x + residual or None) as new contiguous tensors of x's shape."""
     n = x.shape[-1]
+    num_rows = x.numel() // n if n else 0
     out = torch.empty(x.shape, dtype=x.dtype)
     sum_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    if num_rows == 0:
+        return out, sum_out
     x, x_inner, x_outer, x_inner_stride = _row_layout(x)
     r_layout = (None, 1, 0, 0) if residual is None else _row_layout(residual)
-    weight = weight.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
     kernels.lib.wick_rms_norm(
-        _DTYPE_CODES[x.dtype],
+        code,
         x.data_ptr(),
         x_inner,
         x_outer,
@@ -120,7 +154,7 @@ def _rms_norm_call(
         weight.data_ptr(),
         out.data_ptr(),
         None if sum_out is None else sum_out.data_ptr(),
-        out.numel() // n,
+        num_rows,
         n,
         eps,
         torch.get_num_threads(),
@@ -139,13 +173,11 @@ def rms_norm(
 ) -> torch.Tensor:
     """x [..., N] (any layout with unit stride along N is read in place), weight [N] ->
     weight * normalized x, a new contiguous tensor: `rms_norm_torch`'s numerics."""
-    reason = _norm_reason(x, weight, None)
-    if reason is not None:
-        _warn_fallback("rms_norm", reason)
+    code = _norm_code(x, weight, None)
+    if code is None:
+        _fallback("rms_norm", _norm_reason(x, weight, None))
         return rms_norm_torch(x, weight, eps)
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype)
-    return _rms_norm_call(kernels, x, None, weight, eps, min_work_per_thread)[0]
+    return _rms_norm_call(kernels, code, x, None, weight, eps, min_work_per_thread)[0]
 
 
 def fused_add_rms_norm(
@@ -159,15 +191,16 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (same shape, rounded to the dtype) -> (rms_norm(s), s), both new
     tensors: `fused_add_rms_norm_torch`'s numerics."""
-    reason = _norm_reason(x, weight, residual)
-    if reason is not None:
-        _warn_fallback("fused_add_rms_norm", reason)
+    code = _norm_code(x, weight, residual)
+    if code is None:
+        _fallback("fused_add_rms_norm", _norm_reason(x, weight, residual))
         return fused_add_rms_norm_torch(x, residual, weight, eps)
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
-    out, sum_out = _rms_norm_call(kernels, x, residual, weight, eps, min_work_per_thread)
+    out, sum_out = _rms_norm_call(kernels, code, x, residual, weight, eps, min_work_per_thread)
     assert sum_out is not None
     return out, sum_out
+
+
+# ---- SiLU-and-mul ------------------------------------------------------------------------------
 
 
 def silu_and_mul(
@@ -178,21 +211,21 @@ def silu_and_mul(
 ) -> torch.Tensor:
     """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d] tensor:
     `silu_and_mul_torch`'s numerics (silu rounded to the dtype before the product)."""
-    reason = _dtype_reason({"x": x})
-    if reason is None and x.shape[-1] % 2:
-        reason = f"last dim {x.shape[-1]} is odd"
-    if reason is not None:
-        _warn_fallback("silu_and_mul", reason)
+    code = _dtype_code(x)
+    if code is None or x.shape[-1] % 2:
+        _fallback("silu_and_mul", _dtype_reason({"x": x}) or f"last dim {x.shape[-1]} is odd")
         return silu_and_mul_torch(x)
     d = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    if x.dim() == 2:  # the MLP's [T, 2d], read as it is
+        rows, out = x, torch.empty(x.shape[0], d, dtype=x.dtype)
+    else:
+        rows, out = x.reshape(-1, 2 * d), torch.empty((*x.shape[:-1], d), dtype=x.dtype)
     if out.numel() == 0:
         return out
-    rows = x.reshape(-1, 2 * d)  # a view for the MLP's [T, 2d]
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     kernels.lib.wick_silu_and_mul(
-        _DTYPE_CODES[x.dtype],
+        code,
         rows.data_ptr(),
         rows.stride(0),
         out.data_ptr(),
@@ -204,22 +237,35 @@ def silu_and_mul(
     return out
 
 
+# ---- Rotary embedding --------------------------------------------------------------------------
+
+
+def _rotary_shapes_ok(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> bool:
+    """query [T, H, D], key [T, Hkv, D], positions [T], cache [P, D], D even."""
+    if query.dim() != 3 or key.dim() != 3 or cos_sin_cache.dim() != 2:
+        return False
+    num_tokens, _, head_dim = query.shape
+    return (
+        key.shape[0] == num_tokens
+        and key.shape[2] == head_dim
+        and cos_sin_cache.shape[1] == head_dim
+        and head_dim % 2 == 0
+        and positions.shape == query.shape[:1]
+    )
+
+
 def _rotary_reason(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> str | None:
-    if query.dim() != 3 or key.dim() != 3 or query.shape[-1] != key.shape[-1]:
-        return f"query {tuple(query.shape)} and key {tuple(key.shape)} are not [T, heads, D]"
-    if positions.shape != query.shape[:1] or key.shape[0] != query.shape[0]:
-        return f"positions {tuple(positions.shape)} do not match the tokens of q and k"
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != query.shape[2]:
-        return f"cos_sin_cache {tuple(cos_sin_cache.shape)} does not match head_dim"
-    if query.shape[2] % 2:
-        return f"head_dim {query.shape[2]} is odd"
+    if not _rotary_shapes_ok(positions, query, key, cos_sin_cache):
+        return (
+            f"positions {tuple(positions.shape)}, query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)} and cos_sin_cache {tuple(cos_sin_cache.shape)} are not "
+            "[T], [T, H, D], [T, Hkv, D] and [max_position, D] with an even D"
+        )
     return _dtype_reason({"query": query, "key": key, "cos_sin_cache": cos_sin_cache})
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def rotary_embedding(
@@ -235,21 +281,25 @@ def rotary_embedding(
     read in place: views of the fused qkv projection), positions [T] int, cos_sin_cache
     [max_position, D] (cos | sin) -> new contiguous (query, key): `rotary_embedding_torch`'s
     numerics. IndexError for a position outside the cache."""
-    reason = _rotary_reason(positions, query, key, cos_sin_cache)
-    if reason is not None:
-        _warn_fallback("rotary_embedding", reason)
+    code = _dtype_code(query, key, cos_sin_cache)
+    if code is None or not _rotary_shapes_ok(positions, query, key, cos_sin_cache):
+        _fallback("rotary_embedding", _rotary_reason(positions, query, key, cos_sin_cache))
         return rotary_embedding_torch(positions, query, key, cos_sin_cache)
     num_tokens, num_heads, head_dim = query.shape
     q_out = torch.empty(query.shape, dtype=query.dtype)
     k_out = torch.empty(key.shape, dtype=key.dtype)
     if num_tokens == 0:
         return q_out, k_out
-    query, key = _unit_last_stride(query), _unit_last_stride(key)
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if key.stride(2) != 1:
+        key = key.contiguous()
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
-    cos_sin_cache = cos_sin_cache.contiguous()
+    if not cos_sin_cache.is_contiguous():
+        cos_sin_cache = cos_sin_cache.contiguous()
     status = kernels.lib.wick_rotary_neox(
-        _DTYPE_CODES[query.dtype],
+        code,
         positions.data_ptr(),
         num_tokens,
         cos_sin_cache.data_ptr(),
