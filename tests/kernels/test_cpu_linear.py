@@ -33,7 +33,6 @@ from model_server.kernels.cpu.linear_tuning import (
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.portable import int8_linear_dequant
-from model_server.kernels.table import KernelTable
 from model_server.platforms import cpu as cpu_platform
 from model_server.platforms import get_platform
 
@@ -320,10 +319,11 @@ def test_tuning_off_is_the_fixed_table(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TUNING_ENV, raising=False)  # on unless turned off
     assert isinstance(platform.kernel_table().linear, CpuLinear)
     monkeypatch.setenv(TUNING_ENV, "0")
+    fixed_matmuls = (cpu_platform.skinny_linear, cpu_platform.int8_linear)
+    table = platform.kernel_table()
+    assert (table.linear, table.int8_linear) == fixed_matmuls
     fixed = platform.kernel_table()
-    assert fixed == KernelTable(
-        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
-    )
+    assert fixed is table  # one shared table (per native build)
     monkeypatch.setenv(TUNING_ENV, "1")
     tuned = platform.kernel_table()
     assert isinstance(tuned.linear, CpuLinear) and isinstance(tuned.int8_linear, CpuInt8Linear)
