@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as one library; HEADERS are part of the cache key.
-SOURCES: tuple[Path, ...] = (_HERE / "paged_attention.c",)
+SOURCES: tuple[Path, ...] = (_HERE / "paged_attention.c", _HERE / "gemm.c")
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h",)
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source.
@@ -165,6 +165,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.argtypes += [ctypes.c_float, i32, i64]
     fn.restype = i32
     lib.wick_isa.restype = ctypes.c_char_p
+    # gemm.c
+    fn = lib.wick_gemm
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64]
+    fn.restype = i32
+    lib.wick_gemm_has_dpbf16.restype = i32
+    fn = lib.wick_gemm_packed
+    fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_gemm as packed int64s
+    fn.restype = i32
     return lib
 
 
