@@ -120,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.3, help="timing per (shape, dtype, rows)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads} | load {os.getloadavg()[0]:.2f} (1 min) | torch {torch.__version__}")
+    load = os.getloadavg()[0]
+    print(f"threads {args.threads} | load {load:.2f} (1 min) | torch {torch.__version__}")
     for dtype_name in args.dtypes.split(","):
         for k, n in _shape_list(args.shapes):
             bench_shape(
