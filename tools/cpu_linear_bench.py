@@ -7,8 +7,11 @@ F.linear, oneDNN with a prepacked weight, and the fixed fp32 table's `skinny_lin
 Each (shape, dtype) cycles through copies of the weight that together exceed the last-level
 cache (`--footprint-mb`), as a model's layers do, so that the weight streams from memory rather
 than from L3. Candidates run interleaved (a noisy neighbour slows all alike); a line gives each
-one's median time per call and the weight bytes it streamed per second at that time. Note the
-machine's load (`uptime`) next to any figure: on a shared machine timings move by 2x.
+one's median time per call, the fastest call in parentheses, and the weight bytes streamed per
+second at the median. `native_shift` is the native kernel's bf16 path without vdpbf16ps. Note
+the machine's load (`uptime`) next to any figure: on a shared machine timings move by 2x, and
+with more runnable threads than cores a threaded call can wait a scheduler tick (4-16 ms) for a
+descheduled thread.
 """
 
 from __future__ import annotations
@@ -68,10 +71,10 @@ def candidates(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[str,
 
 def time_interleaved(
     calls: dict[str, LinearCall], x: torch.Tensor, copies: int, seconds: float
-) -> dict[str, float]:
-    """Median seconds per call of each candidate: rounds of one call each, for about `seconds`
-    (at least 5 rounds). Every call reads the next weight copy, so that no call finds the
-    weight its predecessor just pulled into the cache."""
+) -> dict[str, tuple[float, float]]:
+    """(median, min) seconds per call of each candidate: rounds of one call each, for about
+    `seconds` (at least 5 rounds). Every call reads the next weight copy, so that no call finds
+    the weight its predecessor just pulled into the cache."""
     for call in calls.values():  # warm-up: oneDNN primitives, the native build
         for i in range(min(copies, 2)):
             call(x, i)
@@ -85,7 +88,7 @@ def time_interleaved(
             samples[name].append(time.perf_counter() - t0)
             calls_made += 1
         rounds += 1
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return {name: (statistics.median(s), min(s)) for name, s in samples.items()}
 
 
 def bench_shape(
@@ -100,8 +103,8 @@ def bench_shape(
         x = torch.randn(m, k, generator=gen).to(dtype)
         times = time_interleaved(calls, x, copies, seconds)
         cells = [
-            f"{name} {t * 1e6:8.1f} us {weight_bytes / t / 1e9:5.1f} GB/s"
-            for name, t in times.items()
+            f"{name} {med * 1e6:7.1f} us ({low * 1e6:7.1f}) {weight_bytes / med / 1e9:5.1f} GB/s"
+            for name, (med, low) in times.items()
         ]
         print(f"{k:>5}x{n:<6} {str(dtype)[6:]:<8} M={m:<3} | " + " | ".join(cells), flush=True)
 
