@@ -23,9 +23,12 @@ from model_server.kernels.cpu import native
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # wick_gemm's arguments, in its order, as wick_gemm_packed reads them.
 _ARGS = struct.Struct("=12q")
-# Multiply-adds that justify one more thread: smaller matmuls run on fewer threads than torch's
-# rather than paying a fork/join (measured on a Zen 4, 2 threads: see gemm.c's threading note).
-MIN_WORK_PER_THREAD = 1 << 18
+# Multiply-adds that justify one more thread: smaller matmuls run on fewer threads than torch's.
+# On a Zen 4 with 2 threads, a second thread took 10% off 37K multiply-adds (one row of 576x64,
+# ~10 us), 24% off 111K and 40-45% from 332K on (one row of SmolLM2's o_proj), when it got a
+# core at once; on a loaded machine a fork/join can wait a scheduler tick for a descheduled
+# thread, which only a large matmul can afford to risk.
+MIN_WORK_PER_THREAD = 1 << 17
 
 
 @cache
