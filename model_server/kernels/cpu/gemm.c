@@ -13,9 +13,10 @@
  * thread (each thread streams its own part of W), and a range is taken TILE_N rows at a time;
  * every row of x meets those rows while they are in L1 (x itself, M * K values, stays in L2).
  * A register tile is up to TILE_M rows of x by TILE_N rows of W: TILE_M * TILE_N vector
- * accumulators over the whole of K (no K blocking: SmolLM2's K of 576 and 1536 keep a tile's W
- * rows, 4.5-12 KB in bf16, in L1), reduced four W rows at a time into the four adjacent outputs
- * of a row of y. While the first rows of x run, the W rows PREFETCH_BYTES ahead are prefetched:
+ * accumulators over the whole of K, reduced four W rows at a time into the four adjacent outputs
+ * of a row of y. No K blocking: SmolLM2's K of 576 and 1536 keep a tile's W rows (4.5-12 KB in
+ * bf16) in L1, and where they do not (K = 4096, 14336) the later rows of x read them from L2
+ * about as fast: blocks of 1024-4096 values of K were no faster (Zen 4, 1-16 rows of x). While the first rows of x run, the W rows PREFETCH_BYTES ahead are prefetched:
  * rows of a few hundred values are too short for the hardware prefetcher to ramp up on (1.5-2x
  * at one row of x on a Zen 4, W read from memory).
  *
