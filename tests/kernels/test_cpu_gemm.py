@@ -1,8 +1,8 @@
 """The native skinny matmul (kernels/cpu/gemm.c, gemm.py) against F.linear on every ISA path this
 machine runs (AVX2 and generic forced on AVX-512 machines), fp32 and bf16 (on avx512_bf16 both
-bf16 paths: vdpbf16ps and the shift), decode row counts, odd K and N (vector and tile tails),
-bias, strided and non-contiguous x, the threaded and the single-thread split, and the inputs
-F.linear serves instead."""
+bf16 paths: vdpbf16ps from 4 rows of x, the shift below that and where turned off), decode row
+counts, odd K and N (vector and tile tails), bias, strided and non-contiguous x, the threaded
+and the single-thread split, and the inputs F.linear serves instead."""
 
 from __future__ import annotations
 

@@ -58,7 +58,8 @@ def gemm_linear(
 ) -> torch.Tensor:
     """F.linear on the native skinny matmul: weight [N, K] streamed once for all of x's rows, on
     up to torch's thread count (fewer for a small matmul; 0 `min_work_per_thread`: all).
-    `use_dpbf16`: bf16 on vdpbf16ps where the build has it (else the shift path; gemm.c)."""
+    `use_dpbf16`: bf16 on vdpbf16ps where the build has it, from 4 rows of x (else the shift
+    path; see gemm.c)."""
     if x.dim() != 2:  # [..., K] -> [..., N] through the 2-D kernel
         out = gemm_linear(
             x.reshape(-1, x.shape[-1]), weight, bias, kernels, min_work_per_thread, use_dpbf16
