@@ -1,7 +1,7 @@
-"""Native CPU kernels: the C files in SOURCES (paged attention, and the ones each file's docstring
-names), compiled together into one library on first use with the system's C compiler for the best
-vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a
-build takes about a second). `NativeKernels.lib` binds every file's entry points (`_bind`).
+"""Native CPU kernels: the C files in SOURCES (paged attention; the skinny matmul, wrapped in
+gemm.py), compiled together into one library on first use with the system's C compiler for the
+best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch headers,
+so a build takes a few seconds). `NativeKernels.lib` binds every file's entry points (`_bind`).
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -104,7 +104,7 @@ def clear_cache() -> None:
 def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler found (set CC): CPU attention falls back to PyTorch")
+        logger.warning("no C compiler found (set CC): the native CPU kernels fall back to PyTorch")
         return None
     errors: list[str] = []
     for isa in isas:
@@ -112,14 +112,14 @@ def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
         if kernels is not None:
             if isa is not isas[0]:
                 logger.warning(
-                    "CPU attention kernels: the %s build failed (%s); using %s",
+                    "native CPU kernels: the %s build failed (%s); using %s",
                     isas[0].name,
                     "; ".join(errors),
                     isa.name,
                 )
             return kernels
     logger.warning(
-        "could not build the CPU attention kernels (%s): falling back to PyTorch",
+        "could not build the native CPU kernels (%s): falling back to PyTorch",
         "; ".join(errors),
     )
     return None
@@ -145,7 +145,7 @@ def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
                     errors.append(f"{isa.name} {' '.join(flags)}: {error}")
                     break  # these flags fail with this compiler; try the next set
                 logger.info(
-                    "built CPU attention kernels (%s) in %.2fs",
+                    "built the native CPU kernels (%s) in %.2fs",
                     " ".join(flags),
                     time.perf_counter() - start,
                 )
