@@ -20,6 +20,7 @@ from model_server.kernels.cpu.linear_tuning import (
     DEQUANT,
     INT8_KERNEL,
     MM_T,
+    NATIVE,
     PACKED,
     ROW_BLOCKS,
     TORCH,
@@ -110,7 +111,7 @@ def test_row_buckets() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, PACKED])
+@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, NATIVE, PACKED])
 @pytest.mark.parametrize(("n", "k"), [(96, 48), (97, 33)])  # N odd (not split by 2), K odd
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_candidate_equals_f_linear(

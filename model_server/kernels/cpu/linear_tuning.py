@@ -7,8 +7,10 @@ weights win on AVX-512 but not everywhere), by dtype, by shape and by row count.
 bucketed to the next power of two (1, 2, 4, ..., 256; more rows use the 256 bucket).
 
 Candidates (kernels/cpu/linear.py): F.linear (torch's own BLAS/oneDNN choice), `W @ x^T`, the
-one-row bmm split, `W @ x^T` in blocks of rows, oneDNN with a prepacked weight; for int8 weights
-PyTorch's int8 kernel and dequantize-then-matmul. A candidate that raises is dropped (debug log).
+one-row bmm split, `W @ x^T` in blocks of rows, oneDNN with a prepacked weight, and up to
+NATIVE_MAX_ROWS rows the native skinny matmul (kernels/cpu/gemm.py, where its library builds);
+for int8 weights PyTorch's int8 kernel and dequantize-then-matmul. A candidate that raises is
+dropped (debug log).
 
 Memory: a prepacked weight holds the same bytes in oneDNN's layout. Where only the layer reads
 the weight (`LinearSite.exclusive`) and the packed kernel is the better choice over the buckets,
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from model_server.kernels.cpu.cpu_load import LoadWindow
+from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
 from model_server.kernels.cpu.linear import (
     _BLOCK_BYTES,
     bmm_row_split,
@@ -73,11 +76,16 @@ DOMINATED = 3.0
 MAX_BUCKET = 256
 # The decode tricks (W @ x^T, the bmm split, row blocks) only for this few rows.
 SKINNY_MAX_ROWS = 64
+# The native skinny matmul only for this few rows. Measured on a Zen 4 (bf16, SmolLM2's shapes,
+# W streamed from memory): 1.5-3x F.linear at 1-4 rows, about even with oneDNN's packed kernel
+# at 8, behind it at 16 (its tiles reduce over K; the packed layout needs no reductions).
+NATIVE_MAX_ROWS = 16
 
 TORCH = "torch"
 MM_T = "mm_t"
 BMM_SPLIT = "bmm_split"
 ROW_BLOCKS = "row_blocks"
+NATIVE = "native_gemm"
 PACKED = "onednn_packed"
 INT8_KERNEL = "int8_kernel"
 DEQUANT = "dequantize"
@@ -87,6 +95,7 @@ DENSE_FNS: dict[str, LinearFn] = {
     MM_T: mm_transposed,
     BMM_SPLIT: bmm_row_split,
     ROW_BLOCKS: row_blocks,
+    NATIVE: gemm_linear,
 }
 INT8_FNS: dict[str, Int8LinearFn] = {INT8_KERNEL: int8_kernel_linear, DEQUANT: dequantized_linear}
 
@@ -232,6 +241,8 @@ def float_candidates(rows: int, weight: torch.Tensor) -> list[str]:
             names.append(BMM_SPLIT)
         if rows >= 8 and weight.numel() * weight.element_size() > 2 * _BLOCK_BYTES:
             names.append(ROW_BLOCKS)
+    if rows <= NATIVE_MAX_ROWS and gemm_applies(weight):
+        names.append(NATIVE)
     return names
 
 

@@ -1,9 +1,9 @@
 """Native CPU kernels: the C files in SOURCES (paged attention with the KV-cache store; the
 decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
-kernels/cpu/layer_ops.py), compiled together into one library on first use with the system's C
-compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes
-(no torch headers, so a build takes a second or two). `NativeKernels.lib` binds every file's
-entry points (`_bind`).
+kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py), compiled together into one
+library on first use with the system's C compiler for the best vector ISA this CPU runs
+(kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build takes a few
+seconds). `NativeKernels.lib` binds every file's entry points (`_bind`).
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -35,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as one library; HEADERS are part of the cache key.
-SOURCES: tuple[Path, ...] = (_HERE / "paged_attention.c", _HERE / "layer_ops.c")
+SOURCES: tuple[Path, ...] = (
+    _HERE / "paged_attention.c",
+    _HERE / "layer_ops.c",
+    _HERE / "gemm.c",
+)
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h",)
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;
@@ -115,7 +119,7 @@ def clear_cache() -> None:
 def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler found (set CC): CPU attention falls back to PyTorch")
+        logger.warning("no C compiler found (set CC): the native CPU kernels fall back to PyTorch")
         return None
     errors: list[str] = []
     for isa in isas:
@@ -123,14 +127,14 @@ def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
         if kernels is not None:
             if isa is not isas[0]:
                 logger.warning(
-                    "CPU attention kernels: the %s build failed (%s); using %s",
+                    "native CPU kernels: the %s build failed (%s); using %s",
                     isas[0].name,
                     "; ".join(errors),
                     isa.name,
                 )
             return kernels
     logger.warning(
-        "could not build the CPU attention kernels (%s): falling back to PyTorch",
+        "could not build the native CPU kernels (%s): falling back to PyTorch",
         "; ".join(errors),
     )
     return None
@@ -156,7 +160,7 @@ def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
                     errors.append(f"{isa.name} {' '.join(flags)}: {error}")
                     break  # these flags fail with this compiler; try the next set
                 logger.info(
-                    "built CPU attention kernels (%s) in %.2fs",
+                    "built the native CPU kernels (%s) in %.2fs",
                     " ".join(flags),
                     time.perf_counter() - start,
                 )
@@ -188,6 +192,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.wick_rotary_neox
     fn.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
     fn.argtypes += [i32, i64]
+    fn.restype = i32
+    # gemm.c
+    fn = lib.wick_gemm
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64]
+    fn.restype = i32
+    lib.wick_gemm_has_dpbf16.restype = i32
+    fn = lib.wick_gemm_packed
+    fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_gemm as packed int64s
     fn.restype = i32
     return lib
 
