@@ -76,9 +76,11 @@ DOMINATED = 3.0
 MAX_BUCKET = 256
 # The decode tricks (W @ x^T, the bmm split, row blocks) only for this few rows.
 SKINNY_MAX_ROWS = 64
-# The native skinny matmul only for this few rows. Measured on a Zen 4 (bf16, SmolLM2's shapes,
-# W streamed from memory): 1.5-3x F.linear at 1-4 rows, about even with oneDNN's packed kernel
-# at 8, behind it at 16 (its tiles reduce over K; the packed layout needs no reductions).
+# The native skinny matmul only for this few rows. On a 2-thread Zen 4 with SmolLM2's shapes, W
+# streamed from memory (docs/benchmarks.md): bf16 1.5-2.2x F.linear and 1.2-1.8x oneDNN's packed
+# kernel at 1-8 rows; fp32 even with the bmm split at 1 row, ahead of every other candidate
+# from 2; about even with packed at 16 rows (its tiles reduce over K, the packed layout does not),
+# which is the better kernel beyond.
 NATIVE_MAX_ROWS = 16
 
 TORCH = "torch"
