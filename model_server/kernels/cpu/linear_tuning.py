@@ -129,6 +129,12 @@ def bucket_index(rows: int, num_buckets: int) -> int:
     return min(max(rows - 1, 0).bit_length(), num_buckets - 1)
 
 
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return onednn_packed_linear(x, packed, bias)
+
+
 def _packed_call(
     packed: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -270,16 +276,47 @@ class _Group:
         return int(n), int(k)
 
 
+# Float weights are timed cold, as a decode step reads them (each layer's weight is evicted by
+# the others' before it comes round again): every call reads the next of several copies that
+# together hold at least COLD_BYTES (more than a server CPU's last-level cache), at most
+# MAX_COPIES of them. Timed hot, the same weight over and over, kernels that compute well from
+# cache win over kernels that stream memory well, which is what a decode needs.
+COLD_BYTES = 64 << 20
+MAX_COPIES = 32
+
+
+class _Rotating:
+    """`fn(x, weights[i], None)` with i advancing by one per call, round the copies."""
+
+    __slots__ = ("fn", "i", "weights", "x")
+
+    def __init__(self, fn: LinearFn, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
+        self.fn, self.x, self.weights, self.i = fn, x, weights, 0
+
+    def __call__(self) -> torch.Tensor:
+        weight = self.weights[self.i]
+        self.i = (self.i + 1) % len(self.weights)
+        return self.fn(self.x, weight, None)
+
+
+def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """`weight` and enough copies of it to time it cold (see COLD_BYTES)."""
+    nbytes = max(1, weight.numel() * weight.element_size())
+    count = max(1, min(MAX_COPIES, -(-COLD_BYTES // nbytes)))
+    return [weight] + [weight.clone() for _ in range(count - 1)]
+
+
 def _time_group(group: _Group, deadline: float) -> None:
     """Time every bucket of `group` (smallest first) until `deadline`; later buckets copy the
-    last timed one."""
+    last timed one. Float weights are timed cold (COLD_BYTES)."""
     site = group.sites[0]
     weight = site.weight
     n, k = group.shape
-    packed: torch.Tensor | None = None
+    copies = [weight] if group.int8 else _cold_copies(weight)
+    packed: list[torch.Tensor] | None = None
     if not group.int8:
         try:
-            packed = pack_onednn_weight(weight)
+            packed = [pack_onednn_weight(w) for w in copies]
         except Exception as exc:
             logger.debug("cpu linear candidate %s dropped for %dx%d: %s", PACKED, n, k, exc)
     gen = torch.Generator().manual_seed(0)
@@ -299,11 +336,11 @@ def _time_group(group: _Group, deadline: float) -> None:
             }
         else:
             calls = {
-                name: functools.partial(DENSE_FNS[name], x, weight, None)
+                name: _Rotating(DENSE_FNS[name], x, copies)
                 for name in float_candidates(rows, weight)
             }
             if packed is not None:
-                calls[PACKED] = functools.partial(onednn_packed_linear, x, packed, None)
+                calls[PACKED] = _Rotating(_packed_linear, x, packed)
         # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
         group.times.append(time_candidates(calls) or {TORCH: float("inf")})
 
