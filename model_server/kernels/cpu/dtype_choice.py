@@ -3,7 +3,8 @@
 Native bf16 instructions (avx512_bf16, amx_bf16) make bf16 possible, not necessarily faster:
 whether it is depends on the BLAS/oneDNN kernels torch has for this CPU. So the model's linear
 shapes are timed in both dtypes, at a decode row count and a prefill row count, each with the
-faster of F.linear and oneDNN's prepacked kernel (what `tune_cpu_linears` will choose from), and
+fastest of F.linear, oneDNN's prepacked kernel and (few rows) the native skinny matmul (what
+`tune_cpu_linears` will choose from), and
 weighted by how many layers have that shape. The figures are cached with the linear timings
 (kernels/cpu/tuning_cache.py). `WICK_CPU_AUTO_DTYPE=bfloat16|float32` stands in for the
 measurement (tests; pinning the choice without `--dtype`).
@@ -23,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from model_server.kernels.cpu.cpu_load import LoadWindow
+from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
 from model_server.kernels.cpu.linear import onednn_packed_linear, pack_onednn_weight
-from model_server.kernels.cpu.linear_tuning import time_candidates
+from model_server.kernels.cpu.linear_tuning import NATIVE_MAX_ROWS, time_candidates
 from model_server.kernels.cpu.tuning_cache import TuningCache
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,8 @@ def _pass_seconds(shapes: Sequence[LinearShape], rows: int) -> dict[str, float]:
             weight = torch.full((timed_n, k), 0.01, dtype=dtype)
             x = torch.full((rows, k), 0.5, dtype=dtype)
             calls[f"{name}/torch"] = functools.partial(F.linear, x, weight, None)
+            if rows <= NATIVE_MAX_ROWS and gemm_applies(weight):
+                calls[f"{name}/native"] = functools.partial(gemm_linear, x, weight, None)
             try:
                 packed = pack_onednn_weight(weight)
                 calls[f"{name}/packed"] = functools.partial(onednn_packed_linear, x, packed, None)
