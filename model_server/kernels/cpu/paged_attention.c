@@ -32,11 +32,19 @@
 #include <string.h>
 
 #include "wick_cpu.h"
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define QUERY_TILE 16 /* queries per prefill work item: K/V rows are reused this many times */
+/* Decodes (one query per item): query heads of a kv head whose Q.K partial sums are held per
+ * chunk of VW keys (a stack array of DECODE_HEADS * VW vectors: larger groups take passes); V
+ * rows per P.V chunk (converted to fp32 once each, then read by every head of the group). */
+#define DECODE_HEADS 8
+#define PV_TOKENS 16
+/* P.V accumulator vectors per head held in registers across a chunk (8 of the 16 registers of
+ * AVX2 / SSE, 32 of AVX-512); longer heads take passes over the chunk's V rows. */
+#define PV_ACCS 8
 
 /* Which build this is, for the loader's log and the tests. */
 const char *wick_isa(void) {
@@ -85,6 +93,156 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
 #define HAVE_DOT_BF16 0
 #endif
 
+/* ---- Vectors of the decode path ---------------------------------------------------------------
+ * GCC / Clang vector extensions at the build's native width, so that one source serves every
+ * ISA build: a vf is one zmm (AVX-512), ymm (AVX2) or xmm (generic) of VW floats. Loads and
+ * stores go through memcpy (unaligned). Multiply-adds are fused where the ISA has FMA (the
+ * intrinsic: under -std=c11 GCC does not contract a * b + c). */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX2__)
+#define VW 8
+#else
+#define VW 4
+#endif
+#define MAX_HEAD_DIM 512 /* native.MAX_HEAD_DIM: larger heads are refused before the call */
+#define MAX_VECS (MAX_HEAD_DIM / VW)
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
+
+static inline vf vsplat(const float x) { return (vf){0} + x; }
+
+static inline vf vload(const float *p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void vstore(float *p, const vf v) { memcpy(p, &v, sizeof v); }
+
+/* VW bf16 values as fp32 (exact: the bf16 bits are the fp32's upper half). GCC 12 splits the
+ * generic widening into 128-bit pieces, hence the intrinsics where there is one instruction. */
+static inline vf vload_bf16(const bf16_t *p) {
+#if VW == 16
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif VW == 8
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+  vh h;
+  memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+
+/* VW values of a cache row from element `at` as fp32, only the first `n` (<= VW) read and the
+ * other lanes zero: a row's last vector when head_dim is not a multiple of VW. */
+static inline vf load_row(const void *cache, const int64_t at, const int is_bf16, const int n) {
+  if (n == VW) return is_bf16 ? vload_bf16((const bf16_t *)cache + at) : vload((const float *)cache + at);
+  union {
+    float f[VW];
+    uint32_t u[VW];
+  } part = {{0}};
+  for (int i = 0; i < n; i++) {
+    if (is_bf16)
+      part.u[i] = (uint32_t)((const bf16_t *)cache)[at + i] << 16;
+    else
+      part.f[i] = ((const float *)cache)[at + i];
+  }
+  return vload(part.f);
+}
+
+static inline vf vfma(const vf a, const vf b, const vf c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__) && VW == 8
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+static inline vf vmax(const vf a, const vf b) {
+  const vi a_wins = a > b;
+  return (vf)(((vi)a & a_wins) | ((vi)b & ~a_wins));
+}
+
+static inline float hsum(const vf v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; i++) s += v[i];
+  return s;
+}
+
+static inline float hmax(const vf v) {
+  float m = v[0];
+  for (int i = 1; i < VW; i++) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+/* exp_nonpositive (wick_cpu.h) on a vector: the same operations lane by lane, so the same
+ * results. */
+static inline vf vexp_nonpositive(vf x) {
+  x = vmax(x, vsplat(-87.f));
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf);
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
+}
+
+/* fp32 -> bf16 lane by lane as f32_to_bf16: round to nearest even, NaN stays a quiet NaN. */
+static inline void vstore_bf16(bf16_t *p, const vf x) {
+  const vu u = (vu)x;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu quiet_nan = (u >> 16) | 0x40u;
+  const vu is_nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  const vh h = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), vh);
+  memcpy(p, &h, sizeof h);
+}
+
+/* Two-source shuffles with constant lane indices (0 .. VW - 1: a's lanes, VW .. 2 VW - 1: b's). */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+#if VW == 16
+#define LANES(F, s) \
+  F(0, s), F(1, s), F(2, s), F(3, s), F(4, s), F(5, s), F(6, s), F(7, s), F(8, s), F(9, s), \
+      F(10, s), F(11, s), F(12, s), F(13, s), F(14, s), F(15, s)
+#elif VW == 8
+#define LANES(F, s) F(0, s), F(1, s), F(2, s), F(3, s), F(4, s), F(5, s), F(6, s), F(7, s)
+#else
+#define LANES(F, s) F(0, s), F(1, s), F(2, s), F(3, s)
+#endif
+/* Of the 2 VW lanes of (a, b) in runs of s: the even runs (LO) and the odd runs (HI), in order. */
+#define LO(i, s) ((i) / (s) * 2 * (s) + (i) % (s))
+#define HI(i, s) (LO(i, s) + (s))
+/* a and b each hold VW / (2 s) tokens' partial sums in runs of 2 s lanes; the result holds the
+ * 2 * VW / (2 s) tokens of both, in order, in runs of s lanes: each run's halves added. */
+#define FOLD(a, b, s) (SHUFFLE(a, b, LANES(LO, s)) + SHUFFLE(a, b, LANES(HI, s)))
+
+/* v[0 .. VW) -> the vector whose lane t is the sum of v[t]'s lanes: a transpose-and-add tree,
+ * VW - 1 folds of two shuffles and one add, instead of one horizontal reduction per v[t].
+ * Clobbers v. */
+static inline vf lane_sums(vf *v) {
+#if VW >= 16
+  for (int i = 0; i < 8; i++) v[i] = FOLD(v[2 * i], v[2 * i + 1], 8);
+#endif
+#if VW >= 8
+  for (int i = 0; i < 4; i++) v[i] = FOLD(v[2 * i], v[2 * i + 1], 4);
+#endif
+  for (int i = 0; i < 2; i++) v[i] = FOLD(v[2 * i], v[2 * i + 1], 2);
+  return FOLD(v[0], v[1], 1);
+}
+
 /* Geometry shared by every work item of one call. Strides count elements, not bytes. */
 typedef struct {
   int num_heads;
@@ -101,7 +259,7 @@ typedef struct {
   float *scores; /* [rows, len]: scores, then probabilities (row r valid up to its vis) */
   float *q;      /* [rows, head_dim]: scaled fp32 queries */
   float *acc;    /* [rows, head_dim]: P V accumulators */
-  float *row;    /* [head_dim]: one K or V row converted to fp32 */
+  float *row;    /* [head_dim]: one K or V row converted to fp32 (decodes: PV_TOKENS rows) */
   float *stats;  /* [2 * rows]: row max, then 1 / row sum */
   int64_t scores_cap, q_cap, acc_cap, row_cap, stats_cap;
 } Scratch;
@@ -114,10 +272,15 @@ static int grow(float **buf, int64_t *cap, int64_t need) {
   return *buf == NULL ? -1 : 0;
 }
 
+static inline int64_t round_up(const int64_t x, const int64_t m) { return (x + m - 1) / m * m; }
+
+/* For either path: decodes pad score rows to whole chunks of VW tokens and head rows to whole
+ * vectors (head_dim rounded up to VW values). */
 static int reserve(Scratch *s, int64_t rows, int64_t len, int64_t head_dim) {
-  return grow(&s->scores, &s->scores_cap, rows * len) |
-         grow(&s->q, &s->q_cap, rows * head_dim) | grow(&s->acc, &s->acc_cap, rows * head_dim) |
-         grow(&s->row, &s->row_cap, head_dim) | grow(&s->stats, &s->stats_cap, 2 * rows);
+  const int64_t dp = round_up(head_dim, VW);
+  return grow(&s->scores, &s->scores_cap, rows * round_up(len, VW)) |
+         grow(&s->q, &s->q_cap, rows * dp) | grow(&s->acc, &s->acc_cap, rows * dp) |
+         grow(&s->row, &s->row_cap, PV_TOKENS * dp) | grow(&s->stats, &s->stats_cap, 2 * rows);
 }
 
 /* One work item: queries [j0, j0 + nq) of a sequence whose first query sits at position ctx,
@@ -255,18 +418,263 @@ static inline __attribute__((always_inline)) void attend(
       }
 }
 
-/* One copy of `attend` per dtype and common head_dim; any other head_dim runs the generic copy
- * (same code, runtime trip counts). */
+/* ---- Decodes ------------------------------------------------------------------------------------
+ * An item of one query (a decode, or a prefill tile of one query) runs one kv head at a time: its
+ * `group` query heads share every K and V row. Q.K runs in chunks of VW keys: each key row is
+ * loaded (and converted) once into registers and multiplied into a partial-sum vector per query
+ * head; a transpose-and-add tree (lane_sums) then turns a head's VW partial vectors into one
+ * vector of VW scores, instead of a horizontal reduction per score. An exact softmax per head
+ * (max, then exp and sum, both vectorized), then P.V in chunks of PV_TOKENS value rows, each
+ * converted to fp32 once, with every head's accumulators in registers across the chunk. */
+
+/* Element offsets, in a cache, of the rows of the kv head at `head_off` for n tokens from t0. */
+static inline void token_offsets(const Geometry *geo, const int32_t *restrict table, const int t0,
+                                 const int n, const int64_t head_off, int64_t *restrict off) {
+  int b = t0 / geo->block_size, o = t0 - b * geo->block_size;
+  for (int i = 0; i < n; i++) {
+    off[i] = (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
+    if (++o == geo->block_size) {
+      o = 0;
+      b++;
+    }
+  }
+}
+
+/* Starts loading the n token rows at `off` (`bytes` from each) toward the cache, a chunk ahead
+ * of their use: blocks lie anywhere in the cache, beyond what the hardware prefetchers guess. */
+static inline void prefetch_rows(const void *cache, const size_t elem, const int64_t *restrict off,
+                                 const int n, const int64_t bytes) {
+  for (int t = 0; t < n; t++) {
+    const char *row = (const char *)cache + off[t] * (int64_t)elem;
+    for (uintptr_t line = (uintptr_t)row & ~(uintptr_t)63; line < (uintptr_t)row + bytes;
+         line += 64)
+      __builtin_prefetch((const void *)line);
+  }
+}
+
+/* Query heads [0, group) of one token (q: head_dim values each) as fp32 rows of dp values,
+ * scaled and zero-padded past head_dim. */
+static inline void load_queries(const int head_dim, const int is_bf16, const void *restrict q,
+                                const int group, const float scale, const int dp,
+                                float *restrict qf) {
+  for (int h = 0; h < group; h++) {
+    float *dst = qf + (int64_t)h * dp;
+    const int64_t src = (int64_t)h * head_dim;
+    if (is_bf16) {
+      bf16_to_f32_row((const bf16_t *)q + src, dst, scale, head_dim);
+    } else {
+      const float *qs = (const float *)q + src;
+#pragma omp simd
+      for (int d = 0; d < head_dim; d++) dst[d] = qs[d] * scale;
+    }
+    for (int d = head_dim; d < dp; d++) dst[d] = 0.f;
+  }
+}
+
+/* Vector c of a row of head_dim values: how many of its VW lanes are in the row. */
+static inline int lanes_in_row(const int head_dim, const int c) {
+  return head_dim - c * VW < VW ? head_dim - c * VW : VW;
+}
+
+/* Scores of query heads [0, nh) (rows of qf, dp apart) against the n <= VW keys at `off`, into
+ * lanes [0, VW) of scores + h * stride (the lanes past n get 0; rows are padded for them). */
+static inline __attribute__((always_inline)) void score_chunk(
+    const int head_dim, const int is_bf16, const float *restrict qf, const int dp, const int nh,
+    const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
+    float *restrict scores, const int64_t stride) {
+  const int nv = (head_dim + VW - 1) / VW; /* vectors per row */
+  vf part[DECODE_HEADS][VW];               /* [head][key]: partial sums of the key's score */
+  for (int t = 0; t < n; t++) {
+    vf k[MAX_VECS]; /* registers for the common head_dims (constant nv) */
+    for (int c = 0; c < nv; c++)
+      k[c] = load_row(k_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c));
+    for (int h = 0; h < nh; h++) {
+      const float *qh = qf + (int64_t)h * dp;
+      vf s = k[0] * vload(qh);
+      for (int c = 1; c < nv; c++) s = vfma(k[c], vload(qh + c * VW), s);
+      part[h][t] = s;
+    }
+  }
+  for (int t = n; t < VW; t++)
+    for (int h = 0; h < nh; h++) part[h][t] = vsplat(0.f);
+  for (int h = 0; h < nh; h++) vstore(scores + h * stride, lane_sums(part[h]));
+}
+
+/* s[0, len) -> exp(s - max s) in place; returns 1 / their sum. */
+static inline float softmax_row(float *restrict s, const int len) {
+  const int full = len / VW * VW;
+  float mx = -FLT_MAX;
+  if (full > 0) {
+    vf m = vload(s);
+    for (int t = VW; t < full; t += VW) m = vmax(m, vload(s + t));
+    mx = hmax(m);
+  }
+  for (int t = full; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+  const vf mxv = vsplat(mx);
+  vf sums = vsplat(0.f);
+  for (int t = 0; t < full; t += VW) {
+    const vf e = vexp_nonpositive(vload(s + t) - mxv);
+    vstore(s + t, e);
+    sums += e;
+  }
+  float sum = hsum(sums);
+  for (int t = full; t < len; t++) {
+    s[t] = exp_nonpositive(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+/* acc + h * dp += sum over the n <= PV_TOKENS values at `off` of p[h][t] * V[t], for heads
+ * [0, group), p[h] = probs + h * stride. `tile` holds PV_TOKENS rows of dp floats. */
+static inline __attribute__((always_inline)) void pv_chunk(
+    const int head_dim, const int is_bf16, const float *restrict probs, const int64_t stride,
+    const int group, const void *restrict v_cache, const int64_t *restrict off, const int n,
+    const int64_t shift, float *restrict tile, const int dp, float *restrict acc) {
+  const int nv = (head_dim + VW - 1) / VW;
+  /* V rows as whole fp32 vectors: in place in an fp32 cache when head_dim % VW == 0, else
+   * converted (and zero-padded) into the tile, once for all heads. */
+  const float *rows[PV_TOKENS];
+  for (int t = 0; t < n; t++) {
+    if (!is_bf16 && head_dim % VW == 0) {
+      rows[t] = (const float *)v_cache + off[t] + shift;
+      continue;
+    }
+    float *dst = tile + (int64_t)t * dp;
+    for (int c = 0; c < nv; c++)
+      vstore(dst + c * VW,
+             load_row(v_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c)));
+    rows[t] = dst;
+  }
+  for (int h = 0; h < group; h++) {
+    const float *p = probs + h * stride;
+    float *acc_h = acc + (int64_t)h * dp;
+    for (int c0 = 0; c0 < nv; c0 += PV_ACCS) {
+      const int m = nv - c0 < PV_ACCS ? nv - c0 : PV_ACCS;
+      vf a[PV_ACCS];
+      for (int c = 0; c < m; c++) a[c] = vload(acc_h + (c0 + c) * VW);
+      for (int t = 0; t < n; t++) {
+        const vf pt = vsplat(p[t]);
+        const float *row = rows[t] + c0 * VW;
+        for (int c = 0; c < m; c++) a[c] = vfma(pt, vload(row + c * VW), a[c]);
+      }
+      for (int c = 0; c < m; c++) vstore(acc_h + (c0 + c) * VW, a[c]);
+    }
+  }
+}
+
+/* One head's output: head_dim values of acc * inv in out's dtype. */
+static inline void store_head(const float *restrict acc, const float inv, const int head_dim,
+                              const int is_bf16, void *restrict out) {
+  const int full = head_dim / VW * VW;
+  for (int d = 0; d < full; d += VW) {
+    const vf x = vload(acc + d) * inv;
+    if (is_bf16)
+      vstore_bf16((bf16_t *)out + d, x);
+    else
+      vstore((float *)out + d, x);
+  }
+  for (int d = full; d < head_dim; d++) {
+    if (is_bf16)
+      ((bf16_t *)out)[d] = f32_to_bf16(acc[d] * inv);
+    else
+      ((float *)out)[d] = acc[d] * inv;
+  }
+}
+
+/* A work item of one query, which sees tokens [0, len), for kv heads [kh0, kh0 + nkh): q and out
+ * point at the query's row of num_heads heads. Chunks of tokens are the outer loops, so that a
+ * chunk's K (then V) rows of all the item's kv heads, contiguous in the cache, are read together.
+ * Rows r = kk * group + g (kv head kh0 + kk, query head (kh0 + kk) * group + g) of the scratch
+ * (see reserve): q and acc [rows, dp], scores [rows, len rounded up to VW], stats [rows], and
+ * row holds PV_TOKENS converted V rows of dp values. */
+static inline __attribute__((always_inline)) void attend_decode(
+    const int head_dim, const int is_bf16, const Geometry *geo, const int len, const int kh0,
+    const int nkh, const void *restrict q, const void *restrict k_cache,
+    const void *restrict v_cache, const int32_t *restrict table, void *restrict out,
+    Scratch *scratch) {
+  const int group = geo->group, rows = nkh * group;
+  const int dp = (int)round_up(head_dim, VW);
+  const int64_t stride = round_up(len, VW); /* between rows of scores */
+  const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+  const int64_t first = (int64_t)kh0 * group * head_dim; /* row 0's head, in q and out */
+  float *restrict qf = scratch->q;
+  float *restrict scores = scratch->scores;
+  float *restrict acc = scratch->acc;
+  float *restrict inv_sum = scratch->stats;
+  const int64_t head_off = (int64_t)kh0 * head_dim; /* in a token's cache row */
+  const int64_t row_bytes = (int64_t)nkh * head_dim * (int64_t)elem; /* the item's, per token */
+  /* Offsets of a chunk's tokens for kv head kh0, this chunk's and the next one's. */
+  int64_t offs[2][PV_TOKENS > VW ? PV_TOKENS : VW];
+
+  load_queries(head_dim, is_bf16, (const char *)q + first * elem, rows, geo->scale, dp, qf);
+  token_offsets(geo, table, 0, len < VW ? len : VW, head_off, offs[0]);
+  for (int t0 = 0, i = 0; t0 < len; t0 += VW, i ^= 1) {
+    const int n = len - t0 < VW ? len - t0 : VW;
+    int64_t *off = offs[i], *next = offs[i ^ 1];
+    if (t0 + VW < len) {
+      const int n_next = len - t0 - VW < VW ? len - t0 - VW : VW;
+      token_offsets(geo, table, t0 + VW, n_next, head_off, next);
+      prefetch_rows(k_cache, elem, next, n_next, row_bytes);
+    }
+    for (int kk = 0; kk < nkh; kk++)
+      for (int g0 = 0; g0 < group; g0 += DECODE_HEADS) {
+        const int r = kk * group + g0;
+        const int nh = group - g0 < DECODE_HEADS ? group - g0 : DECODE_HEADS;
+        score_chunk(head_dim, is_bf16, qf + (int64_t)r * dp, dp, nh, k_cache, off, n,
+                    kk * head_dim, scores + r * stride + t0, stride);
+      }
+  }
+  for (int r = 0; r < rows; r++) inv_sum[r] = softmax_row(scores + r * stride, len);
+  memset(acc, 0, sizeof(float) * (size_t)rows * dp);
+  token_offsets(geo, table, 0, len < PV_TOKENS ? len : PV_TOKENS, head_off, offs[0]);
+  for (int t0 = 0, i = 0; t0 < len; t0 += PV_TOKENS, i ^= 1) {
+    const int n = len - t0 < PV_TOKENS ? len - t0 : PV_TOKENS;
+    int64_t *off = offs[i], *next = offs[i ^ 1];
+    if (t0 + PV_TOKENS < len) {
+      const int n_next = len - t0 - PV_TOKENS < PV_TOKENS ? len - t0 - PV_TOKENS : PV_TOKENS;
+      token_offsets(geo, table, t0 + PV_TOKENS, n_next, head_off, next);
+      prefetch_rows(v_cache, elem, next, n_next, row_bytes);
+    }
+    for (int kk = 0; kk < nkh; kk++) {
+      const int r = kk * group;
+      pv_chunk(head_dim, is_bf16, scores + r * stride + t0, stride, group, v_cache, off, n,
+               kk * head_dim, scratch->row, dp, acc + (int64_t)r * dp);
+    }
+  }
+  for (int r = 0; r < rows; r++)
+    store_head(acc + (int64_t)r * dp, inv_sum[r], head_dim, is_bf16,
+               (char *)out + (first + (int64_t)r * head_dim) * elem);
+}
+
+/* A work item: on the decode path when it has one query, else on `attend`. */
+static inline __attribute__((always_inline)) void attend_item(
+    const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
+    const int nq, const int kh0, const int nkh, const void *restrict q,
+    const void *restrict k_cache, const void *restrict v_cache, const int32_t *restrict table,
+    void *restrict out, Scratch *scratch) {
+  if (nq == 1) {
+    const int64_t row = (int64_t)j0 * geo->num_heads * head_dim * (is_bf16 ? 2 : 4); /* bytes */
+    attend_decode(head_dim, is_bf16, geo, ctx + j0 + 1, kh0, nkh, (const char *)q + row, k_cache,
+                  v_cache, table, (char *)out + row, scratch);
+  } else {
+    attend(head_dim, is_bf16, geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out,
+           scratch);
+  }
+}
+
+/* One copy of `attend_item` per dtype and common head_dim; any other head_dim runs the generic
+ * copy (same code, runtime trip counts). */
 #define ATTEND_ARGS geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out, scratch
 static void attend_any(const int head_dim, const int is_bf16, const Geometry *geo, int ctx,
                        int j0, int nq, int kh0, int nkh, const void *q, const void *k_cache,
                        const void *v_cache, const int32_t *table, void *out, Scratch *scratch) {
-#define CASE(D)                                       \
-  case D:                                             \
-    if (is_bf16)                                      \
-      attend(D, 1, ATTEND_ARGS);                      \
-    else                                              \
-      attend(D, 0, ATTEND_ARGS);                      \
+#define CASE(D)                    \
+  case D:                          \
+    if (is_bf16)                   \
+      attend_item(D, 1, ATTEND_ARGS); \
+    else                           \
+      attend_item(D, 0, ATTEND_ARGS); \
     return;
   switch (head_dim) {
     CASE(64)
@@ -275,9 +683,9 @@ static void attend_any(const int head_dim, const int is_bf16, const Geometry *ge
     CASE(128)
     default:
       if (is_bf16)
-        attend(head_dim, 1, ATTEND_ARGS);
+        attend_item(head_dim, 1, ATTEND_ARGS);
       else
-        attend(head_dim, 0, ATTEND_ARGS);
+        attend_item(head_dim, 0, ATTEND_ARGS);
   }
 #undef CASE
 }
