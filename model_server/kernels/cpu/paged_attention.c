@@ -45,6 +45,8 @@
 /* P.V accumulator vectors per head held in registers across a chunk (8 of the 16 registers of
  * AVX2 / SSE, 32 of AVX-512); longer heads take passes over the chunk's V rows. */
 #define PV_ACCS 8
+/* How many tokens ahead of use K and V rows are prefetched. */
+#define PREFETCH_AHEAD 32
 
 /* Which build this is, for the loader's log and the tests. */
 const char *wick_isa(void) {
@@ -440,15 +442,23 @@ static inline void token_offsets(const Geometry *geo, const int32_t *restrict ta
   }
 }
 
-/* Starts loading the n token rows at `off` (`bytes` from each) toward the cache, a chunk ahead
- * of their use: blocks lie anywhere in the cache, beyond what the hardware prefetchers guess. */
-static inline void prefetch_rows(const void *cache, const size_t elem, const int64_t *restrict off,
-                                 const int n, const int64_t bytes) {
-  for (int t = 0; t < n; t++) {
-    const char *row = (const char *)cache + off[t] * (int64_t)elem;
-    for (uintptr_t line = (uintptr_t)row & ~(uintptr_t)63; line < (uintptr_t)row + bytes;
-         line += 64)
-      __builtin_prefetch((const void *)line);
+/* Starts loading the rows of tokens [t0, t1) (`bytes` from head_off on) into L2 ahead of their
+ * use: blocks lie anywhere in the cache, beyond what the hardware prefetchers guess, and
+ * prefetches into L1 would stall on its few outstanding misses. */
+static inline void prefetch_tokens(const Geometry *geo, const int32_t *restrict table,
+                                   const void *cache, const size_t elem, const int t0,
+                                   const int t1, const int64_t head_off, const int64_t bytes) {
+  int b = t0 / geo->block_size, o = t0 - b * geo->block_size;
+  for (int t = t0; t < t1; t++) {
+    const int64_t at =
+        (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
+    const uintptr_t row = (uintptr_t)((const char *)cache + at * (int64_t)elem);
+    for (uintptr_t line = row & ~(uintptr_t)63; line < row + bytes; line += 64)
+      __builtin_prefetch((const void *)line, 0, 2);
+    if (++o == geo->block_size) {
+      o = 0;
+      b++;
+    }
   }
 }
 
@@ -500,29 +510,28 @@ static inline __attribute__((always_inline)) void score_chunk(
   for (int h = 0; h < nh; h++) vstore(scores + h * stride, lane_sums(part[h]));
 }
 
-/* s[0, len) -> exp(s - max s) in place; returns 1 / their sum. */
+/* v with its lanes from n on (n <= VW) replaced by `fill`. */
+static inline vf lanes_below(const vf v, const int n, const float fill) {
+  vi lane;
+  for (int i = 0; i < VW; i++) lane[i] = i;
+  const vi in = lane < n;
+  return (vf)(((vi)v & in) | ((vi)vsplat(fill) & ~in));
+}
+
+/* s[0, len) -> exp(s - max s) in place; returns 1 / their sum. The row is padded to whole
+ * vectors: its last one is read and written whole, its lanes past len left out of the sums. */
 static inline float softmax_row(float *restrict s, const int len) {
-  const int full = len / VW * VW;
-  float mx = -FLT_MAX;
-  if (full > 0) {
-    vf m = vload(s);
-    for (int t = VW; t < full; t += VW) m = vmax(m, vload(s + t));
-    mx = hmax(m);
-  }
-  for (int t = full; t < len; t++) mx = s[t] > mx ? s[t] : mx;
-  const vf mxv = vsplat(mx);
+  const int last = (len - 1) / VW * VW, n_last = len - last; /* the last vector, maybe partial */
+  vf m = lanes_below(vload(s + last), n_last, -FLT_MAX);
+  for (int t = 0; t < last; t += VW) m = vmax(m, vload(s + t));
+  const vf mx = vsplat(hmax(m));
   vf sums = vsplat(0.f);
-  for (int t = 0; t < full; t += VW) {
-    const vf e = vexp_nonpositive(vload(s + t) - mxv);
+  for (int t = 0; t <= last; t += VW) {
+    const vf e = vexp_nonpositive(vload(s + t) - mx);
     vstore(s + t, e);
-    sums += e;
+    sums += t < last ? e : lanes_below(e, n_last, 0.f);
   }
-  float sum = hsum(sums);
-  for (int t = full; t < len; t++) {
-    s[t] = exp_nonpositive(s[t] - mx);
-    sum += s[t];
-  }
-  return 1.f / sum;
+  return 1.f / hsum(sums);
 }
 
 /* acc + h * dp += sum over the n <= PV_TOKENS values at `off` of p[h][t] * V[t], for heads
@@ -604,19 +613,18 @@ static inline __attribute__((always_inline)) void attend_decode(
   float *restrict inv_sum = scratch->stats;
   const int64_t head_off = (int64_t)kh0 * head_dim; /* in a token's cache row */
   const int64_t row_bytes = (int64_t)nkh * head_dim * (int64_t)elem; /* the item's, per token */
-  /* Offsets of a chunk's tokens for kv head kh0, this chunk's and the next one's. */
-  int64_t offs[2][PV_TOKENS > VW ? PV_TOKENS : VW];
+  int64_t off[PV_TOKENS > VW ? PV_TOKENS : VW]; /* of a chunk's tokens, for kv head kh0 */
+  const int ahead = len < PREFETCH_AHEAD ? len : PREFETCH_AHEAD;
 
   load_queries(head_dim, is_bf16, (const char *)q + first * elem, rows, geo->scale, dp, qf);
-  token_offsets(geo, table, 0, len < VW ? len : VW, head_off, offs[0]);
-  for (int t0 = 0, i = 0; t0 < len; t0 += VW, i ^= 1) {
+  prefetch_tokens(geo, table, k_cache, elem, 0, ahead, head_off, row_bytes);
+  for (int t0 = 0; t0 < len; t0 += VW) {
     const int n = len - t0 < VW ? len - t0 : VW;
-    int64_t *off = offs[i], *next = offs[i ^ 1];
-    if (t0 + VW < len) {
-      const int n_next = len - t0 - VW < VW ? len - t0 - VW : VW;
-      token_offsets(geo, table, t0 + VW, n_next, head_off, next);
-      prefetch_rows(k_cache, elem, next, n_next, row_bytes);
-    }
+    if (t0 + PREFETCH_AHEAD < len)
+      prefetch_tokens(geo, table, k_cache, elem, t0 + PREFETCH_AHEAD,
+                      t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
+                      row_bytes);
+    token_offsets(geo, table, t0, n, head_off, off);
     for (int kk = 0; kk < nkh; kk++)
       for (int g0 = 0; g0 < group; g0 += DECODE_HEADS) {
         const int r = kk * group + g0;
@@ -625,17 +633,16 @@ static inline __attribute__((always_inline)) void attend_decode(
                     kk * head_dim, scores + r * stride + t0, stride);
       }
   }
+  prefetch_tokens(geo, table, v_cache, elem, 0, ahead, head_off, row_bytes);
   for (int r = 0; r < rows; r++) inv_sum[r] = softmax_row(scores + r * stride, len);
   memset(acc, 0, sizeof(float) * (size_t)rows * dp);
-  token_offsets(geo, table, 0, len < PV_TOKENS ? len : PV_TOKENS, head_off, offs[0]);
-  for (int t0 = 0, i = 0; t0 < len; t0 += PV_TOKENS, i ^= 1) {
+  for (int t0 = 0; t0 < len; t0 += PV_TOKENS) {
     const int n = len - t0 < PV_TOKENS ? len - t0 : PV_TOKENS;
-    int64_t *off = offs[i], *next = offs[i ^ 1];
-    if (t0 + PV_TOKENS < len) {
-      const int n_next = len - t0 - PV_TOKENS < PV_TOKENS ? len - t0 - PV_TOKENS : PV_TOKENS;
-      token_offsets(geo, table, t0 + PV_TOKENS, n_next, head_off, next);
-      prefetch_rows(v_cache, elem, next, n_next, row_bytes);
-    }
+    if (t0 + PREFETCH_AHEAD < len)
+      prefetch_tokens(geo, table, v_cache, elem, t0 + PREFETCH_AHEAD,
+                      t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
+                      row_bytes);
+    token_offsets(geo, table, t0, n, head_off, off);
     for (int kk = 0; kk < nkh; kk++) {
       const int r = kk * group;
       pv_chunk(head_dim, is_bf16, scores + r * stride + t0, stride, group, v_cache, off, n,
