@@ -37,14 +37,20 @@
 #endif
 
 #define QUERY_TILE 16 /* queries per prefill work item: K/V rows are reused this many times */
-/* Decodes (one query per item): query heads of a kv head whose Q.K partial sums are held per
- * chunk of VW keys (a stack array of DECODE_HEADS * VW vectors: larger groups take passes); V
- * rows per P.V chunk (converted to fp32 once each, then read by every head of the group). */
-#define DECODE_HEADS 8
+/* Decodes (one query per item) take a kv head's query heads PASS_HEADS at a time, the count of a
+ * pass a compile-time constant (1 to PASS_HEADS) so that its vectors live in registers: each K
+ * and V vector is loaded (and converted) once per pass and used by all of its heads. Zen 4 loads
+ * one 512-bit vector per cycle, as many as it multiplies-adds: loads are what to save. */
+#define PASS_HEADS 4
+/* P.V chunks: tokens per load and store of the accumulators, and accumulator vectors in
+ * registers per pass (16 of AVX-512's 32 registers, 8 of AVX2's or SSE's 16), split between its
+ * heads; longer head rows take several slices of the chunk. */
 #define PV_TOKENS 16
-/* P.V accumulator vectors per head held in registers across a chunk (8 of the 16 registers of
- * AVX2 / SSE, 32 of AVX-512); longer heads take passes over the chunk's V rows. */
-#define PV_ACCS 8
+#if VW == 16
+#define PV_REGS 16
+#else
+#define PV_REGS 8
+#endif
 /* How many tokens ahead of use K and V rows are prefetched. */
 #define PREFETCH_AHEAD 32
 
@@ -261,7 +267,7 @@ typedef struct {
   float *scores; /* [rows, len]: scores, then probabilities (row r valid up to its vis) */
   float *q;      /* [rows, head_dim]: scaled fp32 queries */
   float *acc;    /* [rows, head_dim]: P V accumulators */
-  float *row;    /* [head_dim]: one K or V row converted to fp32 (decodes: PV_TOKENS rows) */
+  float *row;    /* [head_dim]: one K or V row converted to fp32 */
   float *stats;  /* [2 * rows]: row max, then 1 / row sum */
   int64_t scores_cap, q_cap, acc_cap, row_cap, stats_cap;
 } Scratch;
@@ -282,7 +288,7 @@ static int reserve(Scratch *s, int64_t rows, int64_t len, int64_t head_dim) {
   const int64_t dp = round_up(head_dim, VW);
   return grow(&s->scores, &s->scores_cap, rows * round_up(len, VW)) |
          grow(&s->q, &s->q_cap, rows * dp) | grow(&s->acc, &s->acc_cap, rows * dp) |
-         grow(&s->row, &s->row_cap, PV_TOKENS * dp) | grow(&s->stats, &s->stats_cap, 2 * rows);
+         grow(&s->row, &s->row_cap, head_dim) | grow(&s->stats, &s->stats_cap, 2 * rows);
 }
 
 /* One work item: queries [j0, j0 + nq) of a sequence whose first query sits at position ctx,
@@ -486,28 +492,52 @@ static inline int lanes_in_row(const int head_dim, const int c) {
   return head_dim - c * VW < VW ? head_dim - c * VW : VW;
 }
 
-/* Scores of query heads [0, nh) (rows of qf, dp apart) against the n <= VW keys at `off`, into
- * lanes [0, VW) of scores + h * stride (the lanes past n get 0; rows are padded for them). */
-static inline __attribute__((always_inline)) void score_chunk(
-    const int head_dim, const int is_bf16, const float *restrict qf, const int dp, const int nh,
+/* Scores of query heads [0, nh) (rows of qf, dp apart) against the n <= VW keys at
+ * `off` + shift, into lanes [0, VW) of scores + h * stride (lanes past n get 0: rows are padded
+ * for them). nh <= PASS_HEADS is a compile-time constant. */
+static inline __attribute__((always_inline)) void score_heads(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict qf, const int dp,
     const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
     float *restrict scores, const int64_t stride) {
   const int nv = (head_dim + VW - 1) / VW; /* vectors per row */
-  vf part[DECODE_HEADS][VW];               /* [head][key]: partial sums of the key's score */
+  vf part[PASS_HEADS][VW];                 /* [head][key]: the key's score in partial sums */
   for (int t = 0; t < n; t++) {
-    vf k[MAX_VECS]; /* registers for the common head_dims (constant nv) */
-    for (int c = 0; c < nv; c++)
-      k[c] = load_row(k_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c));
-    for (int h = 0; h < nh; h++) {
-      const float *qh = qf + (int64_t)h * dp;
-      vf s = k[0] * vload(qh);
-      for (int c = 1; c < nv; c++) s = vfma(k[c], vload(qh + c * VW), s);
-      part[h][t] = s;
+    vf s[PASS_HEADS];
+    for (int c = 0; c < nv; c++) {
+      const vf k = load_row(k_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c));
+      for (int h = 0; h < nh; h++) {
+        const vf qv = vload(qf + (int64_t)h * dp + c * VW);
+        s[h] = c == 0 ? k * qv : vfma(k, qv, s[h]);
+      }
     }
+    for (int h = 0; h < nh; h++) part[h][t] = s[h];
   }
   for (int t = n; t < VW; t++)
     for (int h = 0; h < nh; h++) part[h][t] = vsplat(0.f);
   for (int h = 0; h < nh; h++) vstore(scores + h * stride, lane_sums(part[h]));
+}
+
+/* score_heads for a runtime nh in [1, PASS_HEADS]: one copy per count. */
+static inline __attribute__((always_inline)) void score_pass(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict qf, const int dp,
+    const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
+    float *restrict scores, const int64_t stride) {
+#define SCORE_HEADS(NH) \
+  score_heads(head_dim, is_bf16, NH, qf, dp, k_cache, off, n, shift, scores, stride)
+  switch (nh) {
+    case 1:
+      SCORE_HEADS(1);
+      break;
+    case 2:
+      SCORE_HEADS(2);
+      break;
+    case 3:
+      SCORE_HEADS(3);
+      break;
+    default:
+      SCORE_HEADS(PASS_HEADS);
+  }
+#undef SCORE_HEADS
 }
 
 /* v with its lanes from n on (n <= VW) replaced by `fill`. */
@@ -534,42 +564,55 @@ static inline float softmax_row(float *restrict s, const int len) {
   return 1.f / hsum(sums);
 }
 
-/* acc + h * dp += sum over the n <= PV_TOKENS values at `off` of p[h][t] * V[t], for heads
- * [0, group), p[h] = probs + h * stride. `tile` holds PV_TOKENS rows of dp floats. */
-static inline __attribute__((always_inline)) void pv_chunk(
-    const int head_dim, const int is_bf16, const float *restrict probs, const int64_t stride,
-    const int group, const void *restrict v_cache, const int64_t *restrict off, const int n,
-    const int64_t shift, float *restrict tile, const int dp, float *restrict acc) {
+/* acc + h * dp += sum over the n <= PV_TOKENS values at `off` + shift of p[h][t] * V[t], for
+ * heads [0, nh), p[h] = probs + h * stride. nh <= PASS_HEADS is a compile-time constant; the
+ * accumulators of a slice of PV_REGS / nh vectors per head stay in registers over the chunk. */
+static inline __attribute__((always_inline)) void pv_heads(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict probs,
+    const int64_t stride, const void *restrict v_cache, const int64_t *restrict off, const int n,
+    const int64_t shift, const int dp, float *restrict acc) {
   const int nv = (head_dim + VW - 1) / VW;
-  /* V rows as whole fp32 vectors: in place in an fp32 cache when head_dim % VW == 0, else
-   * converted (and zero-padded) into the tile, once for all heads. */
-  const float *rows[PV_TOKENS];
-  for (int t = 0; t < n; t++) {
-    if (!is_bf16 && head_dim % VW == 0) {
-      rows[t] = (const float *)v_cache + off[t] + shift;
-      continue;
-    }
-    float *dst = tile + (int64_t)t * dp;
-    for (int c = 0; c < nv; c++)
-      vstore(dst + c * VW,
-             load_row(v_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c)));
-    rows[t] = dst;
-  }
-  for (int h = 0; h < group; h++) {
-    const float *p = probs + h * stride;
-    float *acc_h = acc + (int64_t)h * dp;
-    for (int c0 = 0; c0 < nv; c0 += PV_ACCS) {
-      const int m = nv - c0 < PV_ACCS ? nv - c0 : PV_ACCS;
-      vf a[PV_ACCS];
-      for (int c = 0; c < m; c++) a[c] = vload(acc_h + (c0 + c) * VW);
-      for (int t = 0; t < n; t++) {
-        const vf pt = vsplat(p[t]);
-        const float *row = rows[t] + c0 * VW;
-        for (int c = 0; c < m; c++) a[c] = vfma(pt, vload(row + c * VW), a[c]);
+  const int width = PV_REGS / nh; /* vectors per head in a slice */
+  for (int c0 = 0; c0 < nv; c0 += width) {
+    const int m = nv - c0 < width ? nv - c0 : width;
+    vf a[PASS_HEADS][PV_REGS]; /* [head][vector of the slice] */
+    for (int h = 0; h < nh; h++)
+      for (int c = 0; c < m; c++) a[h][c] = vload(acc + (int64_t)h * dp + (c0 + c) * VW);
+    for (int t = 0; t < n; t++) {
+      vf v[PV_REGS];
+      for (int c = 0; c < m; c++)
+        v[c] = load_row(v_cache, off[t] + shift + (c0 + c) * VW, is_bf16,
+                        lanes_in_row(head_dim, c0 + c));
+      for (int h = 0; h < nh; h++) {
+        const vf p = vsplat(probs[h * stride + t]);
+        for (int c = 0; c < m; c++) a[h][c] = vfma(p, v[c], a[h][c]);
       }
-      for (int c = 0; c < m; c++) vstore(acc_h + (c0 + c) * VW, a[c]);
     }
+    for (int h = 0; h < nh; h++)
+      for (int c = 0; c < m; c++) vstore(acc + (int64_t)h * dp + (c0 + c) * VW, a[h][c]);
   }
+}
+
+/* pv_heads for a runtime nh in [1, PASS_HEADS]: one copy per count. */
+static inline __attribute__((always_inline)) void pv_pass(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict probs,
+    const int64_t stride, const void *restrict v_cache, const int64_t *restrict off, const int n,
+    const int64_t shift, const int dp, float *restrict acc) {
+#define PV_HEADS(NH) pv_heads(head_dim, is_bf16, NH, probs, stride, v_cache, off, n, shift, dp, acc)
+  switch (nh) {
+    case 1:
+      PV_HEADS(1);
+      break;
+    case 2:
+      PV_HEADS(2);
+      break;
+    case 3:
+      PV_HEADS(3);
+      break;
+    default:
+      PV_HEADS(PASS_HEADS);
+  }
+#undef PV_HEADS
 }
 
 /* One head's output: head_dim values of acc * inv in out's dtype. */
@@ -626,11 +669,11 @@ static inline __attribute__((always_inline)) void attend_decode(
                       row_bytes);
     token_offsets(geo, table, t0, n, head_off, off);
     for (int kk = 0; kk < nkh; kk++)
-      for (int g0 = 0; g0 < group; g0 += DECODE_HEADS) {
+      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
         const int r = kk * group + g0;
-        const int nh = group - g0 < DECODE_HEADS ? group - g0 : DECODE_HEADS;
-        score_chunk(head_dim, is_bf16, qf + (int64_t)r * dp, dp, nh, k_cache, off, n,
-                    kk * head_dim, scores + r * stride + t0, stride);
+        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
+        score_pass(head_dim, is_bf16, nh, qf + (int64_t)r * dp, dp, k_cache, off, n,
+                   kk * head_dim, scores + r * stride + t0, stride);
       }
   }
   prefetch_tokens(geo, table, v_cache, elem, 0, ahead, head_off, row_bytes);
@@ -643,11 +686,13 @@ static inline __attribute__((always_inline)) void attend_decode(
                       t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
                       row_bytes);
     token_offsets(geo, table, t0, n, head_off, off);
-    for (int kk = 0; kk < nkh; kk++) {
-      const int r = kk * group;
-      pv_chunk(head_dim, is_bf16, scores + r * stride + t0, stride, group, v_cache, off, n,
-               kk * head_dim, scratch->row, dp, acc + (int64_t)r * dp);
-    }
+    for (int kk = 0; kk < nkh; kk++)
+      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
+        const int r = kk * group + g0;
+        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
+        pv_pass(head_dim, is_bf16, nh, scores + r * stride + t0, stride, v_cache, off, n,
+                kk * head_dim, dp, acc + (int64_t)r * dp);
+      }
   }
   for (int r = 0; r < rows; r++)
     store_head(acc + (int64_t)r * dp, inv_sum[r], head_dim, is_bf16,
@@ -670,18 +715,36 @@ static inline __attribute__((always_inline)) void attend_item(
   }
 }
 
-/* One copy of `attend_item` per dtype and common head_dim; any other head_dim runs the generic
- * copy (same code, runtime trip counts). */
+/* One copy of `attend_item` per dtype and common head_dim (constant trip counts); any other
+ * head_dim runs the generic copy (same code, runtime trip counts). Each copy is a function of its
+ * own: GCC takes several times as long on one function holding them all. */
 #define ATTEND_ARGS geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out, scratch
+#define ITEM_COPY(NAME, D, BF16)                                                                \
+  static __attribute__((noinline)) void NAME(                                                   \
+      const int head_dim, const Geometry *geo, int ctx, int j0, int nq, int kh0, int nkh,       \
+      const void *q, const void *k_cache, const void *v_cache, const int32_t *table, void *out, \
+      Scratch *scratch) {                                                                       \
+    (void)head_dim;                                                                             \
+    attend_item(D, BF16, ATTEND_ARGS);                                                          \
+  }
+ITEM_COPY(item_f32_64, 64, 0)
+ITEM_COPY(item_f32_80, 80, 0)
+ITEM_COPY(item_f32_96, 96, 0)
+ITEM_COPY(item_f32_128, 128, 0)
+ITEM_COPY(item_f32_any, head_dim, 0)
+ITEM_COPY(item_bf16_64, 64, 1)
+ITEM_COPY(item_bf16_80, 80, 1)
+ITEM_COPY(item_bf16_96, 96, 1)
+ITEM_COPY(item_bf16_128, 128, 1)
+ITEM_COPY(item_bf16_any, head_dim, 1)
+#undef ITEM_COPY
+
 static void attend_any(const int head_dim, const int is_bf16, const Geometry *geo, int ctx,
                        int j0, int nq, int kh0, int nkh, const void *q, const void *k_cache,
                        const void *v_cache, const int32_t *table, void *out, Scratch *scratch) {
-#define CASE(D)                    \
-  case D:                          \
-    if (is_bf16)                   \
-      attend_item(D, 1, ATTEND_ARGS); \
-    else                           \
-      attend_item(D, 0, ATTEND_ARGS); \
+#define CASE(D)                                                     \
+  case D:                                                           \
+    (is_bf16 ? item_bf16_##D : item_f32_##D)(head_dim, ATTEND_ARGS); \
     return;
   switch (head_dim) {
     CASE(64)
@@ -689,10 +752,7 @@ static void attend_any(const int head_dim, const int is_bf16, const Geometry *ge
     CASE(96)
     CASE(128)
     default:
-      if (is_bf16)
-        attend_item(head_dim, 1, ATTEND_ARGS);
-      else
-        attend_item(head_dim, 0, ATTEND_ARGS);
+      (is_bf16 ? item_bf16_any : item_f32_any)(head_dim, ATTEND_ARGS);
   }
 #undef CASE
 }
