@@ -215,7 +215,8 @@ static inline void vstore_bf16(bf16_t *p, const vf x) {
   memcpy(p, &h, sizeof h);
 }
 
-/* Two-source shuffles with constant lane indices (0 .. VW - 1: a's lanes, VW .. 2 VW - 1: b's). */
+/* Two-source shuffles with constant lane indices (0 .. VW - 1: a's lanes, VW .. 2 VW - 1: b's);
+ * LANES(F, h) lists F(i, h) for the VW lanes i. */
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -230,25 +231,28 @@ static inline void vstore_bf16(bf16_t *p, const vf x) {
 #else
 #define LANES(F, s) F(0, s), F(1, s), F(2, s), F(3, s)
 #endif
-/* Of the 2 VW lanes of (a, b) in runs of s: the even runs (LO) and the odd runs (HI), in order. */
-#define LO(i, s) ((i) / (s) * 2 * (s) + (i) % (s))
-#define HI(i, s) (LO(i, s) + (s))
-/* a and b each hold VW / (2 s) tokens' partial sums in runs of 2 s lanes; the result holds the
- * 2 * VW / (2 s) tokens of both, in order, in runs of s lanes: each run's halves added. */
-#define FOLD(a, b, s) (SHUFFLE(a, b, LANES(LO, s)) + SHUFFLE(a, b, LANES(HI, s)))
+/* Within each 128-bit lane of a and b (lanes 4k .. 4k + 3): the pairs (a[4k + j], b[4k + j]) for
+ * j = 0, 1 (lo) or j = 2, 3 (hi): vunpcklps / vunpckhps. */
+#define UNPACK_PS(i, hi) ((i) / 4 * 4 + (i) % 4 / 2 + (i) % 2 * VW + (hi) * 2)
+/* The same with pairs of lanes: (a[4k], a[4k + 1], b[4k], b[4k + 1]) or the upper pairs. */
+#define UNPACK_PD(i, hi) ((i) / 4 * 4 + (i) % 2 + (i) % 4 / 2 * VW + (hi) * 2)
+/* Of the 2 VW / 4 128-bit lanes of (a, b): the even ones (lo) or the odd ones (hi), in order. */
+#define LANES128(i, hi) ((i) / 4 * 8 + (i) % 4 + (hi) * 4)
+#define ADD_SHUFFLES(a, b, F) (SHUFFLE(a, b, LANES(F, 0)) + SHUFFLE(a, b, LANES(F, 1)))
 
-/* v[0 .. VW) -> the vector whose lane t is the sum of v[t]'s lanes: a transpose-and-add tree,
- * VW - 1 folds of two shuffles and one add, instead of one horizontal reduction per v[t].
+/* v[0 .. VW) -> the vector whose lane t is the sum of v[t]'s lanes: a transpose-and-add tree
+ * of VW - 1 steps of two shuffles and an add, instead of a horizontal reduction per v[t].
+ * Within 128-bit lanes first (cheap shuffles), so that only the last VW / 8 steps cross them.
  * Clobbers v. */
 static inline vf lane_sums(vf *v) {
-#if VW >= 16
-  for (int i = 0; i < 8; i++) v[i] = FOLD(v[2 * i], v[2 * i + 1], 8);
-#endif
-#if VW >= 8
-  for (int i = 0; i < 4; i++) v[i] = FOLD(v[2 * i], v[2 * i + 1], 4);
-#endif
-  for (int i = 0; i < 2; i++) v[i] = FOLD(v[2 * i], v[2 * i + 1], 2);
-  return FOLD(v[0], v[1], 1);
+  /* v[i]: tokens 2i, 2i + 1 alternating, each 128-bit lane a pair of partial sums per token. */
+  for (int i = 0; i < VW / 2; i++) v[i] = ADD_SHUFFLES(v[2 * i], v[2 * i + 1], UNPACK_PS);
+  /* v[i]: tokens 4i .. 4i + 3 in every 128-bit lane, one partial sum each. */
+  for (int i = 0; i < VW / 4; i++) v[i] = ADD_SHUFFLES(v[2 * i], v[2 * i + 1], UNPACK_PD);
+  /* Sum the 128-bit lanes: twice as many tokens per vector, half as many partials, each step. */
+  for (int n = VW / 8; n >= 1; n /= 2)
+    for (int i = 0; i < n; i++) v[i] = ADD_SHUFFLES(v[2 * i], v[2 * i + 1], LANES128);
+  return v[0];
 }
 
 /* Geometry shared by every work item of one call. Strides count elements, not bytes. */
