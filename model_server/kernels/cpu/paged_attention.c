@@ -42,15 +42,8 @@
  * and V vector is loaded (and converted) once per pass and used by all of its heads. Zen 4 loads
  * one 512-bit vector per cycle, as many as it multiplies-adds: loads are what to save. */
 #define PASS_HEADS 4
-/* P.V chunks: tokens per load and store of the accumulators, and accumulator vectors in
- * registers per pass (16 of AVX-512's 32 registers, 8 of AVX2's or SSE's 16), split between its
- * heads; longer head rows take several slices of the chunk. */
+/* P.V chunks: tokens per load and store of the accumulators. */
 #define PV_TOKENS 16
-#if VW == 16
-#define PV_REGS 16
-#else
-#define PV_REGS 8
-#endif
 /* How many tokens ahead of use K and V rows are prefetched. */
 #define PREFETCH_AHEAD 32
 
@@ -113,6 +106,13 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
 #else
 #define VW 4
 #endif
+/* P.V accumulator vectors in registers per pass (16 of AVX-512's 32 registers, 8 of AVX2's or
+ * SSE's 16), split between its heads; longer head rows take several slices of a chunk. */
+#if VW == 16
+#define PV_REGS 16
+#else
+#define PV_REGS 8
+#endif
 #define MAX_HEAD_DIM 512 /* native.MAX_HEAD_DIM: larger heads are refused before the call */
 #define MAX_VECS (MAX_HEAD_DIM / VW)
 
@@ -121,7 +121,8 @@ typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
 typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
 
-static inline vf vsplat(const float x) { return (vf){0} + x; }
+/* Every lane x: x - 0 is x for every x (x + 0 is not, for -0.f, and would stay an add). */
+static inline vf vsplat(const float x) { return x - (vf){0}; }
 
 static inline vf vload(const float *p) {
   vf v;
