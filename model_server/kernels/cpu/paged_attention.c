@@ -146,10 +146,11 @@ static inline vf vload_bf16(const bf16_t *p) {
 #endif
 }
 
-/* VW values of a cache row from element `at` as fp32, only the first `n` (<= VW) read and the
- * other lanes zero: a row's last vector when head_dim is not a multiple of VW. */
-static inline vf load_row(const void *cache, const int64_t at, const int is_bf16, const int n) {
-  if (n == VW) return is_bf16 ? vload_bf16((const bf16_t *)cache + at) : vload((const float *)cache + at);
+/* The first n < VW values of a cache row from element `at` as fp32, the other lanes zero: a row's
+ * last vector when head_dim is not a multiple of VW. Out of line: rare, and every inlined copy
+ * would cost compile time. */
+static __attribute__((noinline, cold)) vf load_part(const void *cache, const int64_t at,
+                                                    const int is_bf16, const int n) {
   union {
     float f[VW];
     uint32_t u[VW];
@@ -161,6 +162,13 @@ static inline vf load_row(const void *cache, const int64_t at, const int is_bf16
       part.f[i] = ((const float *)cache)[at + i];
   }
   return vload(part.f);
+}
+
+/* VW values of a cache row from element `at` as fp32, only the first `n` (<= VW) read and the
+ * other lanes zero. */
+static inline vf load_row(const void *cache, const int64_t at, const int is_bf16, const int n) {
+  if (n < VW) return load_part(cache, at, is_bf16, n);
+  return is_bf16 ? vload_bf16((const bf16_t *)cache + at) : vload((const float *)cache + at);
 }
 
 static inline vf vfma(const vf a, const vf b, const vf c) {
