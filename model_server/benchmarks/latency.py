@@ -16,10 +16,10 @@ with max_tokens=`--output-len` (greedy, ignore_eos). A decode step then takes
     decode: <tok/s> tok/s at batch 1 = <pct>% of the 222.7 tok/s bound (3350 GB/s spec, 15.04 GB
         per step); <pct>% of the <tok/s> tok/s measured-copy bound (<GB/s> GB/s copy)
 
-and on CPUs the compute bound (benchmarks/compute.py), torch.mm on the model's linear shapes at
-the batch's row count in the run's dtype:
+and on CPUs the compute bound (benchmarks/compute.py), the faster of torch.mm and oneDNN with a
+prepacked weight on the model's linear shapes at the batch's row count in the run's dtype:
 
-    compute: torch.mm bfloat16 at 16 rows on the model's shapes <GFLOP/s> GFLOP/s; decode step
+    compute: best GEMM bfloat16 at 16 rows on the model's shapes <GFLOP/s> GFLOP/s; decode step
         <GFLOP> GFLOP at <GFLOP/s> GFLOP/s = <pct>% of it (<tok/s> tok/s compute bound)
 
 and with `--baseline transformers` the same batch through HF `generate` (`transformers prefill`,

@@ -47,3 +47,21 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(gate) * up, each op rounding to x's dtype."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rotary_embedding_torch(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding (HF's `x * cos + rotate_half(x) * sin`): query [T, H, D] and key
+    [T, Hkv, D] (any strides), positions [T] int, cos_sin_cache [max_position, D] holding cos in
+    the first half of each row and sin in the second -> new contiguous (query, key). Dims i and
+    D/2 + i pair up; each product and each sum rounds to the inputs' dtype."""
+    cos_sin = cos_sin_cache.index_select(0, positions)  # [T, D]
+    cos, sin = cos_sin.unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, D/2] each
+    return _apply_neox(query, cos, sin), _apply_neox(key, cos, sin)
+
+
+def _apply_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, 1, D/2] -> [T, H, D] (contiguous)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

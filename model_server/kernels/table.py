@@ -21,6 +21,7 @@ from model_server.kernels.portable import (
     fused_add_rms_norm_torch,
     int8_linear_dequant,
     rms_norm_torch,
+    rotary_embedding_torch,
     silu_and_mul_torch,
 )
 
@@ -38,11 +39,17 @@ FusedAddRMSNormFn = Callable[
 ]
 # x [..., 2d] -> silu(x[..., :d]) * x[..., d:] [..., d]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+# (positions [T], query [T, H, D], key [T, Hkv, D], cos_sin_cache [max_position, D])
+# -> rotated (query, key), neox layout
+RotaryFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 @dataclass(slots=True, frozen=True)
 class KernelTable:
-    """The functions a model's layers call (see layers/linear.py, norm.py, activation.py).
+    """The functions a model's layers call (see layers/linear.py, norm.py, activation.py,
+    rotary.py).
 
     Derive a variant with `dataclasses.replace(TORCH_KERNELS, rms_norm=...)`.
     """
@@ -52,6 +59,7 @@ class KernelTable:
     rms_norm: RMSNormFn = rms_norm_torch
     fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch
+    rotary_embedding: RotaryFn = rotary_embedding_torch
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -79,11 +81,20 @@ class RotaryEmbedding(nn.Module):
     Neox layout: dims [0, D/2) pair with [D/2, D), i.e. HF's `x * cos + rotate_half(x) * sin`.
     `cos_sin_cache` [max_position, D] holds cos in the first half of each row and sin in the
     second, computed in float32 then cast to the default dtype (HF casts cos/sin to the
-    activation dtype the same way). Positions must be < max_position.
+    activation dtype the same way). Positions must be < max_position. The rotation is the
+    `KernelTable`'s `rotary_embedding` (PyTorch's ops by default, one C call on CPUs).
     """
 
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
         super().__init__()
+        self.kernels = kernels
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
         self.head_dim = head_dim
@@ -102,20 +113,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_sin = self.cos_sin_cache.index_select(0, positions)  # [T, D]
-        cos, sin = cos_sin.unsqueeze(-2).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _apply_neox(query, cos, sin), _apply_neox(key, cos, sin)
+        """query [T, H, D], key [T, Hkv, D] (views of the fused qkv projection) -> new
+        contiguous rotated (query, key)."""
+        return self.kernels.rotary_embedding(positions, query, key, self.cos_sin_cache)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, type={self.rope_type}"
 
 
-def _apply_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos, sin [T, 1, D/2] -> [T, H, D] (contiguous)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def get_rope(head_dim: int, max_position: int, config: Any) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int, max_position: int, config: Any, kernels: KernelTable = TORCH_KERNELS
+) -> RotaryEmbedding:
     """The rotary embedding an HF config asks for, with a cache of `max_position` positions."""
-    return RotaryEmbedding(head_dim, max_position, rope_parameters_from_config(config))
+    return RotaryEmbedding(
+        head_dim, max_position, rope_parameters_from_config(config), kernels=kernels
+    )

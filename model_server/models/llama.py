@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = get_rope(get_head_dim(config), max_position, config)
+        self.rotary_emb = get_rope(get_head_dim(config), max_position, config, kernels)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, attn_backend, kernels)
             for _ in range(config.num_hidden_layers)

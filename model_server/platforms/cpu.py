@@ -6,12 +6,15 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 import torch
 
+from model_server.kernels.cpu import native
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
 from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
+from model_server.kernels.cpu.layer_ops import native_kernel_table
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
 from model_server.kernels.cpu.linear_tuning import (
     CpuInt8Linear,
@@ -28,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # With tuning off (WICK_CPU_LINEAR_TUNING=0): the fixed MKL-friendly matmuls for decode's few
-# rows and PyTorch's int8 weight-only kernel (kernels/cpu/linear.py). Norms and activations stay
-# on the portable PyTorch ops either way.
+# rows and PyTorch's int8 weight-only kernel (kernels/cpu/linear.py). Norms, SiLU-and-mul and
+# rotary run on the native C kernels either way (`_with_layer_ops`).
 _FIXED_CPU_KERNELS = KernelTable(linear=skinny_linear, int8_linear=int8_linear)
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
@@ -99,10 +102,14 @@ class CpuPlatform(Platform):
 
     def kernel_table(self) -> KernelTable:
         """A fresh table per model: its matmuls are fitted to that model's weights by
-        `tune_kernels` (the fixed ones with WICK_CPU_LINEAR_TUNING=0)."""
+        `tune_kernels` (one shared fixed table with WICK_CPU_LINEAR_TUNING=0). Norms, SiLU-and-
+        mul and rotary are the native C kernels (built on first call, like the attention's)."""
+        kernels = native.load_kernels()
         if not tuning_enabled():
-            return _FIXED_CPU_KERNELS
-        return KernelTable(linear=CpuLinear(), int8_linear=CpuInt8Linear())
+            return _fixed_table(kernels)
+        return _with_layer_ops(
+            KernelTable(linear=CpuLinear(), int8_linear=CpuInt8Linear()), kernels
+        )
 
     def tune_kernels(
         self, kernels: KernelTable, sites: Sequence[LinearSite], dtype: torch.dtype
@@ -127,8 +134,38 @@ class CpuPlatform(Platform):
             if report.extra_bytes
             else "",
         )
+        if report.busy:
+            logger.warning(
+                "other processes used %.0f%% of the CPU while the matmuls were timed: the "
+                "choice may be off, and is not cached (timed again at the next start)",
+                100 * report.others_share,
+            )
         for line in report.lines:
             logger.info("cpu linear %s", line)
 
     def _tuning_cache(self) -> TuningCache:
         return TuningCache.open(machine_identity(_cpu_flags()))
+
+
+@cache
+def _fixed_table(kernels: native.NativeKernels | None) -> KernelTable:
+    """One table per build: every model with tuning off shares it (and `is` compares it)."""
+    return _with_layer_ops(_FIXED_CPU_KERNELS, kernels)
+
+
+def _with_layer_ops(base: KernelTable, kernels: native.NativeKernels | None) -> KernelTable:
+    """`base` with the native norms, SiLU-and-mul and rotary, or as it is (portable ops) after
+    one warning when the library could not be built."""
+    if kernels is None:
+        _warn_no_layer_ops()
+        return base
+    return native_kernel_table(kernels, base)
+
+
+@cache
+def _warn_no_layer_ops() -> None:
+    logger.warning(
+        "native CPU rms_norm, fused_add_rms_norm, silu_and_mul and rotary_embedding "
+        "(kernels/cpu/layer_ops.c) are not used: the native kernels could not be built (see the "
+        "warning above); the portable PyTorch ops run instead, which are slower"
+    )

@@ -20,6 +20,7 @@ from model_server.kernels.cpu.linear_tuning import (
     DEQUANT,
     INT8_KERNEL,
     MM_T,
+    NATIVE,
     PACKED,
     ROW_BLOCKS,
     TORCH,
@@ -33,7 +34,6 @@ from model_server.kernels.cpu.linear_tuning import (
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.portable import int8_linear_dequant
-from model_server.kernels.table import KernelTable
 from model_server.platforms import cpu as cpu_platform
 from model_server.platforms import get_platform
 
@@ -52,6 +52,27 @@ def two_threads():
     torch.set_num_threads(2)  # the bmm split needs more than one thread
     yield
     torch.set_num_threads(before)
+
+
+class FakeWindow:
+    """Stands in for kernels/cpu/cpu_load.py's LoadWindow: other processes' share is fixed."""
+
+    share = 0.0
+
+    def others_share(self) -> float:
+        return self.share
+
+    def busy_machine(self) -> bool:
+        return self.share > 0.25
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> type[FakeWindow]:
+    """Timings count as taken on a quiet machine (so they are cached), whatever else runs."""
+    window = type("Window", (FakeWindow,), {"share": 0.0})
+    monkeypatch.setattr(linear_tuning, "LoadWindow", window)
+    monkeypatch.setattr(dtype_choice, "LoadWindow", window)
+    return window
 
 
 @pytest.fixture
@@ -90,7 +111,7 @@ def test_row_buckets() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, PACKED])
+@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, NATIVE, PACKED])
 @pytest.mark.parametrize(("n", "k"), [(96, 48), (97, 33)])  # N odd (not split by 2), K odd
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_candidate_equals_f_linear(
@@ -231,6 +252,52 @@ def test_a_corrupt_cache_file_is_ignored_with_one_warning(
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
+def test_timings_from_a_busy_machine_are_used_but_not_cached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, quiet_machine: type[FakeWindow]
+) -> None:
+    counter = force(monkeypatch, MM_T)
+    quiet_machine.share = 0.6
+    identity = machine_identity(frozenset({"avx2"}))
+    w = torch.randn(40, 24)
+    linear = CpuLinear()
+    report = tune_cpu_linears(
+        [LinearSite(w, 4, True)],
+        torch.float32,
+        linear,
+        CpuInt8Linear(),
+        TuningCache.open(identity, tmp_path),
+    )
+    assert report.busy and report.others_share == 0.6 and "mm_t" in report.lines[0]
+    assert not list(tmp_path.glob("cpu_tuning/*.json"))  # nothing written
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    timed = len(counter)
+    quiet_machine.share = 0.0  # the next start times again, and caches
+    report = tune_cpu_linears(
+        [LinearSite(w, 4, True)],
+        torch.float32,
+        CpuLinear(),
+        CpuInt8Linear(),
+        TuningCache.open(identity, tmp_path),
+    )
+    assert len(counter) > timed and not report.busy and report.timed == 1
+    assert list(tmp_path.glob("cpu_tuning/*.json"))
+
+
+def test_the_load_window_sees_another_process_busy() -> None:
+    """The real LoadWindow: a child process spinning on one core for the whole window counts
+    as others' use (at least half a core's share, for scheduler noise)."""
+    import subprocess
+    import sys
+
+    from model_server.kernels.cpu.cpu_load import LoadWindow, _num_cpus
+
+    window = LoadWindow()
+    spin = "import time\nend = time.perf_counter() + 0.6\nwhile time.perf_counter() < end: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True)
+    assert window.others_share() >= 0.5 / _num_cpus()
+
+
 def test_a_malformed_entry_is_timed_again(
     monkeypatch: pytest.MonkeyPatch, cache: TuningCache
 ) -> None:
@@ -250,15 +317,14 @@ def test_the_real_timer_drops_failing_candidates_and_keeps_the_minimum() -> None
 
 def test_tuning_off_is_the_fixed_table(monkeypatch: pytest.MonkeyPatch) -> None:
     platform = get_platform("cpu")
-    monkeypatch.delenv(TUNING_ENV, raising=False)  # off unless asked for
-    assert platform.kernel_table() == KernelTable(
-        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
-    )
+    monkeypatch.delenv(TUNING_ENV, raising=False)  # on unless turned off
+    assert isinstance(platform.kernel_table().linear, CpuLinear)
     monkeypatch.setenv(TUNING_ENV, "0")
+    fixed_matmuls = (cpu_platform.skinny_linear, cpu_platform.int8_linear)
+    table = platform.kernel_table()
+    assert (table.linear, table.int8_linear) == fixed_matmuls
     fixed = platform.kernel_table()
-    assert fixed == KernelTable(
-        linear=cpu_platform.skinny_linear, int8_linear=cpu_platform.int8_linear
-    )
+    assert fixed is table  # one shared table (per native build)
     monkeypatch.setenv(TUNING_ENV, "1")
     tuned = platform.kernel_table()
     assert isinstance(tuned.linear, CpuLinear) and isinstance(tuned.int8_linear, CpuInt8Linear)
@@ -288,7 +354,7 @@ def fake_figures(monkeypatch: pytest.MonkeyPatch, bf16_faster: bool) -> list[int
 def isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
-    monkeypatch.setenv(TUNING_ENV, "1")  # opt-in: --dtype auto measures only with tuning on
+    monkeypatch.setenv(TUNING_ENV, "1")  # --dtype auto measures only with tuning on
     return tmp_path
 
 

@@ -1,6 +1,7 @@
 """The native CPU paged attention (kernels/cpu/paged_attention.c) against the per-request PyTorch
 reference, on every ISA path this machine runs (AVX2 forced on AVX-512 machines), fp32 and bf16,
-decodes and prefills over cached prefixes, GQA, odd head dims, block boundaries."""
+decodes and prefills over cached prefixes, GQA, odd head dims, block boundaries; its KV-cache
+store (strided k/v views, padding slots) against the reference store."""
 
 from __future__ import annotations
 
@@ -159,6 +160,143 @@ def test_prefill_tiles_of_one_query(isa, dtype) -> None:
     """A prefill's last tile of one query (17 and 33 queries: tiles of 16 + 1) runs on the
     decode path next to the tiles of 16 on the general one."""
     _check(isa, [(0, 17), (5, 33), (20, 1)], 8, 2, 64, 8, dtype)
+
+
+def _bits(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bit patterns: NaN-filled slots compare equal to themselves."""
+    return cache.view(torch.int16 if cache.dtype == torch.bfloat16 else torch.int32)
+
+
+def _fused_kv(b, num_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """b's k and v as the model hands them over: [T, Hkv, D] views of one fused qkv projection
+    output (token stride (H + 2 Hkv) D)."""
+    num_tokens, num_kv_heads, head_dim = b.k.shape
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    qkv = qkv.to(b.k.dtype)
+    _, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=-1)
+    return k.view(b.k.shape), v.view(b.v.shape)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 8), (8, 2, 80, 16), (6, 2, 96, 1), (4, 4, 128, 8)],
+)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_kv_store_fused_into_attention(
+    isa, dtype, num_heads, num_kv_heads, head_dim, block_size, num_threads
+) -> None:
+    """The step's K/V (strided views of the fused qkv) are written at their slots before the
+    queries attend: the caches then hold exactly those rows there, and nothing else changed
+    (the NaN fill of unused slots included); the output is the reference's over those caches.
+    The batch's new tokens cross block boundaries; two threads split the store (forced)."""
+    b = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        fill=float("nan"),
+        seed=2,
+    )
+    md = b.metadata
+    k, v = _fused_kv(b, num_heads, seed=3)
+    assert not k.is_contiguous()
+    k_expected, v_expected = b.k_cache.clone(), b.v_cache.clone()
+    store_kv_reference(k, v, k_expected, v_expected, md.slot_mapping)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = native.paged_attention(
+            _kernels(isa),
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            md.block_tables,
+            md.query_start_loc,
+            md.seq_lens,
+            head_dim**-0.5,
+            min_work_per_thread=0,
+            k=k,
+            v=v,
+            slot_mapping=md.slot_mapping,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(_bits(b.k_cache), _bits(k_expected))
+    assert torch.equal(_bits(b.v_cache), _bits(v_expected))
+    expected = paged_attention_reference(
+        b.q,
+        k_expected,
+        v_expected,
+        md.query_start_loc_cpu,
+        md.seq_lens_cpu,
+        b.block_tables,
+        head_dim**-0.5,
+    )
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kv_store_skips_padding_and_converts(dtype) -> None:
+    """A slot < 0 (a padding token) writes nothing; contiguous k/v of another dtype are cast to
+    the cache's."""
+    b = make_batch(
+        [(3, 1), (9, 1), (0, 4)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=dtype,
+        fill=float("nan"),
+    )
+    md = b.metadata
+    slots = md.slot_mapping.clone()
+    slots[1] = -1
+    k, v = b.k.double(), b.v.double()
+    k_expected, v_expected = b.k_cache.clone(), b.v_cache.clone()
+    store_kv_reference(k, v, k_expected, v_expected, slots)
+    native.paged_attention(
+        native.load_kernels(),
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        md.block_tables,
+        md.query_start_loc,
+        md.seq_lens,
+        0.2,
+        k=k,
+        v=v,
+        slot_mapping=slots,
+    )
+    assert torch.equal(_bits(b.k_cache), _bits(k_expected))
+    assert torch.equal(_bits(b.v_cache), _bits(v_expected))
+
+
+def test_kv_store_slot_past_the_cache_is_refused_before_any_write() -> None:
+    b = make_batch([(2, 1), (0, 3)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
+    md = b.metadata
+    slots = md.slot_mapping.clone()
+    slots[-1] = b.k_cache.shape[0] * b.k_cache.shape[1]
+    k_before, v_before = b.k_cache.clone(), b.v_cache.clone()
+    with pytest.raises(IndexError, match="past the cache"):
+        native.paged_attention(
+            native.load_kernels(),
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            md.block_tables,
+            md.query_start_loc,
+            md.seq_lens,
+            0.25,
+            k=b.k,
+            v=b.v,
+            slot_mapping=slots,
+        )
+    assert torch.equal(b.k_cache, k_before) and torch.equal(b.v_cache, v_before)
 
 
 def test_paged_decode_wrapper() -> None:

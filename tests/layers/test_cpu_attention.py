@@ -86,12 +86,15 @@ def _run_both(
     )
     calls = []
     kernel = native.paged_attention
-    monkeypatch.setattr(native, "paged_attention", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(
+        native, "paged_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    )
     out = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale).forward(
         q, k, v, k_cache, v_cache, md
     )
     monkeypatch.setattr(native, "paged_attention", kernel)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)  # the same K/V stored
+    # The same K/V stored (by the kernel on the native path, before it attends).
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     return out, expected, len(calls)
 
 

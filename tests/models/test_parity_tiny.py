@@ -7,6 +7,8 @@ safetensors folder, loaded into our model through `load_weights`, and run throug
   - 32 greedy tokens identical to `hf_model.generate`,
   - chunked prefill (chunks of 5) and a mixed batch (prefill + decode + chunk after a cached
     prefix, in one forward) matching HF's per-sequence logits.
+The same weights also run on the CPU platform's kernels (native norms, SiLU-and-mul, rotary and
+paged attention with its KV store): the same logits to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from model_server.models import (
     get_model_class,
     init_dummy_weights,
 )
+from model_server.platforms.cpu import CpuPlatform
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
@@ -88,6 +91,8 @@ class Pair:
     hf: nn.Module
     ours: nn.Module
     config: transformers.PretrainedConfig
+    # The same weights on the CPU platform's kernel table and the native "cpu" attention.
+    native: nn.Module
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -105,7 +110,14 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     ours = build_model(config, get_attention_backend("torch"), max_model_len=MAX_MODEL_LEN)
     loaded = ours.load_weights(load_file(folder / "model.safetensors").items())
     assert loaded == {name for name, _ in ours.named_parameters()}
-    return Pair(hf=hf, ours=ours, config=config)
+    native = build_model(
+        config,
+        get_attention_backend("cpu"),
+        max_model_len=MAX_MODEL_LEN,
+        kernels=CpuPlatform().kernel_table(),
+    )
+    native.load_weights(load_file(folder / "model.safetensors").items())
+    return Pair(hf=hf, ours=ours, config=config, native=native)
 
 
 @dataclass
@@ -229,6 +241,22 @@ def test_mixed_batch_matches_per_sequence(pair: Pair) -> None:
     for row, prompt in enumerate((prompt_a, prompt_b, prompt_c)):
         expected = _hf_logits(pair.hf, prompt)[-1]
         torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=ATOL)
+
+
+def test_native_cpu_kernels_match_portable_and_hf(pair: Pair) -> None:
+    """A prefill, then a mixed step (a fresh prompt, a decode, a chunk after a cached prefix) on
+    the CPU platform's kernels: HF's logits, and the portable path's to fp32 rounding."""
+    prompt_a, prompt_b, prompt_c = _prompt(7, seed=7), _prompt(12, seed=8), _prompt(15, seed=9)
+    logits = {}
+    for name, model in (("ours", pair.ours), ("native", pair.native)):
+        harness = PagedHarness(model)
+        seq_a, seq_b, seq_c = Seq(prompt_a), Seq(prompt_b), Seq(prompt_c)
+        harness.step([(seq_b, 11), (seq_c, 6)])
+        logits[name] = harness.last_logits([(seq_a, 7), (seq_b, 1), (seq_c, 9)])
+    torch.testing.assert_close(logits["native"], logits["ours"], atol=1e-5, rtol=1e-5)
+    for row, prompt in enumerate((prompt_a, prompt_b, prompt_c)):
+        expected = _hf_logits(pair.hf, prompt)[-1]
+        torch.testing.assert_close(logits["native"][row], expected, atol=ATOL, rtol=ATOL)
 
 
 # ---- loading, registry and rope edge cases (one tiny config, no HF reference needed) ----

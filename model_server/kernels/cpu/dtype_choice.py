@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from model_server.kernels.cpu.cpu_load import LoadWindow
 from model_server.kernels.cpu.linear import onednn_packed_linear, pack_onednn_weight
 from model_server.kernels.cpu.linear_tuning import time_candidates
 from model_server.kernels.cpu.tuning_cache import TuningCache
@@ -117,7 +118,7 @@ def measure_dtype_speed(shapes: Sequence[LinearShape]) -> DtypeFigures:
 
 def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> tuple[DtypeFigures, bool]:
     """The figures for `shapes`, from `cache` when it has them (then True), else measured now
-    and stored."""
+    and stored (unless the machine was busy meanwhile: kernels/cpu/cpu_load.py)."""
     digest = hashlib.sha256(repr(sorted(shapes)).encode()).hexdigest()[:16]
     key = f"dtype/{DECODE_ROWS}/{PREFILL_ROWS}/{digest}"
     entry = cache.get(key)
@@ -128,7 +129,9 @@ def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> tuple[Dt
                 return figures, True
         except (TypeError, ValueError):
             pass
+    window = LoadWindow()
     figures = measure_dtype_speed(shapes)
-    cache.put(key, {name: getattr(figures, name) for name in DtypeFigures.__slots__})
-    cache.save()
+    if not window.busy_machine():  # figures from a busy machine serve this start only
+        cache.put(key, {name: getattr(figures, name) for name in DtypeFigures.__slots__})
+        cache.save()
     return figures, False

@@ -7,8 +7,10 @@ weights win on AVX-512 but not everywhere), by dtype, by shape and by row count.
 bucketed to the next power of two (1, 2, 4, ..., 256; more rows use the 256 bucket).
 
 Candidates (kernels/cpu/linear.py): F.linear (torch's own BLAS/oneDNN choice), `W @ x^T`, the
-one-row bmm split, `W @ x^T` in blocks of rows, oneDNN with a prepacked weight; for int8 weights
-PyTorch's int8 kernel and dequantize-then-matmul. A candidate that raises is dropped (debug log).
+one-row bmm split, `W @ x^T` in blocks of rows, oneDNN with a prepacked weight, and up to
+NATIVE_MAX_ROWS rows the native skinny matmul (kernels/cpu/gemm.py, where its library builds);
+for int8 weights PyTorch's int8 kernel and dequantize-then-matmul. A candidate that raises is
+dropped (debug log).
 
 Memory: a prepacked weight holds the same bytes in oneDNN's layout. Where only the layer reads
 the weight (`LinearSite.exclusive`) and the packed kernel is the better choice over the buckets,
@@ -31,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from model_server.kernels.cpu.cpu_load import LoadWindow
+from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
 from model_server.kernels.cpu.linear import (
     _BLOCK_BYTES,
     bmm_row_split,
@@ -50,11 +54,10 @@ from model_server.kernels.table import Int8LinearFn, LinearFn
 
 logger = logging.getLogger(__name__)
 
-# "1" (or on/true/yes) turns the timing on; unset or anything else: the fixed kernels of
-# kernels/cpu/linear.py, nothing timed. Opt-in until measured on a quiet machine: timed on a busy
-# one (a 2-core box under other jobs' load), the plans favoured single-thread kernels and fp32
-# batch-1 decode ran 24-26 tok/s against the fixed table's 35, and the cached plan outlives the
-# load it was timed under.
+# On unless "0" (or off/false/no): then the fixed kernels of kernels/cpu/linear.py, nothing
+# timed. Timings taken while other processes kept the machine busy (kernels/cpu/cpu_load.py) are
+# used for that start only, never cached: on a 2-core box under another job's load the plans
+# favoured single-thread kernels (fp32 batch-1 decode 24-26 tok/s against the fixed table's 35).
 TUNING_ENV = "WICK_CPU_LINEAR_TUNING"
 # Seconds of timing at most per start (all shapes together); buckets left untimed take the
 # choice of the largest timed one.
@@ -73,11 +76,16 @@ DOMINATED = 3.0
 MAX_BUCKET = 256
 # The decode tricks (W @ x^T, the bmm split, row blocks) only for this few rows.
 SKINNY_MAX_ROWS = 64
+# The native skinny matmul only for this few rows. Measured on a Zen 4 (bf16, SmolLM2's shapes,
+# W streamed from memory): 1.5-3x F.linear at 1-4 rows, about even with oneDNN's packed kernel
+# at 8, behind it at 16 (its tiles reduce over K; the packed layout needs no reductions).
+NATIVE_MAX_ROWS = 16
 
 TORCH = "torch"
 MM_T = "mm_t"
 BMM_SPLIT = "bmm_split"
 ROW_BLOCKS = "row_blocks"
+NATIVE = "native_gemm"
 PACKED = "onednn_packed"
 INT8_KERNEL = "int8_kernel"
 DEQUANT = "dequantize"
@@ -87,6 +95,7 @@ DENSE_FNS: dict[str, LinearFn] = {
     MM_T: mm_transposed,
     BMM_SPLIT: bmm_row_split,
     ROW_BLOCKS: row_blocks,
+    NATIVE: gemm_linear,
 }
 INT8_FNS: dict[str, Int8LinearFn] = {INT8_KERNEL: int8_kernel_linear, DEQUANT: dequantized_linear}
 
@@ -95,7 +104,7 @@ BucketTimes = list[dict[str, float]]
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get(TUNING_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return os.environ.get(TUNING_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def tuning_budget_s() -> float:
@@ -232,6 +241,8 @@ def float_candidates(rows: int, weight: torch.Tensor) -> list[str]:
             names.append(BMM_SPLIT)
         if rows >= 8 and weight.numel() * weight.element_size() > 2 * _BLOCK_BYTES:
             names.append(ROW_BLOCKS)
+    if rows <= NATIVE_MAX_ROWS and gemm_applies(weight):
+        names.append(NATIVE)
     return names
 
 
@@ -367,6 +378,9 @@ class TuningReport:
     seconds: float = 0.0
     extra_bytes: int = 0
     lines: list[str] = field(default_factory=list)
+    # Share of the cores other processes used while timing; above BUSY_SHARE nothing was cached.
+    others_share: float = 0.0
+    busy: bool = False
 
 
 def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
@@ -443,16 +457,22 @@ def tune_cpu_linears(
             group.times, group.from_cache = times, True
     pending = [g for g in groups.values() if not g.from_cache]
     start = time.perf_counter()
+    window = LoadWindow()
     budget = tuning_budget_s() if budget_s is None else budget_s
     for i, group in enumerate(pending):
         # An equal share of what is left to each shape still to time.
         now = time.perf_counter()
         left = budget - (now - start)
         _time_group(group, now + max(0.0, left) / (len(pending) - i))
-        cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
     report.seconds = time.perf_counter() - start
     report.timed, report.cached = len(pending), len(groups) - len(pending)
-    cache.save()
+    if pending:
+        report.others_share = window.others_share()
+        report.busy = window.busy_machine()
+    if not report.busy:  # busy timings serve this start only (see TUNING_ENV)
+        for group in pending:
+            cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
+        cache.save()
     for group in groups.values():
         if group.int8:
             text = _plan_int8(group, int8)

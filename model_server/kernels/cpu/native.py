@@ -1,7 +1,9 @@
-"""Native CPU kernels: the C files in SOURCES (paged attention, and the ones each file's docstring
-names), compiled together into one library on first use with the system's C compiler for the best
-vector ISA this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a
-build takes about a second). `NativeKernels.lib` binds every file's entry points (`_bind`).
+"""Native CPU kernels: the C files in SOURCES (paged attention with the KV-cache store; the
+decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
+kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py), compiled together into one
+library on first use with the system's C compiler for the best vector ISA this CPU runs
+(kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build takes a few
+seconds). `NativeKernels.lib` binds every file's entry points (`_bind`).
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -33,11 +35,24 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 # Compiled as one library; HEADERS are part of the cache key.
-SOURCES: tuple[Path, ...] = (_HERE / "paged_attention.c",)
+SOURCES: tuple[Path, ...] = (
+    _HERE / "paged_attention.c",
+    _HERE / "layer_ops.c",
+    _HERE / "gemm.c",
+)
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h",)
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
-# -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source.
-_COMMON = ("-O3", "-fopenmp-simd", "-fno-strict-aliasing")
+# -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;
+# -ffp-contract=off: no fused multiply-adds, every product rounded as PyTorch's ops round it
+# (layer_ops.c's contract); -fno-trapping-math: FP exceptions are never read, and without it GCC
+# keeps the conditionals of the exp and SiLU loops as branches, which do not vectorize.
+_COMMON = (
+    "-O3",
+    "-fopenmp-simd",
+    "-fno-strict-aliasing",
+    "-ffp-contract=off",
+    "-fno-trapping-math",
+)
 _THREADING: tuple[tuple[str, ...], ...] = (("-fopenmp",), ())
 BUILD_TIMEOUT_S = 120
 # Scratch rows are head_dim floats per query row; larger heads are untested and refused.
@@ -104,7 +119,7 @@ def clear_cache() -> None:
 def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
     cc = _compiler()
     if cc is None:
-        logger.warning("no C compiler found (set CC): CPU attention falls back to PyTorch")
+        logger.warning("no C compiler found (set CC): the native CPU kernels fall back to PyTorch")
         return None
     errors: list[str] = []
     for isa in isas:
@@ -112,14 +127,14 @@ def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
         if kernels is not None:
             if isa is not isas[0]:
                 logger.warning(
-                    "CPU attention kernels: the %s build failed (%s); using %s",
+                    "native CPU kernels: the %s build failed (%s); using %s",
                     isas[0].name,
                     "; ".join(errors),
                     isa.name,
                 )
             return kernels
     logger.warning(
-        "could not build the CPU attention kernels (%s): falling back to PyTorch",
+        "could not build the native CPU kernels (%s): falling back to PyTorch",
         "; ".join(errors),
     )
     return None
@@ -145,7 +160,7 @@ def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
                     errors.append(f"{isa.name} {' '.join(flags)}: {error}")
                     break  # these flags fail with this compiler; try the next set
                 logger.info(
-                    "built CPU attention kernels (%s) in %.2fs",
+                    "built the native CPU kernels (%s) in %.2fs",
                     " ".join(flags),
                     time.perf_counter() - start,
                 )
@@ -159,12 +174,33 @@ def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Argument and return types of every entry point, one block per source file."""
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    f32 = ctypes.c_float
     # paged_attention.c
     fn = lib.wick_paged_attention
-    fn.argtypes = [i32, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, i32, i64]
+    fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]  # dtype .. num_slots
+    fn.argtypes += [ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i64]
     fn.restype = i32
     lib.wick_isa.restype = ctypes.c_char_p
+    # layer_ops.c
+    fn = lib.wick_rms_norm
+    fn.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i32, f32]
+    fn.argtypes += [i32, i64]
+    fn.restype = i32
+    fn = lib.wick_silu_and_mul
+    fn.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, i64]
+    fn.restype = i32
+    fn = lib.wick_rotary_neox
+    fn.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
+    fn.argtypes += [i32, i64]
+    fn.restype = i32
+    # gemm.c
+    fn = lib.wick_gemm
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64]
+    fn.restype = i32
+    lib.wick_gemm_has_dpbf16.restype = i32
+    fn = lib.wick_gemm_packed
+    fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_gemm as packed int64s
+    fn.restype = i32
     return lib
 
 
@@ -183,6 +219,24 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int) ->
     return None
 
 
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous int32 tensor: itself when it already is (the model runner's metadata),
+    without a dispatcher call per layer."""
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    return t.to(torch.int32).contiguous()
+
+
+def _token_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, Hkv, D] in `dtype` with each token's Hkv * D values contiguous (token stride free):
+    t itself for the views of the fused qkv projection, else a copy."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        t = t.contiguous()
+    return t
+
+
 def paged_attention(
     kernels: NativeKernels,
     q: torch.Tensor,
@@ -194,29 +248,46 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     min_work_per_thread: int = MIN_WORK_PER_THREAD,
+    *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for decodes and prefills alike, K/V read from the cache.
 
-    q [T, H, D] fp32 or bf16; caches [num_blocks, block_size, Hkv, D] of q's dtype (this step's
-    K/V already stored); block_tables [B, >=nb] int; query_start_loc [B + 1] int (request i owns
-    rows [qsl[i], qsl[i+1])); seq_lens [B] int, each >= its query count -> out [T, H, D] in q's
-    dtype. See paged_attention.c for the contract; `unsupported_reason` must have said None.
+    q [T, H, D] fp32 or bf16; caches [num_blocks, block_size, Hkv, D] of q's dtype; block_tables
+    [B, >=nb] int; query_start_loc [B + 1] int (request i owns rows [qsl[i], qsl[i+1])); seq_lens
+    [B] int, each >= its query count -> out [T, H, D] in q's dtype. With k, v [T, Hkv, D] (views
+    with a token stride are read in place) and slot_mapping [T] int64, the step's K/V are first
+    written into the caches at those slots (slots < 0 skipped); without, the caches must already
+    hold them. See paged_attention.c for the contract; `unsupported_reason` must have said None.
     Up to torch's thread count run it, fewer for small steps (0 `min_work_per_thread`: all).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables = _int32(block_tables)
+    starts = _int32(query_start_loc)
+    lens = _int32(seq_lens)
     if out is None:
         out = torch.empty_like(q)
+    # The KV-cache store: pointers and token strides of k and v, the slots (NULL: no store).
+    store: tuple[int | None, int | None, int, int, int | None] = (None, None, 0, 0, None)
+    if k is not None:
+        if v is None or slot_mapping is None:
+            raise ValueError("paged attention: k needs v and slot_mapping")
+        k, v = _token_rows(k, k_cache.dtype), _token_rows(v, v_cache.dtype)
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        store = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slot_mapping.data_ptr())
     # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
     status = kernels.lib.wick_paged_attention(
         _DTYPE_CODES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        *store,
+        num_blocks * block_size,
         tables.data_ptr(),
         tables.stride(0),
         starts.data_ptr(),
@@ -233,6 +304,8 @@ def paged_attention(
     )
     if status == -2:
         raise ValueError("paged attention: a request has more query tokens than context")
+    if status == -3:
+        raise IndexError(f"paged attention: a slot is past the cache's {num_blocks * block_size}")
     if status != 0:
         raise MemoryError("paged attention could not allocate its scratch buffers")
     return out

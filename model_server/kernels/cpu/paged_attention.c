@@ -8,6 +8,13 @@
  *   query_start_loc [num_seqs + 1] int32: sequence s owns query rows [qsl[s], qsl[s + 1])
  *   seq_lens        [num_seqs] int32: context after this step, >= its query count
  *   out             [T, num_heads, head_dim], same dtype as q
+ *   k, v            [T, num_kv_heads, head_dim] this step's keys and values (or NULL: already
+ *                   stored), each token's row contiguous, tokens `k_stride` / `v_stride`
+ *                   elements apart (views of the fused qkv projection)
+ *   slot_mapping    [T] int64: the cache slot (block * block_size + offset) of token t's K/V;
+ *                   < 0 skips the token (padding)
+ * The step's K/V are written into the caches first (the KV-cache store of every attention
+ * backend), then every query attends.
  * Sequence s's j-th query sits at position ctx + j (ctx = seq_len - query_len) and attends to
  * positions [0, ctx + j] (causal; its own K/V must already be in the cache). Query head h uses
  * KV head h / (num_heads / num_kv_heads). Accumulation is fp32 throughout; bf16 outputs are
@@ -770,10 +777,25 @@ static void attend_any(const int head_dim, const int is_bf16, const Geometry *ge
 #undef CASE
 }
 
-/* `min_work_per_thread`: multiply-adds that justify one more thread (0: use all of them).
- * Returns 0; -1 when a scratch buffer could not be allocated (the output is then partial);
- * -2 on inconsistent lengths (a sequence with more queries than context), before any work. */
-int wick_paged_attention(int dtype, const void *q, const void *k_cache, const void *v_cache,
+/* Token t's K and V rows (`row_bytes` each, tokens `k_step` / `v_step` bytes apart) into slot
+ * slot_mapping[t] of the caches, whose slots are rows of the same size. */
+static void store_token(const int64_t t, const size_t row_bytes, const char *k, const char *v,
+                        const int64_t k_step, const int64_t v_step,
+                        const int64_t *slot_mapping, char *k_cache, char *v_cache) {
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0) return;
+  memcpy(k_cache + slot * (int64_t)row_bytes, k + t * k_step, row_bytes);
+  memcpy(v_cache + slot * (int64_t)row_bytes, v + t * v_step, row_bytes);
+}
+
+/* `k` NULL: nothing to store (the caches already hold the step's K/V). `num_slots`: the caches'
+ * num_blocks * block_size. `min_work_per_thread`: multiply-adds that justify one more thread
+ * (0: use all of them). Returns 0; -1 when a scratch buffer could not be allocated (the output
+ * is then partial); -2 on inconsistent lengths (a sequence with more queries than context) and
+ * -3 on a slot past the caches, both before any work. */
+int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
+                         const void *v, int64_t k_stride, int64_t v_stride,
+                         const int64_t *slot_mapping, int64_t num_slots,
                          const int32_t *block_tables, int64_t bt_stride,
                          const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                          int num_seqs, int num_heads, int num_kv_heads, int head_dim,
@@ -789,6 +811,11 @@ int wick_paged_attention(int dtype, const void *q, const void *k_cache, const vo
   };
   const int is_bf16 = dtype == 1;
   const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+
+  const int64_t num_tokens = num_seqs > 0 ? query_start_loc[num_seqs] : 0;
+  if (k != NULL)
+    for (int64_t t = 0; t < num_tokens; t++)
+      if (slot_mapping[t] >= num_slots) return -3;
 
   /* Tiles: (sequence, first query) pairs, QUERY_TILE queries each (one for a decode). */
   int64_t num_tiles = 0;
@@ -813,27 +840,35 @@ int wick_paged_attention(int dtype, const void *q, const void *k_cache, const vo
     }
   }
 
-  /* Threads: no more than the work keeps busy. A small step (a batch-1 decode is ~10^5
-   * multiply-adds, tens of microseconds) runs on one thread rather than paying a fork/join and
-   * a barrier, which on a loaded machine can wait a whole scheduler tick for a descheduled
-   * thread. Work counts Q.K and P.V multiply-adds, causal prefill triangles halved. */
+  /* Threads: no more than the work keeps busy (a batch-1 decode is ~10^5 multiply-adds, tens
+   * of microseconds: one thread). Work counts Q.K and P.V multiply-adds, causal prefill
+   * triangles halved. */
   int64_t work = 0;
   for (int s = 0; s < num_seqs; s++) {
     const int64_t qlen = query_start_loc[s + 1] - query_start_loc[s];
     work += qlen * (seq_lens[s] - qlen / 2);
   }
   work *= 2 * (int64_t)num_heads * head_dim;
-  if (min_work_per_thread > 0 && work / min_work_per_thread < num_threads)
-    num_threads = work / min_work_per_thread > 1 ? (int)(work / min_work_per_thread) : 1;
+  num_threads = threads_for(work, min_work_per_thread, num_threads);
+  const size_t kv_row_bytes = (size_t)num_kv_heads * head_dim * elem;
 
   /* Whole sequences' kv heads per item once there are a few tiles per thread. */
   const int heads_per_item = num_tiles >= 4 * num_threads ? num_kv_heads : 1;
   const int items_per_tile = num_kv_heads / heads_per_item;
   const int64_t num_items = num_tiles * items_per_tile;
   int failed = 0;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     Scratch scratch = {0};
+    /* The store ends in the loop's barrier: every token's K/V is in place before any item
+     * reads the caches. */
+    if (k != NULL) {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < num_tokens; t++)
+        store_token(t, kv_row_bytes, (const char *)k, (const char *)v,
+                    k_stride * (int64_t)elem, v_stride * (int64_t)elem, slot_mapping,
+                    (char *)k_cache, (char *)v_cache);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
       const int64_t tile = item / items_per_tile;

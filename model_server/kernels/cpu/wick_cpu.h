@@ -1,5 +1,7 @@
-/* Helpers shared by the CPU kernels (kernels/cpu/*.c): bf16 <-> fp32 and a vectorizable exp.
- * Everything is static inline: each kernel file is its own translation unit of one library. */
+/* Helpers shared by the CPU kernels (the .c files of kernels/cpu): bf16 <-> fp32, a vectorizable
+ * exp and the thread count for a call's work. Everything is static inline: each kernel file is
+ * its own translation unit of one library. Type punning goes through unions (built with
+ * -fno-strict-aliasing). */
 #ifndef WICK_CPU_H
 #define WICK_CPU_H
 
@@ -12,7 +14,15 @@ typedef uint16_t bf16_t;
  * in two for exactness, e^r by a polynomial, 2^n added to the exponent bits. Relative error
  * below 1e-7; inputs below -87 are clamped (e^-87 ~ 1.6e-38, nothing next to the max's 1). */
 static inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
+  /* x = max(x, -87) as a select of bits: GCC sinks the math below into the branches of a
+   * conditional on x, and then no longer vectorizes the caller's loop. */
+  union {
+    float f;
+    int32_t i;
+  } clamped = {x}, floor = {-87.f};
+  const int32_t below = -(int32_t)(x < -87.f);
+  clamped.i = (clamped.i & ~below) | (floor.i & below);
+  x = clamped.f;
   const float n = (float)(int)(x * 1.44269504088896341f - 0.5f); /* rounded, x <= 0 */
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -50,6 +60,39 @@ static inline bf16_t f32_to_bf16(float f) {
   } b = {f};
   if ((b.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((b.u >> 16) | 0x40u);
   return (bf16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+}
+
+/* One bf16 value as fp32 (exact: the bf16 bits are the fp32's upper half). */
+static inline float bf16_to_f32(const bf16_t b) {
+  union {
+    uint32_t u;
+    float f;
+  } bits = {(uint32_t)b << 16};
+  return bits.f;
+}
+
+/* f rounded to the nearest bf16 (ties to even), kept as fp32: the value PyTorch's bf16 ops
+ * store, without the branch of f32_to_bf16 (NaN stays a quiet NaN), so loops vectorize. */
+static inline float round_to_bf16(const float f) {
+  union {
+    float f;
+    uint32_t u;
+  } b = {f};
+  const uint32_t rounded = (b.u + 0x7fffu + ((b.u >> 16) & 1u)) & 0xffff0000u;
+  const uint32_t quiet_nan = (b.u & 0xffff0000u) | 0x00400000u;
+  b.u = (b.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  return b.f;
+}
+
+/* Threads worth using for `work` units when each thread should get at least
+ * `min_work_per_thread` of them (0: all `num_threads`); at least 1. Small calls (a batch-1
+ * decode) stay on the calling thread instead of paying a fork/join, which on a loaded machine
+ * can wait a whole scheduler tick for a descheduled thread. */
+static inline int threads_for(const int64_t work, const int64_t min_work_per_thread,
+                              const int num_threads) {
+  if (min_work_per_thread <= 0 || work / min_work_per_thread >= num_threads)
+    return num_threads > 1 ? num_threads : 1;
+  return work / min_work_per_thread > 1 ? (int)(work / min_work_per_thread) : 1;
 }
 
 #endif /* WICK_CPU_H */

@@ -1,6 +1,7 @@
 """CPU attention: the whole step (decodes and prefill chunks) in one call of the native kernel
-(kernels/cpu/paged_attention.c), which reads K/V from the paged cache in place, in fp32 or bf16,
-with the vector ISA picked from the CPU's flags (kernels/cpu/isa.py).
+(kernels/cpu/paged_attention.c), which stores the step's K/V into the paged cache and reads K/V
+from it in place, in fp32 or bf16, with the vector ISA picked from the CPU's flags
+(kernels/cpu/isa.py).
 
 It replaces the portable path's gather of every request's blocks into a padded copy + masked
 SDPA for decodes (3-5x less time at batch 16), and its per-request Python loop of gather + SDPA
@@ -20,10 +21,7 @@ import torch
 
 from model_server.kernels.cpu import native
 from model_server.layers.attention.backend import AttentionMetadata
-from model_server.layers.attention.torch_backend import (
-    TorchAttentionBackend,
-    write_to_paged_cache,
-)
+from model_server.layers.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             _warn_fallback(reason)
             return super().forward(q, k, v, k_cache, v_cache, metadata)
         assert self.kernels is not None
-        write_to_paged_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        # k, v: views of the fused qkv projection, stored by the kernel before it attends.
         return native.paged_attention(
             self.kernels,
             q,
@@ -72,4 +70,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             metadata.query_start_loc,
             metadata.seq_lens,
             self.scale,
+            k=k,
+            v=v,
+            slot_mapping=metadata.slot_mapping,
         )

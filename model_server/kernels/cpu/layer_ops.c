@@ -1,0 +1,249 @@
+/* The per-token ops of a decoder layer for CPUs, one call each over all of a step's rows:
+ * RMSNorm (with the residual add fused in), SiLU-and-mul and the neox rotary embedding. They
+ * replace chains of 3 to 17 small PyTorch ops whose dispatch dominates a small decode step.
+ *
+ * `dtype` 0: every tensor of a call fp32, 1: every tensor bf16 (stored as uint16). The math is
+ * fp32 and every result is rounded where the PyTorch ops of kernels/portable.py round (each of
+ * their bf16 ops computes in fp32 and rounds its result to nearest even), so fp32 results are
+ * PyTorch's up to the order of the RMSNorm sum and exp's last ulps, and bf16 ones are
+ * bit-identical but where such an fp32 difference flips a rounding. That needs the build's
+ * -ffp-contract=off: a fused multiply-add would skip a rounding the PyTorch ops make.
+ *
+ * Inputs are read in place (row strides given: Qwen3 normalizes [T, H, D] views of the fused
+ * qkv projection, rotary reads q and k views of it) and never written; outputs are contiguous.
+ * The loops are written for the auto-vectorizer (`omp simd`, -fopenmp-simd), the file compiled
+ * once per ISA like paged_attention.c. OpenMP splits the rows only for calls of at least
+ * 2 * `min_work_per_thread` elements (see threads_for): a decode step's rows are a few
+ * microseconds of work, less than a fork/join.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "wick_cpu.h"
+
+/* Element i of a row as fp32; `is_bf16` is a compile-time constant after inlining. */
+static inline float load(const void *row, const int64_t i, const int is_bf16) {
+  return is_bf16 ? bf16_to_f32(((const bf16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* v rounded to the dtype, kept as fp32 (what a PyTorch op of that dtype would store). */
+static inline float round_to(const float v, const int is_bf16) {
+  return is_bf16 ? round_to_bf16(v) : v;
+}
+
+/* Stores v rounded to the dtype as element i. */
+static inline void store(void *row, const int64_t i, const float v, const int is_bf16) {
+  if (is_bf16) {
+    union {
+      float f;
+      uint32_t u;
+    } b = {round_to_bf16(v)};
+    ((bf16_t *)row)[i] = (bf16_t)(b.u >> 16);
+  } else {
+    ((float *)row)[i] = v;
+  }
+}
+
+static inline int64_t elem_size(const int is_bf16) {
+  return is_bf16 ? (int64_t)sizeof(bf16_t) : (int64_t)sizeof(float);
+}
+
+/* The row `offset` elements into `base`. */
+static inline const void *at(const void *base, const int64_t offset, const int is_bf16) {
+  return (const char *)base + offset * elem_size(is_bf16);
+}
+
+static inline void *at_mut(void *base, const int64_t offset, const int is_bf16) {
+  return (char *)base + offset * elem_size(is_bf16);
+}
+
+/* Rows of a [A, B, N] tensor with unit stride along N: row r starts at
+ * (r / inner_rows) * outer_stride + (r % inner_rows) * inner_stride elements (inner_rows 1 for
+ * evenly spaced rows). */
+typedef struct {
+  int64_t inner_rows, outer_stride, inner_stride;
+} Rows;
+
+static inline int64_t row_start(const Rows rows, const int64_t r) {
+  return r / rows.inner_rows * rows.outer_stride + r % rows.inner_rows * rows.inner_stride;
+}
+
+/* ---- RMSNorm ------------------------------------------------------------------------------ */
+
+/* sum x[i]^2 over a row; with a residual, x + residual rounded to the dtype is what is summed,
+ * and it is stored into `sum_out` (the normalized row is then read back from there). */
+static inline __attribute__((always_inline)) float sum_squares(
+    const int is_bf16, const int n, const void *restrict x, const void *restrict residual,
+    void *restrict sum_out) {
+  float squares = 0.f;
+  if (residual == NULL) {
+#pragma omp simd reduction(+ : squares)
+    for (int i = 0; i < n; i++) {
+      const float s = load(x, i, is_bf16);
+      squares += s * s;
+    }
+  } else {
+#pragma omp simd reduction(+ : squares)
+    for (int i = 0; i < n; i++) {
+      const float s = round_to(load(x, i, is_bf16) + load(residual, i, is_bf16), is_bf16);
+      store(sum_out, i, s, is_bf16);
+      squares += s * s;
+    }
+  }
+  return squares;
+}
+
+/* out = weight * round(s * rstd), rounded (HF Llama: the normalized value is cast to the dtype
+ * before the weight multiplies it). */
+static inline __attribute__((always_inline)) void scale_row(const int is_bf16, const int n,
+                                                            const float rstd,
+                                                            const void *restrict s,
+                                                            const void *restrict weight,
+                                                            void *restrict out) {
+#pragma omp simd
+  for (int i = 0; i < n; i++)
+    store(out, i, load(weight, i, is_bf16) * round_to(load(s, i, is_bf16) * rstd, is_bf16),
+          is_bf16);
+}
+
+/* One row: s = x (+ residual, stored into sum_out), out = rms_norm(s) * weight. */
+static inline __attribute__((always_inline)) void rms_norm_row(
+    const int is_bf16, const int n, const float eps, const void *x, const void *residual,
+    const void *weight, void *out, void *sum_out) {
+  const float squares = sum_squares(is_bf16, n, x, residual, sum_out);
+  /* PyTorch: rsqrt(sum / n + eps), its rsqrt 1 / sqrt. */
+  const float rstd = 1.f / sqrtf(squares / (float)n + eps);
+  scale_row(is_bf16, n, rstd, residual == NULL ? x : sum_out, weight, out);
+}
+
+/* x [num_rows, n] (rows per x_*) -> out [num_rows, n] = rms_norm(x) * weight [n]. With a
+ * residual (rows per r_*, not NULL): s = x + residual is stored into sum_out [num_rows, n] and
+ * normalized instead. Returns 0. */
+int wick_rms_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_outer_stride,
+                  int64_t x_inner_stride, const void *residual, int64_t r_inner_rows,
+                  int64_t r_outer_stride, int64_t r_inner_stride, const void *weight, void *out,
+                  void *sum_out, int64_t num_rows, int n, float eps, int num_threads,
+                  int64_t min_work_per_thread) {
+  const Rows x_rows = {x_inner_rows, x_outer_stride, x_inner_stride};
+  const Rows r_rows = {r_inner_rows, r_outer_stride, r_inner_stride};
+  const int is_bf16 = dtype == 1;
+  const int threads = threads_for(num_rows * n, min_work_per_thread, num_threads);
+  /* The dtype is tested per row, outside the vector loops: each copy of rms_norm_row has it as
+   * a constant (OpenMP outlines the loop body before constants propagate into it). */
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, row_start(x_rows, r), is_bf16);
+    const void *rr = residual == NULL ? NULL : at(residual, row_start(r_rows, r), is_bf16);
+    void *sr = sum_out == NULL ? NULL : at_mut(sum_out, r * n, is_bf16);
+    void *o = at_mut(out, r * n, is_bf16);
+    if (is_bf16)
+      rms_norm_row(1, n, eps, xr, rr, weight, o, sr);
+    else
+      rms_norm_row(0, n, eps, xr, rr, weight, o, sr);
+  }
+  return 0;
+}
+
+/* ---- SiLU-and-mul ------------------------------------------------------------------------- */
+
+/* out[i] = round(round(silu(gate[i])) * up[i]) over x = [gate (d) | up (d)]. silu(g) =
+ * g / (1 + e^-g), computed from e = e^-|g| <= 1 so that exp never overflows: g / (1 + e) for
+ * g >= 0, g e / (1 + e) below. */
+static inline __attribute__((always_inline)) void silu_and_mul_row(const int is_bf16,
+                                                                   const int d,
+                                                                   const void *restrict x,
+                                                                   void *restrict out) {
+#pragma omp simd
+  for (int i = 0; i < d; i++) {
+    const float g = load(x, i, is_bf16);
+    const float up = load(x, d + i, is_bf16);
+    const float e = exp_nonpositive(-fabsf(g));
+    const float silu = (g >= 0.f ? g : g * e) / (1.f + e);
+    store(out, i, round_to(silu, is_bf16) * up, is_bf16);
+  }
+}
+
+/* x [num_rows, 2 d] (rows `x_stride` elements apart) -> out [num_rows, d]. Returns 0. */
+int wick_silu_and_mul(int dtype, const void *x, int64_t x_stride, void *out, int64_t num_rows,
+                      int d, int num_threads, int64_t min_work_per_thread) {
+  const int is_bf16 = dtype == 1;
+  const int threads = threads_for(num_rows * 3 * (int64_t)d, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, r * x_stride, is_bf16);
+    void *o = at_mut(out, r * d, is_bf16);
+    if (is_bf16)
+      silu_and_mul_row(1, d, xr, o);
+    else
+      silu_and_mul_row(0, d, xr, o);
+  }
+  return 0;
+}
+
+/* ---- Rotary embedding (neox) -------------------------------------------------------------- */
+
+/* One head: dims i and half + i rotate by the angle whose cos and sin are cs[i], cs[half + i]:
+ * (x1 c - x2 s, x2 c + x1 s), each product rounded, then the sum (PyTorch's four muls and two
+ * adds of the dtype). */
+static inline __attribute__((always_inline)) void rotate_head(const int is_bf16, const int half,
+                                                              const void *restrict x,
+                                                              const void *restrict cs,
+                                                              void *restrict out) {
+#pragma omp simd
+  for (int i = 0; i < half; i++) {
+    const float x1 = load(x, i, is_bf16), x2 = load(x, half + i, is_bf16);
+    const float c = load(cs, i, is_bf16), s = load(cs, half + i, is_bf16);
+    store(out, i, round_to(x1 * c, is_bf16) - round_to(x2 * s, is_bf16), is_bf16);
+    store(out, half + i, round_to(x2 * c, is_bf16) + round_to(x1 * s, is_bf16), is_bf16);
+  }
+}
+
+/* Geometry of one rotary call; strides count elements. */
+typedef struct {
+  int64_t q_token_stride, q_head_stride, k_token_stride, k_head_stride;
+  int num_heads, num_kv_heads, head_dim;
+} RotaryGeometry;
+
+/* Token t's query and key heads. */
+static inline __attribute__((always_inline)) void rotary_token(const int is_bf16,
+                                                               const RotaryGeometry *geo,
+                                                               const int64_t t, const void *cs,
+                                                               const void *q, const void *k,
+                                                               void *q_out, void *k_out) {
+  const int head_dim = geo->head_dim, half = head_dim / 2;
+  for (int h = 0; h < geo->num_heads; h++)
+    rotate_head(is_bf16, half, at(q, t * geo->q_token_stride + h * geo->q_head_stride, is_bf16),
+                cs, at_mut(q_out, (t * geo->num_heads + h) * head_dim, is_bf16));
+  for (int h = 0; h < geo->num_kv_heads; h++)
+    rotate_head(is_bf16, half, at(k, t * geo->k_token_stride + h * geo->k_head_stride, is_bf16),
+                cs, at_mut(k_out, (t * geo->num_kv_heads + h) * head_dim, is_bf16));
+}
+
+/* q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] (strided: token and head strides
+ * given, unit stride along head_dim), positions [T] int64, cos_sin [max_position, head_dim]
+ * (cos in the first half of a row, sin in the second) -> q_out, k_out contiguous. head_dim is
+ * even. Returns 0; -2 when a position is outside [0, max_position), before any work. */
+int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens,
+                     const void *cos_sin, int64_t max_position, const void *q,
+                     int64_t q_token_stride, int64_t q_head_stride, void *q_out, const void *k,
+                     int64_t k_token_stride, int64_t k_head_stride, void *k_out, int num_heads,
+                     int num_kv_heads, int head_dim, int num_threads,
+                     int64_t min_work_per_thread) {
+  for (int64_t t = 0; t < num_tokens; t++)
+    if (positions[t] < 0 || positions[t] >= max_position) return -2;
+  const RotaryGeometry geo = {q_token_stride, q_head_stride, k_token_stride, k_head_stride,
+                              num_heads,      num_kv_heads,  head_dim};
+  const int is_bf16 = dtype == 1;
+  const int64_t work = num_tokens * (num_heads + num_kv_heads) * (int64_t)head_dim;
+  const int threads = threads_for(work, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t t = 0; t < num_tokens; t++) {
+    const void *cs = at(cos_sin, positions[t] * head_dim, is_bf16);
+    if (is_bf16)
+      rotary_token(1, &geo, t, cs, q, k, q_out, k_out);
+    else
+      rotary_token(0, &geo, t, cs, q, k, q_out, k_out);
+  }
+  return 0;
+}

@@ -1,0 +1,336 @@
+"""The decoder layer's small ops on the native CPU library (kernels/cpu/layer_ops.c): RMSNorm,
+fused add + RMSNorm, SiLU-and-mul and the neox rotary embedding, each one ctypes call where
+PyTorch runs 3 to 17 ops (their dispatch, not their arithmetic, is most of a small decode
+step's host time).
+
+Each function takes the loaded library first (`native_kernel_table` binds it) and otherwise has
+its `KernelTable` slot's signature and the numerics of kernels/portable.py. Inputs the C kernels
+do not take (fp16, mixed dtypes, shapes the portable op would broadcast) run the portable op
+after ONE warning per kernel and reason; layouts they cannot address in place are copied first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from functools import cache, partial
+
+import torch
+
+from model_server.kernels.cpu.native import NativeKernels
+from model_server.kernels.portable import (
+    fused_add_rms_norm_torch,
+    rms_norm_torch,
+    rotary_embedding_torch,
+    silu_and_mul_torch,
+)
+from model_server.kernels.table import KernelTable
+
+logger = logging.getLogger(__name__)
+
+# Values of the kernels' `dtype` argument (as in native.py).
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Elements (read or written) worth another thread: these ops stream 1-5 elements per
+# nanosecond, so 2^20 is 0.2-1 ms of work, like paged attention's MIN_WORK_PER_THREAD. A fork/
+# join costs microseconds on an idle machine but a scheduler tick (milliseconds, measured) when
+# another process holds the second core: a decode step's rows and short prompts stay on the
+# calling thread.
+MIN_ELEMENTS_PER_THREAD = 1 << 20
+
+
+@cache
+def _warn_fallback(kernel: str, reason: str) -> None:
+    """Once per process, kernel and reason: every layer and step would repeat it."""
+    logger.warning(
+        "native CPU %s (kernels/cpu/layer_ops.c) is not used: %s; the portable PyTorch ops "
+        "run instead, which are slower",
+        kernel,
+        reason,
+    )
+
+
+def _dtype_code(*tensors: torch.Tensor) -> int | None:
+    """The kernels' dtype code when the tensors are CPU tensors of one dtype they take, else
+    None (`_dtype_reason` then says why). Cheap: it runs on every call."""
+    dtype = tensors[0].dtype
+    code = _DTYPE_CODES.get(dtype)
+    if code is None or not all(t.is_cpu and t.dtype == dtype for t in tensors):
+        return None
+    return code
+
+
+def _dtype_reason(tensors: dict[str, torch.Tensor]) -> str | None:
+    """Why the C kernels cannot take these tensors (named for the message), or None."""
+    first_name, first = next(iter(tensors.items()))
+    for name, t in tensors.items():
+        if not t.is_cpu:
+            return f"{name} is on {t.device.type}, not the CPU"
+    if first.dtype not in _DTYPE_CODES:
+        return f"dtype {first.dtype} is not supported (float32 and bfloat16 are)"
+    for name, t in tensors.items():
+        if t.dtype != first.dtype:
+            return f"{name} is {t.dtype} while {first_name} is {first.dtype}"
+    return None
+
+
+def _fallback(kernel: str, reason: str | None) -> None:
+    _warn_fallback(kernel, reason or "unsupported inputs")
+
+
+def _row_layout(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(t or a copy, inner_rows, outer_stride, inner_stride): row r of t [..., N] starts at
+    (r // inner_rows) * outer_stride + (r % inner_rows) * inner_stride elements, as
+    layer_ops.c's `Rows` addresses it. Copies only when the last dim is strided or the leading
+    dims do not merge into two."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:  # the hidden states: the common case first
+        return t, 1, t.stride(0), 0
+    if t.dim() == 1:
+        return t, 1, 0, 0
+    if t.dim() > 3:
+        t = t.reshape(-1, *t.shape[-2:])  # a view when the leading dims merge, else a copy
+    a, b, _ = t.shape
+    if b == 1:
+        return t, 1, t.stride(0), 0
+    if a == 1 or t.stride(0) == b * t.stride(1):  # evenly spaced rows
+        return t, 1, t.stride(1), 0
+    return t, b, t.stride(0), t.stride(1)  # e.g. Qwen3's [T, H, D] heads of the fused qkv
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------------
+
+
+def _norm_code(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> int | None:
+    """The dtype code when the C RMSNorm takes these inputs, else None (`_norm_reason`)."""
+    if weight.shape != x.shape[-1:]:
+        return None
+    if residual is None:
+        return _dtype_code(x, weight)
+    return _dtype_code(x, weight, residual) if residual.shape == x.shape else None
+
+
+def _norm_reason(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> str | None:
+    tensors = {"x": x, "weight": weight}
+    if residual is not None:
+        tensors["residual"] = residual
+        if residual.shape != x.shape:
+            return f"residual {tuple(residual.shape)} and x {tuple(x.shape)} differ in shape"
+    if weight.shape != x.shape[-1:]:
+        return f"weight {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}"
+    return _dtype_reason(tensors)
+
+
+def _rms_norm_call(
+    kernels: NativeKernels,
+    code: int,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    min_work_per_thread: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normalized, x + residual or None) as new contiguous tensors of x's shape."""
+    n = x.shape[-1]
+    num_rows = x.numel() // n if n else 0
+    out = torch.empty(x.shape, dtype=x.dtype)
+    sum_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    if num_rows == 0:
+        return out, sum_out
+    x, x_inner, x_outer, x_inner_stride = _row_layout(x)
+    r_layout = (None, 1, 0, 0) if residual is None else _row_layout(residual)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    kernels.lib.wick_rms_norm(
+        code,
+        x.data_ptr(),
+        x_inner,
+        x_outer,
+        x_inner_stride,
+        None if r_layout[0] is None else r_layout[0].data_ptr(),
+        *r_layout[1:],
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if sum_out is None else sum_out.data_ptr(),
+        num_rows,
+        n,
+        eps,
+        torch.get_num_threads(),
+        min_work_per_thread,
+    )
+    return out, sum_out
+
+
+def rms_norm(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """x [..., N] (any layout with unit stride along N is read in place), weight [N] ->
+    weight * normalized x, a new contiguous tensor: `rms_norm_torch`'s numerics."""
+    code = _norm_code(x, weight, None)
+    if code is None:
+        _fallback("rms_norm", _norm_reason(x, weight, None))
+        return rms_norm_torch(x, weight, eps)
+    return _rms_norm_call(kernels, code, x, None, weight, eps, min_work_per_thread)[0]
+
+
+def fused_add_rms_norm(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (same shape, rounded to the dtype) -> (rms_norm(s), s), both new
+    tensors: `fused_add_rms_norm_torch`'s numerics."""
+    code = _norm_code(x, weight, residual)
+    if code is None:
+        _fallback("fused_add_rms_norm", _norm_reason(x, weight, residual))
+        return fused_add_rms_norm_torch(x, residual, weight, eps)
+    out, sum_out = _rms_norm_call(kernels, code, x, residual, weight, eps, min_work_per_thread)
+    assert sum_out is not None
+    return out, sum_out
+
+
+# ---- SiLU-and-mul ------------------------------------------------------------------------------
+
+
+def silu_and_mul(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d] tensor:
+    `silu_and_mul_torch`'s numerics (silu rounded to the dtype before the product)."""
+    code = _dtype_code(x)
+    if code is None or x.shape[-1] % 2:
+        _fallback("silu_and_mul", _dtype_reason({"x": x}) or f"last dim {x.shape[-1]} is odd")
+        return silu_and_mul_torch(x)
+    d = x.shape[-1] // 2
+    if x.dim() == 2:  # the MLP's [T, 2d], read as it is
+        rows, out = x, torch.empty(x.shape[0], d, dtype=x.dtype)
+    else:
+        rows, out = x.reshape(-1, 2 * d), torch.empty((*x.shape[:-1], d), dtype=x.dtype)
+    if out.numel() == 0:
+        return out
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    kernels.lib.wick_silu_and_mul(
+        code,
+        rows.data_ptr(),
+        rows.stride(0),
+        out.data_ptr(),
+        rows.shape[0],
+        d,
+        torch.get_num_threads(),
+        min_work_per_thread,
+    )
+    return out
+
+
+# ---- Rotary embedding --------------------------------------------------------------------------
+
+
+def _rotary_shapes_ok(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> bool:
+    """query [T, H, D], key [T, Hkv, D], positions [T], cache [P, D], D even."""
+    if query.dim() != 3 or key.dim() != 3 or cos_sin_cache.dim() != 2:
+        return False
+    num_tokens, _, head_dim = query.shape
+    return (
+        key.shape[0] == num_tokens
+        and key.shape[2] == head_dim
+        and cos_sin_cache.shape[1] == head_dim
+        and head_dim % 2 == 0
+        and positions.shape == query.shape[:1]
+    )
+
+
+def _rotary_reason(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> str | None:
+    if not _rotary_shapes_ok(positions, query, key, cos_sin_cache):
+        return (
+            f"positions {tuple(positions.shape)}, query {tuple(query.shape)}, key "
+            f"{tuple(key.shape)} and cos_sin_cache {tuple(cos_sin_cache.shape)} are not "
+            "[T], [T, H, D], [T, Hkv, D] and [max_position, D] with an even D"
+        )
+    return _dtype_reason({"query": query, "key": key, "cos_sin_cache": cos_sin_cache})
+
+
+def rotary_embedding(
+    kernels: NativeKernels,
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary embedding: query [T, H, D] and key [T, Hkv, D] (token and head strides are
+    read in place: views of the fused qkv projection), positions [T] int, cos_sin_cache
+    [max_position, D] (cos | sin) -> new contiguous (query, key): `rotary_embedding_torch`'s
+    numerics. IndexError for a position outside the cache."""
+    code = _dtype_code(query, key, cos_sin_cache)
+    if code is None or not _rotary_shapes_ok(positions, query, key, cos_sin_cache):
+        _fallback("rotary_embedding", _rotary_reason(positions, query, key, cos_sin_cache))
+        return rotary_embedding_torch(positions, query, key, cos_sin_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    q_out = torch.empty(query.shape, dtype=query.dtype)
+    k_out = torch.empty(key.shape, dtype=key.dtype)
+    if num_tokens == 0:
+        return q_out, k_out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
+    if not cos_sin_cache.is_contiguous():
+        cos_sin_cache = cos_sin_cache.contiguous()
+    status = kernels.lib.wick_rotary_neox(
+        code,
+        positions.data_ptr(),
+        num_tokens,
+        cos_sin_cache.data_ptr(),
+        cos_sin_cache.shape[0],
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        q_out.data_ptr(),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        k_out.data_ptr(),
+        num_heads,
+        key.shape[1],
+        head_dim,
+        torch.get_num_threads(),
+        min_work_per_thread,
+    )
+    if status == -2:
+        raise IndexError(
+            f"rotary embedding: a position is outside the cache's {cos_sin_cache.shape[0]}"
+        )
+    return q_out, k_out
+
+
+def native_kernel_table(kernels: NativeKernels, base: KernelTable) -> KernelTable:
+    """`base` with its norm, activation and rotary slots on `kernels`' C functions."""
+    return replace(
+        base,
+        rms_norm=partial(rms_norm, kernels),
+        fused_add_rms_norm=partial(fused_add_rms_norm, kernels),
+        silu_and_mul=partial(silu_and_mul, kernels),
+        rotary_embedding=partial(rotary_embedding, kernels),
+    )
