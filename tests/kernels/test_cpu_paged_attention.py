@@ -121,6 +121,47 @@ def test_many_decodes_take_whole_sequence_items(isa, dtype, num_threads) -> None
         torch.set_num_threads(previous)
 
 
+# Cached tokens before each decode's query: a context of one token, within a block, at and
+# across block boundaries (blocks of 8), past one chunk of keys (16 lanes on AVX-512) and past
+# the prefetch distance (32 tokens).
+DECODE_CONTEXTS = [0, 1, 6, 7, 8, 9, 15, 16, 17, 40, 150]
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 12])  # 12: more heads than one pass holds (8)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 72, 40])
+def test_decodes_match_reference(isa, dtype, group, head_dim) -> None:
+    """The decode path (one query per item) for GQA groups and head dims, the common ones
+    specialized and the odd ones (72, 40: a partial last vector on some ISAs) generic."""
+    num_kv_heads = 2 if group < 12 else 1
+    requests = [(n, 1) for n in DECODE_CONTEXTS]
+    _check(isa, requests, group * num_kv_heads, num_kv_heads, head_dim, 8, dtype, seed=group)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_seqs", [1, 2, 40])
+def test_decodes_on_two_threads(isa, dtype, num_seqs) -> None:
+    """SmolLM2's heads (9 and 3, head_dim 64, blocks of 16) on two threads: one or two
+    sequences split into an item per kv head, 40 into whole-sequence items."""
+    requests = [(1 + 37 * i % 300, 1) for i in range(num_seqs)]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check(isa, requests, 9, 3, 64, 16, dtype, seed=num_seqs, min_work_per_thread=0)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_tiles_of_one_query(isa, dtype) -> None:
+    """A prefill's last tile of one query (17 and 33 queries: tiles of 16 + 1) runs on the
+    decode path next to the tiles of 16 on the general one."""
+    _check(isa, [(0, 17), (5, 33), (20, 1)], 8, 2, 64, 8, dtype)
+
+
 def _bits(cache: torch.Tensor) -> torch.Tensor:
     """The cache's bit patterns: NaN-filled slots compare equal to themselves."""
     return cache.view(torch.int16 if cache.dtype == torch.bfloat16 else torch.int32)

@@ -39,11 +39,20 @@
 #include <string.h>
 
 #include "wick_cpu.h"
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define QUERY_TILE 16 /* queries per prefill work item: K/V rows are reused this many times */
+/* Decodes (one query per item) take a kv head's query heads PASS_HEADS at a time, the count of a
+ * pass a compile-time constant (1 to PASS_HEADS) so that its vectors live in registers: each K
+ * and V vector is loaded (and converted) once per pass and used by all of its heads. Zen 4 loads
+ * one 512-bit vector per cycle, as many as it multiplies-adds: loads are what to save. */
+#define PASS_HEADS 4
+/* P.V chunks: tokens per load and store of the accumulators. */
+#define PV_TOKENS 16
+/* How many tokens ahead of use K and V rows are prefetched. */
+#define PREFETCH_AHEAD 32
 
 /* Which build this is, for the loader's log and the tests. */
 const char *wick_isa(void) {
@@ -92,6 +101,176 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
 #define HAVE_DOT_BF16 0
 #endif
 
+/* ---- Vectors of the decode path ---------------------------------------------------------------
+ * GCC / Clang vector extensions at the build's native width, so that one source serves every
+ * ISA build: a vf is one zmm (AVX-512), ymm (AVX2) or xmm (generic) of VW floats. Loads and
+ * stores go through memcpy (unaligned). Multiply-adds are fused where the ISA has FMA (the
+ * intrinsic: under -std=c11 GCC does not contract a * b + c). */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX2__)
+#define VW 8
+#else
+#define VW 4
+#endif
+/* P.V accumulator vectors in registers per pass (16 of AVX-512's 32 registers, 8 of AVX2's or
+ * SSE's 16), split between its heads; longer head rows take several slices of a chunk. */
+#if VW == 16
+#define PV_REGS 16
+#else
+#define PV_REGS 8
+#endif
+#define MAX_HEAD_DIM 512 /* native.MAX_HEAD_DIM: larger heads are refused before the call */
+#define MAX_VECS (MAX_HEAD_DIM / VW)
+
+typedef float vf __attribute__((vector_size(VW * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
+typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
+
+/* Every lane x: x - 0 is x for every x (x + 0 is not, for -0.f, and would stay an add). */
+static inline vf vsplat(const float x) { return x - (vf){0}; }
+
+static inline vf vload(const float *p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void vstore(float *p, const vf v) { memcpy(p, &v, sizeof v); }
+
+/* VW bf16 values as fp32 (exact: the bf16 bits are the fp32's upper half). GCC 12 splits the
+ * generic widening into 128-bit pieces, hence the intrinsics where there is one instruction. */
+static inline vf vload_bf16(const bf16_t *p) {
+#if VW == 16
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif VW == 8
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+  vh h;
+  memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+
+/* The first n < VW values of a cache row from element `at` as fp32, the other lanes zero: a row's
+ * last vector when head_dim is not a multiple of VW. Out of line: rare, and every inlined copy
+ * would cost compile time. */
+static __attribute__((noinline, cold)) vf load_part(const void *cache, const int64_t at,
+                                                    const int is_bf16, const int n) {
+  union {
+    float f[VW];
+    uint32_t u[VW];
+  } part = {{0}};
+  for (int i = 0; i < n; i++) {
+    if (is_bf16)
+      part.u[i] = (uint32_t)((const bf16_t *)cache)[at + i] << 16;
+    else
+      part.f[i] = ((const float *)cache)[at + i];
+  }
+  return vload(part.f);
+}
+
+/* VW values of a cache row from element `at` as fp32, only the first `n` (<= VW) read and the
+ * other lanes zero. */
+static inline vf load_row(const void *cache, const int64_t at, const int is_bf16, const int n) {
+  if (n < VW) return load_part(cache, at, is_bf16, n);
+  return is_bf16 ? vload_bf16((const bf16_t *)cache + at) : vload((const float *)cache + at);
+}
+
+static inline vf vfma(const vf a, const vf b, const vf c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__) && VW == 8
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+static inline vf vmax(const vf a, const vf b) {
+  const vi a_wins = a > b;
+  return (vf)(((vi)a & a_wins) | ((vi)b & ~a_wins));
+}
+
+static inline float hsum(const vf v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; i++) s += v[i];
+  return s;
+}
+
+static inline float hmax(const vf v) {
+  float m = v[0];
+  for (int i = 1; i < VW; i++) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+/* exp_nonpositive (wick_cpu.h) on a vector: the same reduction and polynomial, with fused
+ * multiply-adds where the ISA has them (then within an ulp of the scalar one, not equal). */
+static inline vf vexp_nonpositive(vf x) {
+  x = vmax(x, vsplat(-87.f));
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf);
+  const vf r = vfma(n, vsplat(2.12194440e-4f), vfma(n, vsplat(-0.693359375f), x));
+  vf p = vsplat(1.9875691500e-4f);
+  p = vfma(p, r, vsplat(1.3981999507e-3f));
+  p = vfma(p, r, vsplat(8.3334519073e-3f));
+  p = vfma(p, r, vsplat(4.1665795894e-2f));
+  p = vfma(p, r, vsplat(1.6666665459e-1f));
+  p = vfma(p, r, vsplat(5.0000001201e-1f));
+  p = vfma(p * r, r, r) + 1.f;
+  return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
+}
+
+/* fp32 -> bf16 lane by lane as f32_to_bf16: round to nearest even, NaN stays a quiet NaN. */
+static inline void vstore_bf16(bf16_t *p, const vf x) {
+  const vu u = (vu)x;
+  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu quiet_nan = (u >> 16) | 0x40u;
+  const vu is_nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+  const vh h = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), vh);
+  memcpy(p, &h, sizeof h);
+}
+
+/* Two-source shuffles with constant lane indices (0 .. VW - 1: a's lanes, VW .. 2 VW - 1: b's);
+ * LANES(F, h) lists F(i, h) for the VW lanes i. */
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+#if VW == 16
+#define LANES(F, s) \
+  F(0, s), F(1, s), F(2, s), F(3, s), F(4, s), F(5, s), F(6, s), F(7, s), F(8, s), F(9, s), \
+      F(10, s), F(11, s), F(12, s), F(13, s), F(14, s), F(15, s)
+#elif VW == 8
+#define LANES(F, s) F(0, s), F(1, s), F(2, s), F(3, s), F(4, s), F(5, s), F(6, s), F(7, s)
+#else
+#define LANES(F, s) F(0, s), F(1, s), F(2, s), F(3, s)
+#endif
+/* Within each 128-bit lane of a and b (lanes 4k .. 4k + 3): the pairs (a[4k + j], b[4k + j]) for
+ * j = 0, 1 (lo) or j = 2, 3 (hi): vunpcklps / vunpckhps. */
+#define UNPACK_PS(i, hi) ((i) / 4 * 4 + (i) % 4 / 2 + (i) % 2 * VW + (hi) * 2)
+/* The same with pairs of lanes: (a[4k], a[4k + 1], b[4k], b[4k + 1]) or the upper pairs. */
+#define UNPACK_PD(i, hi) ((i) / 4 * 4 + (i) % 2 + (i) % 4 / 2 * VW + (hi) * 2)
+/* Of the 2 VW / 4 128-bit lanes of (a, b): the even ones (lo) or the odd ones (hi), in order. */
+#define LANES128(i, hi) ((i) / 4 * 8 + (i) % 4 + (hi) * 4)
+#define ADD_SHUFFLES(a, b, F) (SHUFFLE(a, b, LANES(F, 0)) + SHUFFLE(a, b, LANES(F, 1)))
+
+/* v[0 .. VW) -> the vector whose lane t is the sum of v[t]'s lanes: a transpose-and-add tree
+ * of VW - 1 steps of two shuffles and an add, instead of a horizontal reduction per v[t].
+ * Within 128-bit lanes first (cheap shuffles), so that only the last VW / 8 steps cross them.
+ * Clobbers v. */
+static inline vf lane_sums(vf *v) {
+  /* v[i]: tokens 2i, 2i + 1 alternating, each 128-bit lane a pair of partial sums per token. */
+  for (int i = 0; i < VW / 2; i++) v[i] = ADD_SHUFFLES(v[2 * i], v[2 * i + 1], UNPACK_PS);
+  /* v[i]: tokens 4i .. 4i + 3 in every 128-bit lane, one partial sum each. */
+  for (int i = 0; i < VW / 4; i++) v[i] = ADD_SHUFFLES(v[2 * i], v[2 * i + 1], UNPACK_PD);
+  /* Sum the 128-bit lanes: twice as many tokens per vector, half as many partials, each step. */
+  for (int n = VW / 8; n >= 1; n /= 2)
+    for (int i = 0; i < n; i++) v[i] = ADD_SHUFFLES(v[2 * i], v[2 * i + 1], LANES128);
+  return v[0];
+}
+
 /* Geometry shared by every work item of one call. Strides count elements, not bytes. */
 typedef struct {
   int num_heads;
@@ -121,9 +300,14 @@ static int grow(float **buf, int64_t *cap, int64_t need) {
   return *buf == NULL ? -1 : 0;
 }
 
+static inline int64_t round_up(const int64_t x, const int64_t m) { return (x + m - 1) / m * m; }
+
+/* For either path: decodes pad score rows to whole chunks of VW tokens and head rows to whole
+ * vectors (head_dim rounded up to VW values). */
 static int reserve(Scratch *s, int64_t rows, int64_t len, int64_t head_dim) {
-  return grow(&s->scores, &s->scores_cap, rows * len) |
-         grow(&s->q, &s->q_cap, rows * head_dim) | grow(&s->acc, &s->acc_cap, rows * head_dim) |
+  const int64_t dp = round_up(head_dim, VW);
+  return grow(&s->scores, &s->scores_cap, rows * round_up(len, VW)) |
+         grow(&s->q, &s->q_cap, rows * dp) | grow(&s->acc, &s->acc_cap, rows * dp) |
          grow(&s->row, &s->row_cap, head_dim) | grow(&s->stats, &s->stats_cap, 2 * rows);
 }
 
@@ -262,18 +446,325 @@ static inline __attribute__((always_inline)) void attend(
       }
 }
 
-/* One copy of `attend` per dtype and common head_dim; any other head_dim runs the generic copy
- * (same code, runtime trip counts). */
+/* ---- Decodes ------------------------------------------------------------------------------------
+ * An item of one query (a decode, or a prefill tile of one query) runs one kv head at a time: its
+ * `group` query heads share every K and V row. Q.K runs in chunks of VW keys: each key row is
+ * loaded (and converted) once into registers and multiplied into a partial-sum vector per query
+ * head; a transpose-and-add tree (lane_sums) then turns a head's VW partial vectors into one
+ * vector of VW scores, instead of a horizontal reduction per score. An exact softmax per head
+ * (max, then exp and sum, both vectorized), then P.V in chunks of PV_TOKENS value rows, each
+ * converted to fp32 once, with every head's accumulators in registers across the chunk. */
+
+/* Element offsets, in a cache, of the rows of the kv head at `head_off` for n tokens from t0. */
+static inline void token_offsets(const Geometry *geo, const int32_t *restrict table, const int t0,
+                                 const int n, const int64_t head_off, int64_t *restrict off) {
+  int b = t0 / geo->block_size, o = t0 - b * geo->block_size;
+  for (int i = 0; i < n; i++) {
+    off[i] = (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
+    if (++o == geo->block_size) {
+      o = 0;
+      b++;
+    }
+  }
+}
+
+/* Starts loading the rows of tokens [t0, t1) (`bytes` from head_off on) into L2 ahead of their
+ * use: blocks lie anywhere in the cache, beyond what the hardware prefetchers guess, and
+ * prefetches into L1 would stall on its few outstanding misses. */
+static inline void prefetch_tokens(const Geometry *geo, const int32_t *restrict table,
+                                   const void *cache, const size_t elem, const int t0,
+                                   const int t1, const int64_t head_off, const int64_t bytes) {
+  int b = t0 / geo->block_size, o = t0 - b * geo->block_size;
+  for (int t = t0; t < t1; t++) {
+    const int64_t at =
+        (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
+    const uintptr_t row = (uintptr_t)((const char *)cache + at * (int64_t)elem);
+    for (uintptr_t line = row & ~(uintptr_t)63; line < row + bytes; line += 64)
+      __builtin_prefetch((const void *)line, 0, 2);
+    if (++o == geo->block_size) {
+      o = 0;
+      b++;
+    }
+  }
+}
+
+/* Query heads [0, group) of one token (q: head_dim values each) as fp32 rows of dp values,
+ * scaled and zero-padded past head_dim. */
+static inline void load_queries(const int head_dim, const int is_bf16, const void *restrict q,
+                                const int group, const float scale, const int dp,
+                                float *restrict qf) {
+  for (int h = 0; h < group; h++) {
+    float *dst = qf + (int64_t)h * dp;
+    const int64_t src = (int64_t)h * head_dim;
+    if (is_bf16) {
+      bf16_to_f32_row((const bf16_t *)q + src, dst, scale, head_dim);
+    } else {
+      const float *qs = (const float *)q + src;
+#pragma omp simd
+      for (int d = 0; d < head_dim; d++) dst[d] = qs[d] * scale;
+    }
+    for (int d = head_dim; d < dp; d++) dst[d] = 0.f;
+  }
+}
+
+/* Vector c of a row of head_dim values: how many of its VW lanes are in the row. */
+static inline int lanes_in_row(const int head_dim, const int c) {
+  return head_dim - c * VW < VW ? head_dim - c * VW : VW;
+}
+
+/* Scores of query heads [0, nh) (rows of qf, dp apart) against the n <= VW keys at
+ * `off` + shift, into lanes [0, VW) of scores + h * stride (lanes past n get 0: rows are padded
+ * for them). nh <= PASS_HEADS is a compile-time constant. */
+static inline __attribute__((always_inline)) void score_heads(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict qf, const int dp,
+    const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
+    float *restrict scores, const int64_t stride) {
+  const int nv = (head_dim + VW - 1) / VW; /* vectors per row */
+  vf part[PASS_HEADS][VW];                 /* [head][key]: the key's score in partial sums */
+  for (int t = 0; t < n; t++) {
+    vf s[PASS_HEADS];
+    for (int c = 0; c < nv; c++) {
+      const vf k = load_row(k_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c));
+      for (int h = 0; h < nh; h++) {
+        const vf qv = vload(qf + (int64_t)h * dp + c * VW);
+        s[h] = c == 0 ? k * qv : vfma(k, qv, s[h]);
+      }
+    }
+    for (int h = 0; h < nh; h++) part[h][t] = s[h];
+  }
+  for (int t = n; t < VW; t++)
+    for (int h = 0; h < nh; h++) part[h][t] = vsplat(0.f);
+  for (int h = 0; h < nh; h++) vstore(scores + h * stride, lane_sums(part[h]));
+}
+
+/* score_heads for a runtime nh in [1, PASS_HEADS]: one copy per count. */
+static inline __attribute__((always_inline)) void score_pass(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict qf, const int dp,
+    const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
+    float *restrict scores, const int64_t stride) {
+#define SCORE_HEADS(NH) \
+  score_heads(head_dim, is_bf16, NH, qf, dp, k_cache, off, n, shift, scores, stride)
+  switch (nh) {
+    case 1:
+      SCORE_HEADS(1);
+      break;
+    case 2:
+      SCORE_HEADS(2);
+      break;
+    case 3:
+      SCORE_HEADS(3);
+      break;
+    default:
+      SCORE_HEADS(PASS_HEADS);
+  }
+#undef SCORE_HEADS
+}
+
+/* v with its lanes from n on (n <= VW) replaced by `fill`. */
+static inline vf lanes_below(const vf v, const int n, const float fill) {
+  vi lane;
+  for (int i = 0; i < VW; i++) lane[i] = i;
+  const vi in = lane < n;
+  return (vf)(((vi)v & in) | ((vi)vsplat(fill) & ~in));
+}
+
+/* s[0, len) -> exp(s - max s) in place; returns 1 / their sum. The row is padded to whole
+ * vectors: its last one is read and written whole, its lanes past len left out of the sums. */
+static inline float softmax_row(float *restrict s, const int len) {
+  const int last = (len - 1) / VW * VW, n_last = len - last; /* the last vector, maybe partial */
+  vf m = lanes_below(vload(s + last), n_last, -FLT_MAX);
+  for (int t = 0; t < last; t += VW) m = vmax(m, vload(s + t));
+  const vf mx = vsplat(hmax(m));
+  vf sums = vsplat(0.f);
+  for (int t = 0; t <= last; t += VW) {
+    const vf e = vexp_nonpositive(vload(s + t) - mx);
+    vstore(s + t, e);
+    sums += t < last ? e : lanes_below(e, n_last, 0.f);
+  }
+  return 1.f / hsum(sums);
+}
+
+/* acc + h * dp += sum over the n <= PV_TOKENS values at `off` + shift of p[h][t] * V[t], for
+ * heads [0, nh), p[h] = probs + h * stride. nh <= PASS_HEADS is a compile-time constant; the
+ * accumulators of a slice of PV_REGS / nh vectors per head stay in registers over the chunk. */
+static inline __attribute__((always_inline)) void pv_heads(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict probs,
+    const int64_t stride, const void *restrict v_cache, const int64_t *restrict off, const int n,
+    const int64_t shift, const int dp, float *restrict acc) {
+  const int nv = (head_dim + VW - 1) / VW;
+  const int width = PV_REGS / nh; /* vectors per head in a slice */
+  for (int c0 = 0; c0 < nv; c0 += width) {
+    const int m = nv - c0 < width ? nv - c0 : width;
+    vf a[PASS_HEADS][PV_REGS]; /* [head][vector of the slice] */
+    for (int h = 0; h < nh; h++)
+      for (int c = 0; c < m; c++) a[h][c] = vload(acc + (int64_t)h * dp + (c0 + c) * VW);
+    for (int t = 0; t < n; t++) {
+      vf v[PV_REGS];
+      for (int c = 0; c < m; c++)
+        v[c] = load_row(v_cache, off[t] + shift + (c0 + c) * VW, is_bf16,
+                        lanes_in_row(head_dim, c0 + c));
+      for (int h = 0; h < nh; h++) {
+        const vf p = vsplat(probs[h * stride + t]);
+        for (int c = 0; c < m; c++) a[h][c] = vfma(p, v[c], a[h][c]);
+      }
+    }
+    for (int h = 0; h < nh; h++)
+      for (int c = 0; c < m; c++) vstore(acc + (int64_t)h * dp + (c0 + c) * VW, a[h][c]);
+  }
+}
+
+/* pv_heads for a runtime nh in [1, PASS_HEADS]: one copy per count. */
+static inline __attribute__((always_inline)) void pv_pass(
+    const int head_dim, const int is_bf16, const int nh, const float *restrict probs,
+    const int64_t stride, const void *restrict v_cache, const int64_t *restrict off, const int n,
+    const int64_t shift, const int dp, float *restrict acc) {
+#define PV_HEADS(NH) pv_heads(head_dim, is_bf16, NH, probs, stride, v_cache, off, n, shift, dp, acc)
+  switch (nh) {
+    case 1:
+      PV_HEADS(1);
+      break;
+    case 2:
+      PV_HEADS(2);
+      break;
+    case 3:
+      PV_HEADS(3);
+      break;
+    default:
+      PV_HEADS(PASS_HEADS);
+  }
+#undef PV_HEADS
+}
+
+/* One head's output: head_dim values of acc * inv in out's dtype. */
+static inline void store_head(const float *restrict acc, const float inv, const int head_dim,
+                              const int is_bf16, void *restrict out) {
+  const int full = head_dim / VW * VW;
+  for (int d = 0; d < full; d += VW) {
+    const vf x = vload(acc + d) * inv;
+    if (is_bf16)
+      vstore_bf16((bf16_t *)out + d, x);
+    else
+      vstore((float *)out + d, x);
+  }
+  for (int d = full; d < head_dim; d++) {
+    if (is_bf16)
+      ((bf16_t *)out)[d] = f32_to_bf16(acc[d] * inv);
+    else
+      ((float *)out)[d] = acc[d] * inv;
+  }
+}
+
+/* A work item of one query, which sees tokens [0, len), for kv heads [kh0, kh0 + nkh): q and out
+ * point at the query's row of num_heads heads. Chunks of tokens are the outer loops, so that a
+ * chunk's K (then V) rows of all the item's kv heads, contiguous in the cache, are read together.
+ * Rows r = kk * group + g (kv head kh0 + kk, query head (kh0 + kk) * group + g) of the scratch
+ * (see reserve): q and acc [rows, dp], scores [rows, len rounded up to VW], stats [rows], and
+ * row holds PV_TOKENS converted V rows of dp values. */
+static inline __attribute__((always_inline)) void attend_decode(
+    const int head_dim, const int is_bf16, const Geometry *geo, const int len, const int kh0,
+    const int nkh, const void *restrict q, const void *restrict k_cache,
+    const void *restrict v_cache, const int32_t *restrict table, void *restrict out,
+    Scratch *scratch) {
+  const int group = geo->group, rows = nkh * group;
+  const int dp = (int)round_up(head_dim, VW);
+  const int64_t stride = round_up(len, VW); /* between rows of scores */
+  const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+  const int64_t first = (int64_t)kh0 * group * head_dim; /* row 0's head, in q and out */
+  float *restrict qf = scratch->q;
+  float *restrict scores = scratch->scores;
+  float *restrict acc = scratch->acc;
+  float *restrict inv_sum = scratch->stats;
+  const int64_t head_off = (int64_t)kh0 * head_dim; /* in a token's cache row */
+  const int64_t row_bytes = (int64_t)nkh * head_dim * (int64_t)elem; /* the item's, per token */
+  int64_t off[PV_TOKENS > VW ? PV_TOKENS : VW]; /* of a chunk's tokens, for kv head kh0 */
+  const int ahead = len < PREFETCH_AHEAD ? len : PREFETCH_AHEAD;
+
+  load_queries(head_dim, is_bf16, (const char *)q + first * elem, rows, geo->scale, dp, qf);
+  prefetch_tokens(geo, table, k_cache, elem, 0, ahead, head_off, row_bytes);
+  for (int t0 = 0; t0 < len; t0 += VW) {
+    const int n = len - t0 < VW ? len - t0 : VW;
+    if (t0 + PREFETCH_AHEAD < len)
+      prefetch_tokens(geo, table, k_cache, elem, t0 + PREFETCH_AHEAD,
+                      t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
+                      row_bytes);
+    token_offsets(geo, table, t0, n, head_off, off);
+    for (int kk = 0; kk < nkh; kk++)
+      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
+        const int r = kk * group + g0;
+        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
+        score_pass(head_dim, is_bf16, nh, qf + (int64_t)r * dp, dp, k_cache, off, n,
+                   kk * head_dim, scores + r * stride + t0, stride);
+      }
+  }
+  prefetch_tokens(geo, table, v_cache, elem, 0, ahead, head_off, row_bytes);
+  for (int r = 0; r < rows; r++) inv_sum[r] = softmax_row(scores + r * stride, len);
+  memset(acc, 0, sizeof(float) * (size_t)rows * dp);
+  for (int t0 = 0; t0 < len; t0 += PV_TOKENS) {
+    const int n = len - t0 < PV_TOKENS ? len - t0 : PV_TOKENS;
+    if (t0 + PREFETCH_AHEAD < len)
+      prefetch_tokens(geo, table, v_cache, elem, t0 + PREFETCH_AHEAD,
+                      t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
+                      row_bytes);
+    token_offsets(geo, table, t0, n, head_off, off);
+    for (int kk = 0; kk < nkh; kk++)
+      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
+        const int r = kk * group + g0;
+        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
+        pv_pass(head_dim, is_bf16, nh, scores + r * stride + t0, stride, v_cache, off, n,
+                kk * head_dim, dp, acc + (int64_t)r * dp);
+      }
+  }
+  for (int r = 0; r < rows; r++)
+    store_head(acc + (int64_t)r * dp, inv_sum[r], head_dim, is_bf16,
+               (char *)out + (first + (int64_t)r * head_dim) * elem);
+}
+
+/* A work item: on the decode path when it has one query, else on `attend`. */
+static inline __attribute__((always_inline)) void attend_item(
+    const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
+    const int nq, const int kh0, const int nkh, const void *restrict q,
+    const void *restrict k_cache, const void *restrict v_cache, const int32_t *restrict table,
+    void *restrict out, Scratch *scratch) {
+  if (nq == 1) {
+    const int64_t row = (int64_t)j0 * geo->num_heads * head_dim * (is_bf16 ? 2 : 4); /* bytes */
+    attend_decode(head_dim, is_bf16, geo, ctx + j0 + 1, kh0, nkh, (const char *)q + row, k_cache,
+                  v_cache, table, (char *)out + row, scratch);
+  } else {
+    attend(head_dim, is_bf16, geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out,
+           scratch);
+  }
+}
+
+/* One copy of `attend_item` per dtype and common head_dim (constant trip counts); any other
+ * head_dim runs the generic copy (same code, runtime trip counts). Each copy is a function of its
+ * own: GCC takes several times as long on one function holding them all. */
 #define ATTEND_ARGS geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out, scratch
+#define ITEM_COPY(NAME, D, BF16)                                                                \
+  static __attribute__((noinline)) void NAME(                                                   \
+      const int head_dim, const Geometry *geo, int ctx, int j0, int nq, int kh0, int nkh,       \
+      const void *q, const void *k_cache, const void *v_cache, const int32_t *table, void *out, \
+      Scratch *scratch) {                                                                       \
+    (void)head_dim;                                                                             \
+    attend_item(D, BF16, ATTEND_ARGS);                                                          \
+  }
+ITEM_COPY(item_f32_64, 64, 0)
+ITEM_COPY(item_f32_80, 80, 0)
+ITEM_COPY(item_f32_96, 96, 0)
+ITEM_COPY(item_f32_128, 128, 0)
+ITEM_COPY(item_f32_any, head_dim, 0)
+ITEM_COPY(item_bf16_64, 64, 1)
+ITEM_COPY(item_bf16_80, 80, 1)
+ITEM_COPY(item_bf16_96, 96, 1)
+ITEM_COPY(item_bf16_128, 128, 1)
+ITEM_COPY(item_bf16_any, head_dim, 1)
+#undef ITEM_COPY
+
 static void attend_any(const int head_dim, const int is_bf16, const Geometry *geo, int ctx,
                        int j0, int nq, int kh0, int nkh, const void *q, const void *k_cache,
                        const void *v_cache, const int32_t *table, void *out, Scratch *scratch) {
-#define CASE(D)                                       \
-  case D:                                             \
-    if (is_bf16)                                      \
-      attend(D, 1, ATTEND_ARGS);                      \
-    else                                              \
-      attend(D, 0, ATTEND_ARGS);                      \
+#define CASE(D)                                                     \
+  case D:                                                           \
+    (is_bf16 ? item_bf16_##D : item_f32_##D)(head_dim, ATTEND_ARGS); \
     return;
   switch (head_dim) {
     CASE(64)
@@ -281,10 +772,7 @@ static void attend_any(const int head_dim, const int is_bf16, const Geometry *ge
     CASE(96)
     CASE(128)
     default:
-      if (is_bf16)
-        attend(head_dim, 1, ATTEND_ARGS);
-      else
-        attend(head_dim, 0, ATTEND_ARGS);
+      (is_bf16 ? item_bf16_any : item_f32_any)(head_dim, ATTEND_ARGS);
   }
 #undef CASE
 }
