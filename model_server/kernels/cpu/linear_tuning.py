@@ -79,9 +79,11 @@ SKINNY_MAX_ROWS = 64
 # The native skinny matmul only for this few rows. On a 2-thread Zen 4 with SmolLM2's shapes, W
 # streamed from memory (docs/benchmarks.md): bf16 1.5-2.2x F.linear and 1.2-1.8x oneDNN's packed
 # kernel at 1-8 rows; fp32 even with the bmm split at 1 row, ahead of every other candidate
-# from 2; about even with packed at 16 rows (its tiles reduce over K, the packed layout does not),
-# which is the better kernel beyond.
-NATIVE_MAX_ROWS = 16
+# from 2; about even with packed at 16 rows (its tiles reduce over K, the packed layout does not).
+# Timed cold (COLD_BYTES), as 30 layers' distinct weights are, PyTorch's bf16 kernels took
+# 400-800 us at 2-16 rows on SmolLM2's shapes against native's 20-200, so it is offered up to
+# 64 rows and the timings decide.
+NATIVE_MAX_ROWS = 64
 
 TORCH = "torch"
 MM_T = "mm_t"
@@ -215,17 +217,22 @@ class CpuInt8Linear:
 def time_candidates(
     calls: dict[str, Callable[[], object]], pair_budget_s: float = PAIR_BUDGET_S
 ) -> dict[str, float]:
-    """Best seconds of each call: one first call each (a raising one is dropped), then
+    """Best seconds of each call: one untimed warm-up call each (a raising one is dropped; it
+    pays one-time costs such as oneDNN's kernel generation), one timed call each, then
     interleaved rounds (so a noisy neighbour slows all alike) of those within DOMINATED of the
     best, about `pair_budget_s` in all. The minimum is kept: noise only ever adds time."""
-    times: dict[str, float] = {}
+    live_calls: dict[str, Callable[[], object]] = {}
     for name, call in calls.items():
         try:
-            start = time.perf_counter()
             call()
-            times[name] = time.perf_counter() - start
+            live_calls[name] = call
         except Exception as exc:  # a kernel this CPU or torch build lacks
             logger.debug("cpu linear candidate %s dropped: %s", name, exc)
+    times: dict[str, float] = {}
+    for name, call in live_calls.items():
+        start = time.perf_counter()
+        call()
+        times[name] = time.perf_counter() - start
     if not times:
         return times
     best = min(times.values())
