@@ -25,13 +25,16 @@
  * K/V row (num_kv_heads * head_dim values) is read in one contiguous run; one kv head per item
  * otherwise. An item streams its K rows once into a scores buffer (every query row of the tile
  * and the group reuses a K row while it is in L1), takes an exact softmax per row, then streams
- * its V rows once. A decode is a tile of one query.
+ * its V rows once. An item of one query (every decode) runs `attend_decode` instead: the same
+ * steps on explicit vectors, see "Decodes" below.
  *
  * Vector paths: this file is compiled once per ISA by kernels/cpu/native.py with explicit -m
- * flags (no -march=native), and the loops below are written for the auto-vectorizer
+ * flags (no -march=native). The general path's loops are written for the auto-vectorizer
  * (`omp simd`, -fopenmp-simd): bf16 -> fp32 is a 16-bit left shift of the bits, so AVX2 and
  * AVX-512 both vectorize it (vpmovzxwd + vpslld). With AVX512-BF16 (__AVX512BF16__) and
- * -DWICK_VDPBF16PS, Q.K on bf16 runs on vdpbf16ps instead (off by default: see dot_bf16). Built with -fno-strict-aliasing: the bf16 shifts write floats through uint32_t.
+ * -DWICK_VDPBF16PS, its Q.K on bf16 runs on vdpbf16ps instead (off by default: see dot_bf16).
+ * The decode path is written on GCC vector extensions of the ISA's width (see "Vectors").
+ * Built with -fno-strict-aliasing: the bf16 shifts write floats through uint32_t.
  */
 #include <float.h>
 #include <stdint.h>
@@ -120,8 +123,6 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
 #else
 #define PV_REGS 8
 #endif
-#define MAX_HEAD_DIM 512 /* native.MAX_HEAD_DIM: larger heads are refused before the call */
-#define MAX_VECS (MAX_HEAD_DIM / VW)
 
 typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
@@ -447,13 +448,16 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 /* ---- Decodes ------------------------------------------------------------------------------------
- * An item of one query (a decode, or a prefill tile of one query) runs one kv head at a time: its
- * `group` query heads share every K and V row. Q.K runs in chunks of VW keys: each key row is
- * loaded (and converted) once into registers and multiplied into a partial-sum vector per query
- * head; a transpose-and-add tree (lane_sums) then turns a head's VW partial vectors into one
- * vector of VW scores, instead of a horizontal reduction per score. An exact softmax per head
- * (max, then exp and sum, both vectorized), then P.V in chunks of PV_TOKENS value rows, each
- * converted to fp32 once, with every head's accumulators in registers across the chunk. */
+ * An item of one query (a decode, or a prefill tile of one query) takes its query heads in passes
+ * of up to PASS_HEADS heads of one kv head, which share every K and V row. Q.K runs in chunks of
+ * VW keys: each key vector is loaded (and converted) once per pass and multiplied into a
+ * partial-sum vector per head, the queries held in registers; a transpose-and-add tree
+ * (lane_sums) then turns a head's VW partial-sum vectors into one vector of VW scores, instead
+ * of a horizontal reduction per score. An exact softmax per head (max, then exp and sum, both
+ * vectorized), then P.V in chunks of PV_TOKENS values, each value vector loaded once per pass,
+ * the pass's accumulators in registers across the chunk. The chunks are the outer loops, so a
+ * chunk's rows of all the item's kv heads (contiguous in the cache) are read together, and rows
+ * PREFETCH_AHEAD tokens ahead are prefetched: blocks lie anywhere in memory. */
 
 /* Element offsets, in a cache, of the rows of the kv head at `head_off` for n tokens from t0. */
 static inline void token_offsets(const Geometry *geo, const int32_t *restrict table, const int t0,
@@ -522,13 +526,13 @@ static inline __attribute__((always_inline)) void score_heads(
   const int nv = (head_dim + VW - 1) / VW; /* vectors per row */
   vf part[PASS_HEADS][VW];                 /* [head][key]: the key's score in partial sums */
   for (int t = 0; t < n; t++) {
+    const int64_t at = off[t] + shift;
     vf s[PASS_HEADS];
-    for (int c = 0; c < nv; c++) {
-      const vf k = load_row(k_cache, off[t] + shift + c * VW, is_bf16, lanes_in_row(head_dim, c));
-      for (int h = 0; h < nh; h++) {
-        const vf qv = vload(qf + (int64_t)h * dp + c * VW);
-        s[h] = c == 0 ? k * qv : vfma(k, qv, s[h]);
-      }
+    const vf k0 = load_row(k_cache, at, is_bf16, lanes_in_row(head_dim, 0));
+    for (int h = 0; h < nh; h++) s[h] = k0 * vload(qf + (int64_t)h * dp);
+    for (int c = 1; c < nv; c++) {
+      const vf k = load_row(k_cache, at + c * VW, is_bf16, lanes_in_row(head_dim, c));
+      for (int h = 0; h < nh; h++) s[h] = vfma(k, vload(qf + (int64_t)h * dp + c * VW), s[h]);
     }
     for (int h = 0; h < nh; h++) part[h][t] = s[h];
   }
@@ -654,69 +658,101 @@ static inline void store_head(const float *restrict acc, const float inv, const 
   }
 }
 
+/* What the passes of one decode item share. Rows r = kk * group + g of its buffers are query
+ * head (kh0 + kk) * group + g, of kv head kh0 + kk. */
+typedef struct {
+  const Geometry *geo;
+  const int32_t *table; /* the sequence's block table */
+  int len;              /* tokens the query sees: [0, len) */
+  int kh0, nkh;         /* the item's kv heads */
+  int dp;               /* head_dim rounded up to whole vectors: the rows of q and acc */
+  int64_t stride;       /* len rounded up to whole vectors: the rows of scores */
+  size_t elem;          /* bytes per cache value */
+} DecodeItem;
+
+/* Starts loading the item's rows (all its kv heads) of tokens [t0, min(t1, len)). */
+static inline void prefetch_item(const DecodeItem *it, const int head_dim, const void *cache,
+                                 const int t0, const int t1) {
+  if (t0 >= it->len) return;
+  prefetch_tokens(it->geo, it->table, cache, it->elem, t0, t1 < it->len ? t1 : it->len,
+                  (int64_t)it->kh0 * head_dim, (int64_t)it->nkh * head_dim * (int64_t)it->elem);
+}
+
+/* scores[r][0, len) = row r's query (qf + r * dp) . each key, chunk by chunk; the first
+ * PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
+static inline __attribute__((always_inline)) void decode_scores(
+    const int head_dim, const int is_bf16, const DecodeItem *it, const float *restrict qf,
+    const void *restrict k_cache, float *restrict scores) {
+  const int group = it->geo->group;
+  int64_t off[VW]; /* of the chunk's tokens, for kv head kh0 */
+  for (int t0 = 0; t0 < it->len; t0 += VW) {
+    const int n = it->len - t0 < VW ? it->len - t0 : VW;
+    prefetch_item(it, head_dim, k_cache, t0 + PREFETCH_AHEAD, t0 + PREFETCH_AHEAD + n);
+    token_offsets(it->geo, it->table, t0, n, (int64_t)it->kh0 * head_dim, off);
+    for (int kk = 0; kk < it->nkh; kk++)
+      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
+        const int r = kk * group + g0;
+        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
+        score_pass(head_dim, is_bf16, nh, qf + (int64_t)r * it->dp, it->dp, k_cache, off, n,
+                   kk * head_dim, scores + r * it->stride + t0, it->stride);
+      }
+  }
+}
+
+/* acc[r] = sum over t < len of probs[r][t] * V[t] (acc zeroed here), chunk by chunk; the first
+ * PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
+static inline __attribute__((always_inline)) void decode_values(
+    const int head_dim, const int is_bf16, const DecodeItem *it, const float *restrict probs,
+    const void *restrict v_cache, float *restrict acc) {
+  const int group = it->geo->group;
+  int64_t off[PV_TOKENS]; /* of the chunk's tokens, for kv head kh0 */
+  memset(acc, 0, sizeof(float) * (size_t)it->nkh * group * it->dp);
+  for (int t0 = 0; t0 < it->len; t0 += PV_TOKENS) {
+    const int n = it->len - t0 < PV_TOKENS ? it->len - t0 : PV_TOKENS;
+    prefetch_item(it, head_dim, v_cache, t0 + PREFETCH_AHEAD, t0 + PREFETCH_AHEAD + n);
+    token_offsets(it->geo, it->table, t0, n, (int64_t)it->kh0 * head_dim, off);
+    for (int kk = 0; kk < it->nkh; kk++)
+      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
+        const int r = kk * group + g0;
+        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
+        pv_pass(head_dim, is_bf16, nh, probs + r * it->stride + t0, it->stride, v_cache, off, n,
+                kk * head_dim, it->dp, acc + (int64_t)r * it->dp);
+      }
+  }
+}
+
 /* A work item of one query, which sees tokens [0, len), for kv heads [kh0, kh0 + nkh): q and out
- * point at the query's row of num_heads heads. Chunks of tokens are the outer loops, so that a
- * chunk's K (then V) rows of all the item's kv heads, contiguous in the cache, are read together.
- * Rows r = kk * group + g (kv head kh0 + kk, query head (kh0 + kk) * group + g) of the scratch
- * (see reserve): q and acc [rows, dp], scores [rows, len rounded up to VW], stats [rows], and
- * row holds PV_TOKENS converted V rows of dp values. */
+ * point at the query's row of num_heads heads. Scratch (see reserve): q and acc [rows, dp],
+ * scores [rows, stride], stats [rows] (1 / softmax sums). */
 static inline __attribute__((always_inline)) void attend_decode(
     const int head_dim, const int is_bf16, const Geometry *geo, const int len, const int kh0,
     const int nkh, const void *restrict q, const void *restrict k_cache,
     const void *restrict v_cache, const int32_t *restrict table, void *restrict out,
     Scratch *scratch) {
-  const int group = geo->group, rows = nkh * group;
-  const int dp = (int)round_up(head_dim, VW);
-  const int64_t stride = round_up(len, VW); /* between rows of scores */
-  const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
-  const int64_t first = (int64_t)kh0 * group * head_dim; /* row 0's head, in q and out */
-  float *restrict qf = scratch->q;
-  float *restrict scores = scratch->scores;
-  float *restrict acc = scratch->acc;
+  const DecodeItem it = {
+      .geo = geo,
+      .table = table,
+      .len = len,
+      .kh0 = kh0,
+      .nkh = nkh,
+      .dp = (int)round_up(head_dim, VW),
+      .stride = round_up(len, VW),
+      .elem = is_bf16 ? sizeof(bf16_t) : sizeof(float),
+  };
+  const int rows = nkh * geo->group;
+  const int64_t first = (int64_t)kh0 * geo->group * head_dim; /* row 0's head, in q and out */
   float *restrict inv_sum = scratch->stats;
-  const int64_t head_off = (int64_t)kh0 * head_dim; /* in a token's cache row */
-  const int64_t row_bytes = (int64_t)nkh * head_dim * (int64_t)elem; /* the item's, per token */
-  int64_t off[PV_TOKENS > VW ? PV_TOKENS : VW]; /* of a chunk's tokens, for kv head kh0 */
-  const int ahead = len < PREFETCH_AHEAD ? len : PREFETCH_AHEAD;
 
-  load_queries(head_dim, is_bf16, (const char *)q + first * elem, rows, geo->scale, dp, qf);
-  prefetch_tokens(geo, table, k_cache, elem, 0, ahead, head_off, row_bytes);
-  for (int t0 = 0; t0 < len; t0 += VW) {
-    const int n = len - t0 < VW ? len - t0 : VW;
-    if (t0 + PREFETCH_AHEAD < len)
-      prefetch_tokens(geo, table, k_cache, elem, t0 + PREFETCH_AHEAD,
-                      t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
-                      row_bytes);
-    token_offsets(geo, table, t0, n, head_off, off);
-    for (int kk = 0; kk < nkh; kk++)
-      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
-        const int r = kk * group + g0;
-        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
-        score_pass(head_dim, is_bf16, nh, qf + (int64_t)r * dp, dp, k_cache, off, n,
-                   kk * head_dim, scores + r * stride + t0, stride);
-      }
-  }
-  prefetch_tokens(geo, table, v_cache, elem, 0, ahead, head_off, row_bytes);
-  for (int r = 0; r < rows; r++) inv_sum[r] = softmax_row(scores + r * stride, len);
-  memset(acc, 0, sizeof(float) * (size_t)rows * dp);
-  for (int t0 = 0; t0 < len; t0 += PV_TOKENS) {
-    const int n = len - t0 < PV_TOKENS ? len - t0 : PV_TOKENS;
-    if (t0 + PREFETCH_AHEAD < len)
-      prefetch_tokens(geo, table, v_cache, elem, t0 + PREFETCH_AHEAD,
-                      t0 + PREFETCH_AHEAD + n < len ? t0 + PREFETCH_AHEAD + n : len, head_off,
-                      row_bytes);
-    token_offsets(geo, table, t0, n, head_off, off);
-    for (int kk = 0; kk < nkh; kk++)
-      for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
-        const int r = kk * group + g0;
-        const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
-        pv_pass(head_dim, is_bf16, nh, scores + r * stride + t0, stride, v_cache, off, n,
-                kk * head_dim, dp, acc + (int64_t)r * dp);
-      }
-  }
+  prefetch_item(&it, head_dim, k_cache, 0, PREFETCH_AHEAD);
+  load_queries(head_dim, is_bf16, (const char *)q + first * it.elem, rows, geo->scale, it.dp,
+               scratch->q);
+  decode_scores(head_dim, is_bf16, &it, scratch->q, k_cache, scratch->scores);
+  prefetch_item(&it, head_dim, v_cache, 0, PREFETCH_AHEAD); /* under the softmax */
+  for (int r = 0; r < rows; r++) inv_sum[r] = softmax_row(scratch->scores + r * it.stride, len);
+  decode_values(head_dim, is_bf16, &it, scratch->scores, v_cache, scratch->acc);
   for (int r = 0; r < rows; r++)
-    store_head(acc + (int64_t)r * dp, inv_sum[r], head_dim, is_bf16,
-               (char *)out + (first + (int64_t)r * head_dim) * elem);
+    store_head(scratch->acc + (int64_t)r * it.dp, inv_sum[r], head_dim, is_bf16,
+               (char *)out + (first + (int64_t)r * head_dim) * it.elem);
 }
 
 /* A work item: on the decode path when it has one query, else on `attend`. */
