@@ -20,7 +20,12 @@ import pytest
 from model_server.loader.embedded import embedded_model_available
 from tests.loopback import free_port
 
-SERVE_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+# fp32: these tests assert exact texts ("Paris", stop strings cut from an earlier answer), and the
+# embedded model's greedy answers hold near-ties (the first token of "What is the capital of
+# France?": "The" -1.883 against "L" -1.965 in fp32), which bf16's roundings flip depending on
+# which matmul the per-machine tuner picked. bf16 serving is covered by the engine's bf16
+# invariants (tests/engine/test_invariants.py) with a tolerance.
+SERVE_ARGS = ("--max-model-len", "2048", "--kv-cache-memory", "256MiB", "--dtype", "float32")
 READY_TIMEOUT_S = 240.0
 
 
