@@ -27,6 +27,12 @@ LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.3}
 TIE_MARGIN = {"float32": 0.0, "bfloat16": 0.5}
 # bf16 is emulated (several times slower) on CPUs without native bf16: a smaller workload.
 NUM_PROMPTS = {"float32": 16, "bfloat16": 8}
+# Share of all tokens compared before each prompt's first near-tie flip. The embedded model's
+# chat answers often open on a near-tie (the France question's first token: 0.08 nats in fp32),
+# and a flip there ends that prompt's comparison: with the per-machine tuned matmuls (another
+# kernel per row count) bf16 runs agreed on 69-71% of the tokens on a Zen 4, every flip at a
+# near-tie.
+MIN_AGREEING = {"float32": 0.75, "bfloat16": 0.5}
 MAX_TOKENS = {"float32": 24, "bfloat16": 16}
 
 
@@ -67,8 +73,8 @@ def assert_same_greedy(dtype: str, expected: list[CompletionOutput], got: list[C
                 f"prompt {i} token {pos}"
             )
             compared += 1
-    # Ties are rare: an invariant that holds only for the first token or two is broken.
-    assert compared >= 0.75 * total, f"only {compared} of {total} tokens agree"
+    # An invariant that holds only for the first token or two is broken.
+    assert compared >= MIN_AGREEING[dtype] * total, f"only {compared} of {total} tokens agree"
 
 
 @pytest.fixture(scope="module")
