@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_vec.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -44,13 +45,6 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX2__)
-#define VW 8
-#else
-#define VW 4
-#endif
 #if defined(__AVX512BF16__)
 #define HAVE_DPBF16 1
 #else
@@ -70,9 +64,6 @@
 #define TILE_M 4 /* rows of x per register tile, at most (see tile_rows) */
 #define TILE_N 4 /* rows of W per register tile: one 4-lane row of outputs */
 
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
 /* Four outputs of a row of y (adjacent columns): a tile's results, bias and rounding. */
 typedef float v4f __attribute__((vector_size(16)));
 typedef uint32_t v4u __attribute__((vector_size(16)));
@@ -80,38 +71,6 @@ typedef uint16_t v4h __attribute__((vector_size(8)));
 
 /* How a call computes: fp32, or bf16 (shift or dpbf16, see the header). */
 enum { MODE_F32, MODE_BF16_SHIFT, MODE_BF16_DP };
-
-/* Unaligned load (memcpy compiles to one vector load). */
-static inline vf load_f32(const float *p) {
-  vf v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-/* bf16 -> fp32: the bits shifted into the upper half. GCC splits the generic widening of a
- * 16-lane vector into halves, so the x86 paths name the one instruction that does it. */
-static inline vf load_bf16(const bf16_t *p) {
-#if VW == 16
-  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
-#elif VW == 8 && defined(__AVX2__)
-  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
-#else
-  vh h;
-  memcpy(&h, p, sizeof h);
-  return (vf)(__builtin_convertvector(h, vu) << 16);
-#endif
-}
-
-/* acc + a * b, fused where the ISA has FMA: GCC does not contract a * b + c under -std=c11. */
-static inline vf fma_v(const vf a, const vf b, const vf acc) {
-#if VW == 16
-  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-#elif VW == 8 && defined(__FMA__)
-  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc);
-#else
-  return acc + a * b;
-#endif
-}
 
 static inline float hsum(const vf v) {
   float s = 0.f;
@@ -177,11 +136,11 @@ static inline __attribute__((always_inline)) void tile_fma(const int mr, const i
       for (int l = 0; l < lines; l++) __builtin_prefetch(pf + l * 64, 0, PREFETCH_LOCALITY);
     vf wv[TILE_N];
     for (int j = 0; j < nr; j++)
-      wv[j] = w_bf16 ? load_bf16((const bf16_t *)w + (int64_t)j * K + k)
-                     : load_f32((const float *)w + (int64_t)j * K + k);
+      wv[j] = w_bf16 ? vload_bf16((const bf16_t *)w + (int64_t)j * K + k)
+                     : vload((const float *)w + (int64_t)j * K + k);
     for (int i = 0; i < mr; i++) {
-      const vf xv = load_f32(x + i * xs + k);
-      for (int j = 0; j < nr; j++) acc[i][j] = fma_v(xv, wv[j], acc[i][j]);
+      const vf xv = vload(x + i * xs + k);
+      for (int j = 0; j < nr; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
     }
   }
   reduce_tile(mr, nr, acc, sums);

@@ -40,7 +40,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "layer_ops.c",
     _HERE / "gemm.c",
 )
-HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h",)
+HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h")
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;
 # -ffp-contract=off: no fused multiply-adds, every product rounded as PyTorch's ops round it

@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_vec.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -109,13 +110,6 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
  * ISA build: a vf is one zmm (AVX-512), ymm (AVX2) or xmm (generic) of VW floats. Loads and
  * stores go through memcpy (unaligned). Multiply-adds are fused where the ISA has FMA (the
  * intrinsic: under -std=c11 GCC does not contract a * b + c). */
-#if defined(__AVX512F__)
-#define VW 16
-#elif defined(__AVX2__)
-#define VW 8
-#else
-#define VW 4
-#endif
 /* P.V accumulator vectors in registers per pass (16 of AVX-512's 32 registers, 8 of AVX2's or
  * SSE's 16), split between its heads; longer head rows take several slices of a chunk. */
 #if VW == 16
@@ -124,35 +118,13 @@ static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
 #define PV_REGS 8
 #endif
 
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
-typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
-typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
 
 /* Every lane x: x - 0 is x for every x (x + 0 is not, for -0.f, and would stay an add). */
 static inline vf vsplat(const float x) { return x - (vf){0}; }
 
-static inline vf vload(const float *p) {
-  vf v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
 
 static inline void vstore(float *p, const vf v) { memcpy(p, &v, sizeof v); }
-
-/* VW bf16 values as fp32 (exact: the bf16 bits are the fp32's upper half). GCC 12 splits the
- * generic widening into 128-bit pieces, hence the intrinsics where there is one instruction. */
-static inline vf vload_bf16(const bf16_t *p) {
-#if VW == 16
-  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-#elif VW == 8
-  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-  vh h;
-  memcpy(&h, p, sizeof h);
-  return (vf)(__builtin_convertvector(h, vu) << 16);
-#endif
-}
 
 /* The first n < VW values of a cache row from element `at` as fp32, the other lanes zero: a row's
  * last vector when head_dim is not a multiple of VW. Out of line: rare, and every inlined copy
@@ -177,16 +149,6 @@ static __attribute__((noinline, cold)) vf load_part(const void *cache, const int
 static inline vf load_row(const void *cache, const int64_t at, const int is_bf16, const int n) {
   if (n < VW) return load_part(cache, at, is_bf16, n);
   return is_bf16 ? vload_bf16((const bf16_t *)cache + at) : vload((const float *)cache + at);
-}
-
-static inline vf vfma(const vf a, const vf b, const vf c) {
-#if defined(__AVX512F__)
-  return _mm512_fmadd_ps(a, b, c);
-#elif defined(__FMA__) && VW == 8
-  return _mm256_fmadd_ps(a, b, c);
-#else
-  return a * b + c;
-#endif
 }
 
 static inline vf vmax(const vf a, const vf b) {
