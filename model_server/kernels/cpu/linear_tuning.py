@@ -131,12 +131,6 @@ def bucket_index(rows: int, num_buckets: int) -> int:
     return min(max(rows - 1, 0).bit_length(), num_buckets - 1)
 
 
-def _packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return onednn_packed_linear(x, packed, bias)
-
-
 def _packed_call(
     packed: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -347,7 +341,7 @@ def _time_group(group: _Group, deadline: float) -> None:
                 for name in float_candidates(rows, weight)
             }
             if packed is not None:
-                calls[PACKED] = _Rotating(_packed_linear, x, packed)
+                calls[PACKED] = _Rotating(onednn_packed_linear, x, packed)
         # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
         group.times.append(time_candidates(calls) or {TORCH: float("inf")})
 
