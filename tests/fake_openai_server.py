@@ -2,7 +2,9 @@
 
 Completions answer `max_tokens` words " w0 w1 …" (one SSE chunk per word), chat completions
 answer "you said: <last user message>" word by word after a role-only chunk. Usage counts words
-(prompt words, answer words). Every request body is kept in `FakeOpenAI.requests`.
+(prompt words, answer words). Every request body is kept in `FakeOpenAI.requests`. With
+`prefix_cache=True`, `/metrics` exports vLLM's prefix-cache counters as a server whose cache holds
+every prompt it has seen (whole prompts, counted in words).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ class FakeOpenAI:
     delay_s: float = 0.0  # pause before every chunk
     fail_every: int = 0  # every k-th generation request answers HTTP 500 (0: never)
     unready_requests: int = 0  # the first k generation requests answer 503 (still starting)
+    prefix_cache: bool = False  # serve /metrics with vllm:prefix_cache_{queries,hits}
     requests: list[dict[str, Any]] = field(default_factory=list)
+    _seen_prompts: set[str] = field(default_factory=set)
+    _prefix_queries: int = 0
+    _prefix_hits: int = 0
 
     def app(self) -> Any:
         from starlette.applications import Starlette
@@ -51,6 +57,10 @@ class FakeOpenAI:
                 prompt = body["prompt"]
                 words = [f"w{i}" for i in range(int(body.get("max_tokens") or 16))]
             pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+            self._prefix_queries += len(prompt.split())
+            if prompt in self._seen_prompts:
+                self._prefix_hits += len(prompt.split())
+            self._seen_prompts.add(prompt)
             usage = {
                 "prompt_tokens": len(prompt.split()),
                 "completion_tokens": len(pieces),
@@ -72,9 +82,19 @@ class FakeOpenAI:
                 media_type="text/event-stream",
             )
 
+        async def metrics(_: Request) -> Response:
+            lines = []
+            for name, value in (
+                ("vllm:prefix_cache_queries", self._prefix_queries),
+                ("vllm:prefix_cache_hits", self._prefix_hits),
+            ):
+                lines += [f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {value}.0']
+            return Response("\n".join(lines) + "\n", media_type="text/plain")
+
         return Starlette(
             routes=[
                 Route("/v1/models", models),
+                *([Route("/metrics", metrics)] if self.prefix_cache else []),
                 Route("/v1/completions", generate, methods=["POST"]),
                 Route("/v1/chat/completions", generate, methods=["POST"]),
             ]

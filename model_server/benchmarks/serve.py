@@ -75,7 +75,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos", action="store_true", help="Send vLLM's ignore_eos (full output lengths)."
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrival times.")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of prompts and arrival times. The same seed sends the same prompts, which a "
+        "server with a prefix cache answers from it in a later run: give each run its own.",
+    )
     parser.add_argument(
         "--metric-percentiles",
         default="99",
@@ -142,6 +148,11 @@ async def benchmark(
     """Run the benchmark, print the report, save it if asked; returns the JSON summary."""
     import httpx
 
+    from model_server.benchmarks.prefix_hits import (
+        hit_rate,
+        hit_rate_warning,
+        read_prefix_counters,
+    )
     from model_server.benchmarks.serve_metrics import calculate_metrics, format_report, result_json
 
     base_url = args.base_url.rstrip("/")
@@ -181,9 +192,13 @@ async def benchmark(
                 raise RuntimeError(f"initial test request to {url} failed: {test.error}")
             print("Initial test run completed. Starting main benchmark run...", flush=True)
 
+        counters_before = await read_prefix_counters(client, base_url, headers)
         start = time.perf_counter()
         results = await _run_all(send, requests, args.request_rate, args.max_concurrency, args)
         duration = time.perf_counter() - start
+        prefix_hit_rate = hit_rate(
+            counters_before, await read_prefix_counters(client, base_url, headers)
+        )
 
     metrics = calculate_metrics(results, duration, percentiles)
     failures = [r.error for r in results if not r.success]
@@ -191,9 +206,15 @@ async def benchmark(
         print(f"Error {i}: {err}", file=sys.stderr)
     print(
         format_report(
-            m=metrics, max_concurrency=args.max_concurrency, request_rate=args.request_rate
+            m=metrics,
+            max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate,
+            prefix_cache_hit_rate=prefix_hit_rate,
         )
     )
+    warning = hit_rate_warning(prefix_hit_rate, args.seed)
+    if warning:
+        print(warning, file=sys.stderr)
     summary = result_json(
         metrics,
         results,
@@ -210,6 +231,7 @@ async def benchmark(
         max_concurrency=args.max_concurrency,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
+        prefix_cache_hit_rate=prefix_hit_rate,
     )
     if args.save_result:
         with open(args.save_result, "w", encoding="utf-8") as fh:

@@ -88,9 +88,14 @@ def _percentile_word(p: float) -> str:
 
 
 def format_report(
-    m: BenchmarkMetrics, *, max_concurrency: int | None = None, request_rate: float | None = None
+    m: BenchmarkMetrics,
+    *,
+    max_concurrency: int | None = None,
+    request_rate: float | None = None,
+    prefix_cache_hit_rate: float | None = None,
 ) -> str:
-    """The result block, laid out like vLLM's `benchmark_serving` / `vllm bench serve`."""
+    """The result block, laid out like vLLM's `benchmark_serving` / `vllm bench serve`, plus the
+    server's prefix-cache hit rate over the run when it exports one (benchmarks/prefix_hits.py)."""
     lines = ["{:=^50}".format(" Serving Benchmark Result ")]
 
     def row(label: str, value: float | int) -> None:
@@ -109,6 +114,8 @@ def format_report(
     row("Request throughput (req/s):", m.request_throughput)
     row("Output token throughput (tok/s):", m.output_throughput)
     row("Total token throughput (tok/s):", m.total_token_throughput)
+    if prefix_cache_hit_rate is not None:
+        row("Server prefix cache hit rate (%):", 100.0 * prefix_cache_hit_rate)
     for key, label, header in LATENCY_METRICS:
         stats = m.latencies[key]
         lines.append(f"{header:-^50}")

@@ -377,3 +377,50 @@ def test_ready_check_fails_at_once_on_4xx() -> None:
 def _with_save(args, path):
     args.save_result = str(path)
     return args
+
+
+def test_bench_serve_reports_prefix_cache_hits_of_repeated_prompts(tmp_path, capsys) -> None:
+    fake = FakeOpenAI(prefix_cache=True)
+    rates = []
+    with serve(fake) as url:
+        for run, seed in enumerate(("0", "0", "1")):
+            out = tmp_path / f"r{run}.json"
+            argv = ("--num-prompts", "6", "--random-input-len", "5", "--random-output-len", "2")
+            args = _args(url, *argv, "--seed", seed, "--save-result", str(out))
+            assert run_serve_benchmark(args) == 0
+            rates.append(json.loads(out.read_text())["prefix_cache_hit_rate"])
+            captured = capsys.readouterr()
+            assert f"Server prefix cache hit rate (%):        {100 * rates[-1]:<10.2f}" in (
+                captured.out.splitlines()
+            )
+            assert ("warning: the server answered" in captured.err) == (run == 1)
+    # Run 1: only the first prompt, already sent by the initial test request, is cached.
+    # Run 2 repeats run 1's prompts; run 3's seed gives new ones (its test request primes one).
+    assert rates == [pytest.approx(1 / 6), 1.0, pytest.approx(1 / 6)]
+
+
+def test_bench_serve_without_server_counters_reports_none(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    with serve(FakeOpenAI()) as url:  # no /metrics: like llama.cpp's server
+        args = _args(
+            url, "--num-prompts", "2", "--random-output-len", "2", "--save-result", str(out)
+        )
+        assert run_serve_benchmark(args) == 0
+    assert json.loads(out.read_text())["prefix_cache_hit_rate"] is None
+    assert "prefix cache hit rate" not in capsys.readouterr().out
+
+
+def test_parse_prefix_counters_sums_label_sets() -> None:
+    from model_server.benchmarks.prefix_hits import PrefixCounters, parse_prefix_counters
+
+    text = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{model_name="a"} 10.0\n'
+        'vllm:prefix_cache_queries_created{model_name="a"} 1.7e9\n'
+        'vllm:prefix_cache_queries_total{model_name="b"} 5.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="a"} 4.0\n'
+    )
+    assert parse_prefix_counters(text) == PrefixCounters(queries=15.0, hits=4.0)
+    assert parse_prefix_counters("# TYPE other counter\nother_total 1.0\n") is None
+    assert parse_prefix_counters("not { prometheus") is None

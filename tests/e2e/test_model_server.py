@@ -402,3 +402,26 @@ def test_real_metrics_scrape_passes_promtool(server: ServerProcess, http: httpx.
         if line.startswith("vllm:generation_tokens_total{")
     ]
     assert generated and generated[0] >= 4
+
+
+def test_bench_serve_reports_the_real_servers_prefix_cache_hits(
+    server: ServerProcess, tmp_path: Any
+) -> None:
+    """`bench serve` reads the server's prefix-cache counters around the run: the same seed twice
+    is a cached second run (and warns), another seed is not."""
+    from model_server.benchmarks.serve import run_serve_benchmark
+    from model_server.entrypoints.cli import build_parser
+
+    def run(seed: int) -> float:
+        out = tmp_path / f"seed{seed}-{time.monotonic_ns()}.json"
+        argv = ["bench", "serve", "--base-url", server.url, "--disable-tqdm"]
+        argv += ["--num-prompts", "4", "--random-input-len", "64", "--random-output-len", "2"]
+        argv += ["--seed", str(seed), "--save-result", str(out)]
+        assert run_serve_benchmark(build_parser().parse_args(argv)) == 0
+        return json.loads(out.read_text())["prefix_cache_hit_rate"]
+
+    seed = 1000 + int(time.time()) % 1000  # prompts no other test sent
+    first, again, other = run(seed), run(seed), run(seed + 1)
+    # 64 tokens are 4 full blocks of 16: all but a partial last block can be cached.
+    assert first < 0.5 and other < 0.5
+    assert again > 0.7
