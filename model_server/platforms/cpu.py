@@ -73,13 +73,23 @@ class CpuPlatform(Platform):
             return forced
         if not linear_shapes or not tuning_enabled():
             return torch.bfloat16
-        figures, cached = dtype_figures(linear_shapes, self._tuning_cache())
-        dtype = torch.bfloat16 if figures.bf16_wins else torch.float32
+        measured = dtype_figures(linear_shapes, self._tuning_cache())
+        if measured.busy:
+            # One start once timed bf16 at 718 ms where a quiet machine gives 4 ms, and served
+            # fp32: a busy machine's figures do not decide, the CPU's native bf16 does.
+            logger.warning(
+                "dtype auto: bfloat16 on this CPU's native bf16 flags; other processes kept "
+                "the machine busy while the dtypes were timed (%s), so the figures decide "
+                "nothing and are not cached: the next start times again",
+                measured.figures.describe(),
+            )
+            return torch.bfloat16
+        dtype = torch.bfloat16 if measured.figures.bf16_wins else torch.float32
         logger.info(
             "dtype auto: %s on this CPU's native bf16 (%s%s)",
             str(dtype).removeprefix("torch."),
-            figures.describe(),
-            ", cached" if cached else "",
+            measured.figures.describe(),
+            ", cached" if measured.cached else "",
         )
         return dtype
 

@@ -389,6 +389,23 @@ def test_auto_with_native_bf16_follows_the_measurement(
     assert platform.resolve_dtype("bfloat16", SHAPES) == torch.bfloat16
 
 
+def test_auto_on_a_busy_machine_takes_bf16_on_the_flags_and_times_again(
+    monkeypatch: pytest.MonkeyPatch,
+    isolated_cache: Path,
+    caplog: pytest.LogCaptureFixture,
+    quiet_machine: type[FakeWindow],
+) -> None:
+    calls = fake_figures(monkeypatch, bf16_faster=False)  # what a busy neighbour can make it
+    monkeypatch.setenv(isa.CPU_FLAGS_ENV, ZEN4_FLAGS)
+    quiet_machine.share = 0.6
+    with caplog.at_level(logging.INFO):
+        assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.bfloat16
+    assert any("busy" in r.message for r in caplog.records if r.levelno == logging.WARNING)
+    quiet_machine.share = 0.0  # nothing was cached: a quiet start measures, and follows it
+    assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize(
     ("forced", "expected"), [("bf16", torch.bfloat16), ("float32", torch.float32)]
 )

@@ -120,9 +120,18 @@ def measure_dtype_speed(shapes: Sequence[LinearShape]) -> DtypeFigures:
     return DtypeFigures(decode["fp32"], decode["bf16"], prefill["fp32"], prefill["bf16"])
 
 
-def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> tuple[DtypeFigures, bool]:
-    """The figures for `shapes`, from `cache` when it has them (then True), else measured now
-    and stored (unless the machine was busy meanwhile: kernels/cpu/cpu_load.py)."""
+@dataclass(slots=True, frozen=True)
+class DtypeMeasurement:
+    figures: DtypeFigures
+    cached: bool  # read from the tuning cache, not timed now
+    # Timed now while other processes kept more than a quarter of the cores busy: the figures
+    # say more about the neighbours than about the kernels (not cached either).
+    busy: bool = False
+
+
+def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> DtypeMeasurement:
+    """The figures for `shapes`, from `cache` when it has them, else measured now and stored
+    (unless the machine was busy meanwhile: kernels/cpu/cpu_load.py)."""
     digest = hashlib.sha256(repr(sorted(shapes)).encode()).hexdigest()[:16]
     key = f"dtype/{DECODE_ROWS}/{PREFILL_ROWS}/{digest}"
     entry = cache.get(key)
@@ -130,12 +139,13 @@ def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> tuple[Dt
         try:
             figures = DtypeFigures(**{name: float(v) for name, v in entry.items()})
             if all(v > 0 for v in entry.values()):
-                return figures, True
+                return DtypeMeasurement(figures, cached=True)
         except (TypeError, ValueError):
             pass
     window = LoadWindow()
     figures = measure_dtype_speed(shapes)
-    if not window.busy_machine():  # figures from a busy machine serve this start only
-        cache.put(key, {name: getattr(figures, name) for name in DtypeFigures.__slots__})
-        cache.save()
-    return figures, False
+    if window.busy_machine():
+        return DtypeMeasurement(figures, cached=False, busy=True)
+    cache.put(key, {name: getattr(figures, name) for name in DtypeFigures.__slots__})
+    cache.save()
+    return DtypeMeasurement(figures, cached=False)
