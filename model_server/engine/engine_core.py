@@ -56,12 +56,16 @@ class EngineCore:
             self.num_blocks,
             config.block_size,
             self.num_blocks * config.block_size,
-            self.num_blocks * self.model_runner.bytes_per_block() / 1024**3,
+            self.model_runner.kv_groups.cache_bytes(
+                self.num_blocks, self.model_runner.layer_block_bytes()
+            )
+            / 1024**3,
         )
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.num_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            sliding=self.model_runner.sliding_window_spec(self.num_blocks),
         )
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(self.config, max_model_len), self.kv_cache_manager

@@ -5,6 +5,11 @@ mapped to cache slots one by one through the block table (`block = table[pos // 
 tile may span several cache blocks and TILE_N is independent of the block size (block size 8 works
 with the TILE_N >= 16 that `tl.dot` needs). Scores live in the log2 domain: `qk_scale` is the
 softmax scale times log2(e), and the running max `m_i` / sum `l_i` use exp2.
+
+Optional (constexpr, 0 = off): `WINDOW`, a sliding window (a row at position p sees keys in
+(p - WINDOW, p]; causal tiles only, decode callers narrow `kv_start` instead), and `SOFT_CAP`,
+Gemma 2's c * tanh(score / c) on the scaled scores. With a window a row may see no key in its
+first tiles, so the running max is guarded against -inf.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ def attend_paged_tile(
     value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_table_ptr,  # this request's row of block ids (int32)
     tile_start,  # first context position of the tile
+    kv_start,  # positions < kv_start are masked out (a window's or split's start)
     kv_end,  # positions >= kv_end are masked out (context end or split end)
     q_pos,  # [BLOCK_M] absolute position of each query row (read only when CAUSAL)
     qk_scale,  # softmax scale * log2(e)
@@ -37,9 +43,11 @@ def attend_paged_tile(
     TILE_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
+    SOFT_CAP: tl.constexpr = 0.0,
 ):
     pos = tile_start + tl.arange(0, TILE_N)
-    in_range = pos < kv_end
+    in_range = (pos >= kv_start) & (pos < kv_end)
     # Out-of-range positions read block 0 (always a valid block) but are masked anyway: the block
     # table row may be shorter than the tile.
     block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
@@ -57,17 +65,30 @@ def attend_paged_tile(
     # K^T tile [BLOCK_D, TILE_N]; masked entries are 0 (never NaN from stale cache memory).
     k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_mask, other=0.0)
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if SOFT_CAP > 0:
+        # s is in log2 units (qk_scale folds log2(e)): cap the natural-log score, convert back.
+        # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for every x.
+        cap_log2 = SOFT_CAP * 1.4426950408889634
+        s = (1.0 - 2.0 / (tl.exp(2.0 * (s / cap_log2)) + 1.0)) * cap_log2
     if CAUSAL:
         valid = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            valid = valid & (pos[None, :] > q_pos[:, None] - WINDOW)
     else:
         valid = in_range[None, :]
     s = tl.where(valid, s, float("-inf"))
 
-    # Invariant: every row has seen at least one valid position by its first tile (position 0 for
-    # prefill rows, the split's first position for decode rows), so m_new is finite after it.
+    # Without a window every row has seen at least one valid position by its first tile
+    # (position 0 for prefill rows, the split's first position for decode rows), so m_new is
+    # finite after it. With one, a row may have seen none yet: m_use keeps exp2 away from
+    # -inf - -inf.
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if WINDOW > 0:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=v_mask, other=0.0)

@@ -38,6 +38,14 @@ def _split_size(seq_len, num_splits, TILE_N: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N), 1) * TILE_N
 
 
+@triton.jit
+def _window_start(seq_len, WINDOW: tl.constexpr):
+    """First position a decode query at seq_len - 1 sees: seq_len - WINDOW (0 without one)."""
+    if WINDOW > 0:
+        return tl.maximum(seq_len - WINDOW, 0)
+    return seq_len * 0
+
+
 # Ints that change from step to step are not specialised (a recompile mid-serving costs seconds).
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_kernel(
@@ -69,14 +77,19 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # compute the dots in fp32 (see dot_config)
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # sliding window (0: none): only the last WINDOW positions
+    SOFT_CAP: tl.constexpr = 0.0,  # attention logit soft cap (0: none)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_size = _split_size(seq_len, num_splits, TILE_N)
-    split_start = split * split_size
+    # The splits cover [window_start, seq_len): with a window, the blocks before it are never
+    # read (they may be the null block).
+    window_start = _window_start(seq_len, WINDOW)
+    split_size = _split_size(seq_len - window_start, num_splits, TILE_N)
+    split_start = window_start + split * split_size
     # Split 0 always runs, so an empty (padding) request still writes its row (zeros).
     if split > 0 and split_start >= seq_len:
         return
@@ -114,6 +127,7 @@ def _paged_decode_kernel(
             value_cache_ptr,
             block_table_ptr,
             split_start + t * TILE_N,
+            split_start,
             split_end,
             m_i,  # q_pos: unused (decode rows see the whole context up to split_end)
             qk_scale,
@@ -127,6 +141,8 @@ def _paged_decode_kernel(
             TILE_N,
             False,
             DOT_PRECISION,
+            0,  # the window is the split range itself
+            SOFT_CAP,
         )
 
     # l_i >= 1 whenever a position was read (the max contributes exp2(0)); 0 only when empty.
@@ -155,12 +171,14 @@ def _reduce_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
     TILE_N: tl.constexpr,  # the decode kernel's, so both derive the same split_size
+    WINDOW: tl.constexpr = 0,  # the decode kernel's
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    span = seq_len - _window_start(seq_len, WINDOW)
     # Splits past this request's context were never written (none for an empty request).
-    num_valid = tl.cdiv(seq_len, _split_size(seq_len, num_splits, TILE_N))
+    num_valid = tl.cdiv(span, _split_size(span, num_splits, TILE_N))
 
     splits = tl.arange(0, BLOCK_S)
     s_mask = splits < num_valid
@@ -215,6 +233,8 @@ def paged_decode_attention(
     tile_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Decode attention for requests with exactly one query token each, written into `out`.
 
@@ -224,7 +244,8 @@ def paged_decode_attention(
     padding row, whose output is zeros); block_tables: [num_seqs, >= cdiv(max_seq_len,
     block_size)] int32. `max_seq_len` is a host int >= every seq_len (an upper bound such as
     max_model_len is fine: nothing else depends on the real lengths); `num_splits` is an upper
-    bound on context splits per request (1: no reduce pass).
+    bound on context splits per request (1: no reduce pass). With `sliding_window` W only the
+    last W positions of each context are read; `logits_soft_cap` c caps scores as c tanh(s / c).
     """
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -243,7 +264,8 @@ def paged_decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
 
     # Splits are tile-aligned: more splits than the longest request has tiles would be empty.
-    num_splits = max(1, min(num_splits, -(-max(max_seq_len, 1) // tile_n)))
+    span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    num_splits = max(1, min(num_splits, -(-max(span, 1) // tile_n)))
     split = num_splits > 1
 
     if split:
@@ -285,6 +307,8 @@ def paged_decode_attention(
         SPLIT=split,
         UPCAST_DOT=upcast_dot,
         DOT_PRECISION=dot_precision,
+        WINDOW=sliding_window or 0,
+        SOFT_CAP=float(logits_soft_cap or 0.0),
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
@@ -302,5 +326,6 @@ def paged_decode_attention(
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
             TILE_N=tile_n,
+            WINDOW=sliding_window or 0,
             num_warps=4 if head_dim >= 128 else 2,
         )

@@ -56,6 +56,8 @@ def _paged_prefill_kernel(
     TILE_N: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # compute the dots in fp32 (see dot_config)
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # sliding window (0: none)
+    SOFT_CAP: tl.constexpr = 0.0,  # attention logit soft cap (0: none)
 ):
     seq = first_seq + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -94,8 +96,14 @@ def _paged_prefill_kernel(
     first_q_pos = context_len + q_tile * BLOCK_Q
     # Keys this tile can see: up to the last query position in it (or the context end).
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)
-    # Phase 1: tiles entirely at positions <= first_q_pos are visible to every row.
-    num_full_tiles = (first_q_pos + 1) // TILE_N
+    # Phase 1: tiles entirely at positions <= first_q_pos are visible to every row (none with
+    # a window: its lower edge moves with each row).
+    if WINDOW > 0:
+        num_full_tiles = 0
+        first_tile = tl.maximum(first_q_pos - WINDOW + 1, 0) // TILE_N
+    else:
+        num_full_tiles = (first_q_pos + 1) // TILE_N
+        first_tile = num_full_tiles
     for t in range(num_full_tiles):
         m_i, l_i, acc = attend_paged_tile(
             q,
@@ -106,6 +114,7 @@ def _paged_prefill_kernel(
             value_cache_ptr,
             block_table_ptr,
             t * TILE_N,
+            0,
             kv_end,
             q_pos,
             qk_scale,
@@ -119,9 +128,11 @@ def _paged_prefill_kernel(
             TILE_N,
             False,
             DOT_PRECISION,
+            0,
+            SOFT_CAP,
         )
-    # Phase 2: the diagonal tiles, causally masked per row.
-    for t in range(num_full_tiles, tl.cdiv(kv_end, TILE_N)):
+    # Phase 2: the diagonal tiles (with a window: every tile it reaches), masked per row.
+    for t in range(first_tile, tl.cdiv(kv_end, TILE_N)):
         m_i, l_i, acc = attend_paged_tile(
             q,
             m_i,
@@ -131,6 +142,7 @@ def _paged_prefill_kernel(
             value_cache_ptr,
             block_table_ptr,
             t * TILE_N,
+            0,
             kv_end,
             q_pos,
             qk_scale,
@@ -144,6 +156,8 @@ def _paged_prefill_kernel(
             TILE_N,
             True,
             DOT_PRECISION,
+            WINDOW,
+            SOFT_CAP,
         )
 
     acc = acc / l_i[:, None]
@@ -173,6 +187,8 @@ def paged_prefill_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Causal attention for requests `[first_seq, first_seq + num_seqs)`, written into `out`.
 
@@ -180,6 +196,8 @@ def paged_prefill_attention(
     new tokens included, must already be in key_cache/value_cache [num_blocks, block_size, Hkv, D].
     query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks]: int32, as in
     AttentionMetadata. `max_query_len` is a host int >= every such request's query length.
+    With `sliding_window` W a query at position p sees keys in (p - W, p] (the blocks before
+    are never read); `logits_soft_cap` c caps scores as c tanh(s / c).
     """
     if num_seqs == 0 or max_query_len == 0:
         return
@@ -233,6 +251,8 @@ def paged_prefill_attention(
         TILE_N=tile_n,
         UPCAST_DOT=upcast_dot,
         DOT_PRECISION=dot_precision,
+        WINDOW=sliding_window or 0,
+        SOFT_CAP=float(logits_soft_cap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
     )

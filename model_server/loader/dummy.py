@@ -32,6 +32,14 @@ HUB_ALIASES = {
     "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b",
     "huggingfacetb/smollm2-135m": "smollm2-135m",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    "microsoft/phi-3-mini-4k-instruct": "phi-3-mini",
+    "microsoft/phi-2": "phi-2",
+    "google/gemma-2-2b": "gemma-2-2b",
+    "google/gemma-2-2b-it": "gemma-2-2b",
+    "google/gemma-3-1b-it": "gemma-3-1b",
+    "google/gemma-3-1b-pt": "gemma-3-1b",
+    "stabilityai/stablelm-2-1_6b": "stablelm-2-1.6b",
+    "thudm/glm-4-9b-0414": "glm-4-9b",
 }
 
 

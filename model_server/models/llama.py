@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3/3.1 (llama3 rope scaling), Mistral, Yi, SmolLM2, Qwen2/2.5, Qwen3.
+"""The Llama family: Llama 2/3/3.1 (llama3 rope scaling), Mistral, Yi, SmolLM2, Qwen2/2.5, Qwen3,
+and Phi-3/3.5 (fused qkv_proj / gate_up_proj checkpoints, LongRoPE).
 
 One implementation, switched on the HF config:
   - head_dim: `config.head_dim` when present (Qwen3 decouples it from hidden/heads), else
@@ -7,8 +8,8 @@ One implementation, switched on the HF config:
     Qwen3 `attention_bias`; Llama `mlp_bias` on gate/up/down.
   - Qwen3: per-head RMSNorm on q and k (over head_dim) before rotary.
   - tie_word_embeddings: lm_head shares embed_tokens' weight.
-Sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window) is not implemented: the
-model attends to the whole context and warns when the context can exceed the window.
+  - sliding-window attention (Mistral v0.1, Qwen2 with use_sliding_window, Phi-3): per layer, from
+    `layer_types` when the config has them, else on every layer (`layer_sliding_windows`).
 
 Tensor parallelism (model_server.distributed): attention split by KV-head group (groups may be
 uneven across ranks, KV heads replicated when there are fewer than ranks), the MLP split evenly,
@@ -66,15 +67,24 @@ def get_num_kv_heads(config: Any) -> int:
 
 def get_sliding_window(config: Any) -> int | None:
     """The window the checkpoint was trained with, when any layer uses one, else None."""
+    windows = [w for w in layer_sliding_windows(config) if w is not None]
+    return windows[0] if windows else None
+
+
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Per layer: the sliding window it attends within (HF: keys at positions > p - window),
+    or None for full attention. `layer_types` decides when present (Gemma 2/3, Qwen2/3 on
+    transformers >= 5); else every layer uses `sliding_window` (Mistral, Phi-3)."""
+    n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not window:
-        return None
+        return [None] * n
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        return window if "sliding_attention" in layer_types else None
+        return [window if t == "sliding_attention" else None for t in layer_types[:n]]
     if getattr(config, "use_sliding_window", None) is False:  # Qwen2 on transformers < 5
-        return None
-    return window
+        return [None] * n
+    return [int(window)] * n
 
 
 class LlamaMLP(nn.Module):
@@ -110,6 +120,7 @@ class LlamaAttention(nn.Module):
         rotary_emb: RotaryEmbedding,
         attn_backend: type[AttentionBackend],
         kernels: KernelTable,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = get_head_dim(config)
@@ -148,6 +159,7 @@ class LlamaAttention(nn.Module):
             self.head_dim**-0.5,
             self.num_kv_heads,
             attn_backend,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -176,9 +188,10 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         attn_backend: type[AttentionBackend],
         kernels: KernelTable,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, kernels)
+        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, kernels, sliding_window)
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
@@ -222,8 +235,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(get_head_dim(config), max_position, config, kernels)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, attn_backend, kernels)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary_emb, attn_backend, kernels, window)
+            for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, kernels=kernels)
 
@@ -265,16 +278,6 @@ class LlamaForCausalLM(nn.Module):
         max_position = max_model_len or config.max_position_embeddings
         self.max_position = max_position
         self.sliding_window = get_sliding_window(config)
-        if self.sliding_window is not None and max_position > self.sliding_window:
-            logger.warning(
-                "%s was trained with sliding-window attention (window %d) which Wick does not "
-                "implement: outputs for contexts longer than %d tokens differ from the reference; "
-                "set max_model_len <= %d to avoid it",
-                config.model_type,
-                self.sliding_window,
-                self.sliding_window,
-                self.sliding_window,
-            )
         self.model = LlamaModel(config, attn_backend, max_position, kernels)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
@@ -284,6 +287,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def layer_sliding_windows(self) -> list[int | None]:
+        """Per layer: its attention window or None (the model runner's KV cache groups)."""
+        return [layer.self_attn.attn.sliding_window for layer in self.model.layers]
 
     @classmethod
     def check_tensor_parallel(cls, config: Any, world_size: int) -> None:

@@ -25,6 +25,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("llama", "LlamaForCausalLM"),  # Phi-3/3.5: fused qkv/gate_up, LongRoPE
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),  # Phi-1/1.5/2
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

@@ -213,3 +213,15 @@ def test_rendezvous_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("NODE_RANK", "2")
     with pytest.raises(ValueError, match=r"NODE_RANK=2 must be in \[0, NNODES=2\)"):
         rendezvous_from_env()
+
+
+def test_step_input_carries_the_sliding_block_table() -> None:
+    """Models with a sliding-window KV cache group send each chunk's second block table (null
+    entries included); the others send none."""
+    step = StepInput(
+        chunks=[SeqChunk([5], 17, [3, 9, 4, 11, 1], [0, 0, 0, 6, 2]), SeqChunk([1, 2], 0, [8])],
+        sample=[True, True],
+    )
+    back = StepInput.unpack(step.pack(block_size=4))
+    assert [list(c.sliding_block_ids) for c in back.chunks] == [[0, 0, 0, 6, 2], []]
+    assert [list(c.block_ids) for c in back.chunks] == [[3, 9, 4, 11, 1], [8]]

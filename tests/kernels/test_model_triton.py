@@ -3,8 +3,12 @@ backend generates: tiny random Llama/Qwen3 configs, greedy, a batch mixing promp
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import torch
+
+from model_server.engine.llm import LLM
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, tiny_llm
 
@@ -18,6 +22,49 @@ def test_triton_backend_generates_like_torch(tmp_path, name: str) -> None:
     for backend in ("torch", "triton"):
         llm = tiny_llm(tmp_path, name, attention_backend=backend)
         assert llm.engine.core.model_runner.attn_backend.name == backend
+        outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
+    assert outputs["triton"] == outputs["torch"]
+    assert all(len(t) == 12 for t in outputs["torch"])
+
+
+# Gemma 2's layout: a sliding layer (window 8, shorter than every prompt + output here) then a
+# global one, attention and final-logit soft caps; the sliding layer's KV in its own pool.
+GEMMA2 = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "sliding_window": 8,
+    "attn_logit_softcapping": 1.0,
+    "final_logit_softcapping": 2.0,
+    "initializer_range": 0.05,
+}
+
+
+def test_triton_backend_runs_gemma2_windows_and_soft_caps_like_torch(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA2))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(
+            str(tmp_path),
+            load_format="dummy",
+            dtype="float32",
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            attention_backend=backend,
+            block_size=8,
+            kv_cache_memory=2 * 1024**2,
+            max_num_batched_tokens=24,
+            seed=3,
+        )
+        assert llm.engine.core.kv_cache_manager.sliding is not None
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
     assert outputs["triton"] == outputs["torch"]
     assert all(len(t) == 12 for t in outputs["torch"])

@@ -109,3 +109,50 @@ def test_chunked_prefill_then_decode_steps(device):
 def test_registered_by_name():
     assert get_attention_backend("triton") is TritonAttentionBackend
     assert TritonAttentionBackend.name == "triton"
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(24, None), (None, 0.8), (13, 1.5)])
+@pytest.mark.parametrize("split", [False, True])
+def test_sliding_window_and_soft_cap_match_torch(window, soft_cap, split, device):
+    """Gemma 2/3 layers: the window and the soft cap, in decodes (split-K included) and in
+    prefill chunks after a cached prefix, equal the portable backend's. Blocks wholly before a
+    request's window are then swapped for a NaN-filled block (what the KV manager's null block
+    may hold): the Triton kernels never read them."""
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 8
+    b = make_batch(
+        MIXED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        device=device,
+    )
+    extra = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    scale = head_dim**-0.5
+    kwargs = {"decode_min_split_tokens": 16, "max_decode_splits": 4} if split else {}
+    triton_be = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, **kwargs, **extra)
+    torch_be = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, **extra)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    ref = torch_be.forward(b.q, b.k, b.v, kc, vc, b.metadata)
+    # The capped / windowed result really differs from plain attention.
+    plain = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    base = plain.forward(b.q, b.k, b.v, kc.clone(), vc.clone(), b.metadata)
+    assert not torch.allclose(base, ref, atol=1e-3)
+    if window is not None:
+        # One spare block full of NaN stands in for every block behind each request's window.
+        used = {block for table in b.block_tables for block in table}
+        nan_block = next(i for i in range(b.k_cache.shape[0]) if i not in used)
+        b.k_cache[nan_block] = float("nan")
+        b.v_cache[nan_block] = float("nan")
+        tables = b.metadata.block_tables.clone()
+        first_q = [
+            s - (b.metadata.query_start_loc_cpu[i + 1] - b.metadata.query_start_loc_cpu[i])
+            for i, s in enumerate(b.metadata.seq_lens_cpu)
+        ]
+        for row, q0 in enumerate(first_q):
+            dead = max(0, q0 - window + 1) // block_size
+            tables[row, :dead] = nan_block
+        b.metadata.block_tables = tables
+    out = triton_be.forward(b.q, b.k, b.v, b.k_cache, b.v_cache, b.metadata)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))

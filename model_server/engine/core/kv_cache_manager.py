@@ -19,6 +19,17 @@ its tokens and the id of the cache entry it was computed after (`parent_cache_id
 a block only when its tokens are equal and its parent entry is the block matched just before. By
 induction a hit chain is exactly a chain of blocks computed after the same token prefix, whatever
 the hash function does.
+
+KV cache groups (vLLM's hybrid KV cache manager, reduced to two groups): a model whose layers mix
+full attention and a sliding window W (Gemma 2/3), or that slides on every layer (Phi-3), keeps
+the sliding layers' K/V in a second block pool (`SlidingWindowSpec`) with its own block table per
+request, `request.sliding_block_ids`. Entry i covers the same tokens as `block_ids[i]`, but once
+a request's next query position c makes block i useless (all its tokens before c - W + 1) the
+block is freed and the entry becomes `NULL_BLOCK` (block 0 of that pool, never handed out and
+never written). So a sliding layer holds about W / block_size blocks per request whatever the
+context length. The full-attention pool and prefix cache work as without groups; the sliding
+pool caches its full blocks too (`_SlidingBlockPool`), and a prefix hit is taken only as far as
+the sliding blocks in the window before its end are still cached.
 """
 
 from __future__ import annotations
@@ -37,6 +48,129 @@ def hash_block_tokens(parent_block_hash: int | None, token_ids: Sequence[int]) -
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# The sliding pool's placeholder for freed (out-of-window) entries of a block table.
+NULL_BLOCK = 0
+
+
+@dataclass(slots=True, frozen=True)
+class SlidingWindowSpec:
+    """The sliding-window KV cache group: its pool size (block 0 is the null block, so
+    `num_blocks - 1` are usable) and its window in tokens."""
+
+    num_blocks: int
+    sliding_window: int
+
+
+class _SlidingBlockPool:
+    """Block ids of the sliding-window group, with its own prefix cache.
+
+    A sliding block full of a request's tokens is registered under the `cache_id` of the
+    full-group cache entry for the same block index of the same request: that id names the whole
+    token prefix (full-group entries are verified chains, and ids are never reused), so a
+    full-group hit chain tells exactly which sliding blocks hold the same K/V. Unheld registered
+    blocks stay findable in LRU order until a fresh block is needed and none is plain free.
+    """
+
+    def __init__(self, spec: SlidingWindowSpec, block_size: int) -> None:
+        if spec.num_blocks < 2:
+            raise ValueError(f"the sliding-window pool needs at least 2 blocks, got {spec}")
+        self.num_blocks = spec.num_blocks
+        self.window = spec.sliding_window
+        self.block_size = block_size
+        self.ref_cnt = [0] * spec.num_blocks
+        self.free_ids: deque[int] = deque(range(1, spec.num_blocks))
+        # full-group cache_id -> sliding block id, and back; unheld ones in LRU order.
+        self.cached: dict[int, int] = {}
+        self.cache_key: dict[int, int] = {}
+        self.free_cached: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.free_cached)
+
+    def num_skipped(self, first_query_pos: int) -> int:
+        """Leading blocks no query at `first_query_pos` or later can see (all their tokens are
+        before first_query_pos - W + 1)."""
+        return max(0, first_query_pos - self.window + 1) // self.block_size
+
+    def release(self, block_id: int) -> None:
+        if block_id == NULL_BLOCK:
+            return
+        self.ref_cnt[block_id] -= 1
+        if self.ref_cnt[block_id] == 0:
+            if block_id in self.cache_key:
+                self.free_cached[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+
+    def touch(self, block_id: int) -> None:
+        if self.ref_cnt[block_id] == 0:
+            del self.free_cached[block_id]
+        self.ref_cnt[block_id] += 1
+
+    def register(self, block_id: int, full_cache_id: int) -> None:
+        """Block `block_id` holds the K/V of the prefix named by a full-group cache entry."""
+        if block_id == NULL_BLOCK or block_id in self.cache_key or full_cache_id in self.cached:
+            return
+        self.cached[full_cache_id] = block_id
+        self.cache_key[block_id] = full_cache_id
+
+    def hits(self, full_cache_ids: Sequence[int]) -> int:
+        """The longest k <= len(full_cache_ids) such that the sliding blocks a query at
+        position k * block_size needs (indices [num_skipped(k * bs), k)) are all cached."""
+        for k in range(len(full_cache_ids), 0, -1):
+            start = self.num_skipped(k * self.block_size)
+            if all(full_cache_ids[i] in self.cached for i in range(start, k)):
+                return k
+        return 0
+
+    def num_hits_free(self, full_cache_ids: Sequence[int]) -> int:
+        """How many of the cached blocks a hit of len(full_cache_ids) blocks takes are unheld
+        (taking them uses free blocks too)."""
+        k = len(full_cache_ids)
+        start = self.num_skipped(k * self.block_size)
+        return sum(1 for i in range(start, k) if self.ref_cnt[self.cached[full_cache_ids[i]]] == 0)
+
+    def take_hits(self, table: list[int], full_cache_ids: Sequence[int]) -> None:
+        """Start an empty `table` with a hit: null entries, then the cached window blocks."""
+        k = len(full_cache_ids)
+        start = self.num_skipped(k * self.block_size)
+        for i in range(k):
+            if i < start:
+                table.append(NULL_BLOCK)
+            else:
+                block_id = self.cached[full_cache_ids[i]]
+                self.touch(block_id)
+                table.append(block_id)
+
+    def free_skipped(self, table: list[int], first_query_pos: int) -> None:
+        """Free the entries of `table` that fell out of the window, leaving NULL_BLOCK."""
+        for i in range(min(self.num_skipped(first_query_pos), len(table))):
+            if table[i] != NULL_BLOCK:
+                self.release(table[i])
+                table[i] = NULL_BLOCK
+
+    def num_needed(self, table: list[int], first_query_pos: int, num_required: int) -> int:
+        """Fresh blocks to extend `table` to `num_required` entries (skipped ones stay null)."""
+        start = max(len(table), self.num_skipped(first_query_pos))
+        return max(0, num_required - start)
+
+    def extend(self, table: list[int], first_query_pos: int, num_required: int) -> None:
+        skipped = self.num_skipped(first_query_pos)
+        for i in range(len(table), num_required):
+            table.append(NULL_BLOCK if i < skipped else self._pop_fresh())
+
+    def _pop_fresh(self) -> int:
+        """A plain free block, else the least recently freed cached one (unregistered)."""
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.free_cached.popitem(last=False)
+            del self.cached[self.cache_key.pop(block_id)]
+        self.ref_cnt[block_id] = 1
+        return block_id
 
 
 @dataclass(slots=True)
@@ -88,13 +222,21 @@ class KVCacheManager:
     share a prompt between the n > 1 samples of one request.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding: SlidingWindowSpec | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # The sliding-window group's pool, when the model has one (see the module docstring).
+        self.sliding = None if sliding is None else _SlidingBlockPool(sliding, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_plain: deque[int] = deque(range(num_blocks))
@@ -121,8 +263,18 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by some request, in [0, 1]; cached free blocks count as free."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of blocks held by some request, in [0, 1]; cached free blocks count as free.
+        With a sliding-window group, the fuller of the two pools."""
+        usage = 1.0 - self.num_free_blocks / self.num_blocks
+        if self.sliding is not None:
+            sliding = 1.0 - self.sliding.num_free_blocks / (self.sliding.num_blocks - 1)
+            usage = max(usage, sliding)
+        return usage
+
+    @property
+    def num_free_sliding_blocks(self) -> int | None:
+        """Free blocks of the sliding-window pool (None without one)."""
+        return None if self.sliding is None else self.sliding.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -160,7 +312,14 @@ class KVCacheManager:
                 break
             hit_ids.append(block.block_id)
             parent_cache_id = block.cache_id
+        if self.sliding is not None and hit_ids:
+            # Only as far as the sliding blocks of the window before the hit's end are cached.
+            hit_ids = hit_ids[: self.sliding.hits(self._cache_ids(hit_ids))]
         return hit_ids, len(hit_ids) * bs
+
+    def _cache_ids(self, block_ids: Sequence[int]) -> list[int]:
+        """The cache ids of full-group blocks that are cache entries."""
+        return [self.blocks[b].cache_id for b in block_ids]  # type: ignore[misc]
 
     def allocate_slots(
         self,
@@ -196,6 +355,23 @@ class KVCacheManager:
         num_computed_free = sum(1 for b in computed_block_ids if self.blocks[b].ref_cnt == 0)
         if num_fresh + num_computed_free > self.num_free_blocks:
             return False
+        sliding = self.sliding
+        if sliding is not None:
+            # Blocks behind the window are released first: they are dead whatever happens next.
+            sliding.free_skipped(request.sliding_block_ids, num_computed_tokens)
+            hit_cache_ids = self._cache_ids(computed_block_ids)
+            needed = sliding.num_hits_free(hit_cache_ids)
+            if hit_cache_ids:
+                needed += num_required - len(computed_block_ids)
+            else:
+                needed += sliding.num_needed(
+                    request.sliding_block_ids, num_computed_tokens, num_required
+                )
+            if needed > sliding.num_free_blocks:
+                return False
+            if hit_cache_ids:
+                sliding.take_hits(request.sliding_block_ids, hit_cache_ids)
+            sliding.extend(request.sliding_block_ids, num_computed_tokens, num_required)
 
         if first_scheduling and self.enable_prefix_caching:
             # Counted here, not in the lookup: a waiting request may be looked up every step.
@@ -229,6 +405,7 @@ class KVCacheManager:
             if block.block_hash is not None:
                 # Taken from the cache or shared by fork: already an entry for this exact prefix.
                 cursor.parent_cache_id = block.cache_id
+                self._register_sliding(request, i, block.cache_id)
                 continue
             if cursor.broken:
                 continue
@@ -247,6 +424,8 @@ class KVCacheManager:
                 cursor.parent_cache_id = entry.cache_id
             else:
                 cursor.broken = True
+                continue
+            self._register_sliding(request, i, cursor.parent_cache_id)
         cursor.num_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -266,6 +445,10 @@ class KVCacheManager:
                     self._free_plain.append(block_id)
         request.block_ids = []
         self._cursors.pop(request.request_id, None)
+        if self.sliding is not None:
+            for block_id in reversed(request.sliding_block_ids):
+                self.sliding.release(block_id)
+            request.sliding_block_ids = []
 
     def fork(self, parent: Request, child: Request) -> int:
         """Share the parent's full prompt blocks with a sibling sample (n > 1), prefix cache or not.
@@ -283,9 +466,21 @@ class KVCacheManager:
         if child.prompt_token_ids != parent.prompt_token_ids:
             raise ValueError(f"cannot fork into {child.request_id}: its prompt differs")
         num_shared = (parent.num_prompt_tokens - 1) // self.block_size
+        if self.sliding is not None:
+            # The child's first query needs the window before it: if the parent already freed
+            # part of it (it decoded past the prompt), nothing is shared.
+            window_start = self.sliding.num_skipped(num_shared * self.block_size)
+            if NULL_BLOCK in parent.sliding_block_ids[window_start:num_shared]:
+                num_shared = 0
         for block_id in parent.block_ids[:num_shared]:
             self.blocks[block_id].ref_cnt += 1
         child.block_ids = list(parent.block_ids[:num_shared])
+        if self.sliding is not None:
+            shared = parent.sliding_block_ids[:num_shared]
+            for block_id in shared:
+                if block_id != NULL_BLOCK:
+                    self.sliding.ref_cnt[block_id] += 1
+            child.sliding_block_ids = list(shared)
         child.num_computed_tokens = num_shared * self.block_size
         return child.num_computed_tokens
 
@@ -299,6 +494,13 @@ class KVCacheManager:
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i > 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def _register_sliding(self, request: Request, i: int, full_cache_id: int | None) -> None:
+        """The request's sliding block i (if still held) has the K/V of the prefix named by the
+        full-group entry `full_cache_id`."""
+        table = request.sliding_block_ids
+        if self.sliding is not None and full_cache_id is not None and i < len(table):
+            self.sliding.register(table[i], full_cache_id)
 
     def _touch(self, block: Block) -> None:
         """Take a reference on a block found in the cache (out of the free queue if unheld)."""

@@ -64,6 +64,9 @@ class Request:
     # Tokens of the prompt found in the prefix cache when the request was first scheduled.
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The sliding-window KV cache group's block table (models with one; see KVCacheManager):
+    # entry i covers the tokens of block_ids[i], NULL_BLOCK (0) once out of the window.
+    sliding_block_ids: list[int] = field(default_factory=list)
     # Chained hashes of this request's full blocks, in order (filled lazily by the KV manager).
     block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

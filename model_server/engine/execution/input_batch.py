@@ -7,7 +7,7 @@ scheduler: a `SeqChunk` says which tokens of a sequence run this step and where 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,9 @@ class SeqChunk:
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_ids: Sequence[int]
+    # The sliding-window group's block table (models with one; empty otherwise): it must cover
+    # the chunk's own positions, entries before its window may be the null block.
+    sliding_block_ids: Sequence[int] = field(default_factory=tuple)
 
 
 @dataclass(slots=True)
@@ -73,11 +76,7 @@ def build_model_inputs(
         query_start_loc.append(query_start_loc[-1] + end - start)
         seq_lens.append(end)
         max_blocks = max(max_blocks, -(-end // block_size))
-    block_tables = torch.zeros((len(order), max_blocks), dtype=torch.int32)
-    for row, idx in enumerate(order):
-        bids = chunks[idx].block_ids[:max_blocks]
-        if bids:
-            block_tables[row, : len(bids)] = torch.tensor(bids, dtype=torch.int32)
+    block_tables = _block_tables([chunks[idx].block_ids for idx in order], max_blocks)
     qsl = torch.tensor(query_start_loc, dtype=torch.int32)
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
@@ -90,6 +89,20 @@ def build_model_inputs(
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )
+    if any(c.sliding_block_ids for c in chunks):
+        # The sliding-window group: the same tokens, slots in its own pool.
+        tables = [chunks[idx].sliding_block_ids for idx in order]
+        sliding_slots = []
+        for idx, table in zip(order, tables, strict=True):
+            c = chunks[idx]
+            start = c.num_computed_tokens
+            for p in range(start, start + len(c.token_ids)):
+                sliding_slots.append(table[p // block_size] * block_size + p % block_size)
+        metadata.sliding = replace(
+            metadata,
+            slot_mapping=torch.tensor(sliding_slots, dtype=torch.int64).to(device),
+            block_tables=_block_tables(tables, max_blocks).to(device),
+        )
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
         positions=torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True),
@@ -97,3 +110,13 @@ def build_model_inputs(
         last_token_indices=(qsl[1:].to(torch.int64) - 1).to(device, non_blocking=True),
         order=order,
     )
+
+
+def _block_tables(tables: Sequence[Sequence[int]], max_blocks: int) -> torch.Tensor:
+    """[B, max_blocks] int32, zero-padded."""
+    out = torch.zeros((len(tables), max_blocks), dtype=torch.int32)
+    for row, bids in enumerate(tables):
+        bids = bids[:max_blocks]
+        if bids:
+            out[row, : len(bids)] = torch.tensor(bids, dtype=torch.int32)
+    return out

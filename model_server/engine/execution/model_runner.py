@@ -15,11 +15,13 @@ from model_server.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
+from model_server.engine.core.kv_cache_manager import SlidingWindowSpec
 from model_server.engine.core.request import Request
 from model_server.engine.core.scheduler import SchedulerOutput
 from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 from model_server.engine.execution.kernel_tuning import config_linear_shapes, linear_sites
+from model_server.engine.execution.kv_cache_groups import KVCacheGroups, kv_cache_groups
 from model_server.engine.execution.memory_profiler import (
     MemoryProfile,
     MemorySnapshot,
@@ -32,6 +34,7 @@ from model_server.engine.execution.memory_profiler import (
 from model_server.engine.execution.step_input import StepInput
 from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from model_server.layers.attention import get_attention_backend
+from model_server.layers.attention.layer import Attention
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
 from model_server.models.quantization import quantize_model
@@ -93,6 +96,7 @@ class ModelRunner:
         if self.quantization is not None:
             quantize_model(self.model, self.quantization)
         self.model.eval()
+        self.kv_groups = self._group_layers()
         # Once the weights are final, before anything runs: the platform fits the table's
         # matmuls to them (CPU: times kernels per shape and row bucket, cached on disk).
         max_head_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
@@ -120,10 +124,47 @@ class ModelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.dtype
 
-    def bytes_per_block(self) -> int:
+    def _group_layers(self) -> KVCacheGroups:
+        """The KV cache groups (kv_cache_groups.py); sliding layers read their own block table."""
+        m = self.model
+        windows = getattr(m, "layer_sliding_windows", None) or [None] * m.num_layers
+        groups = kv_cache_groups(
+            windows,
+            self.max_model_len,
+            self.block_size,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+        )
+        attn_layers = [mod for mod in m.modules() if isinstance(mod, Attention)]
+        for i in groups.sliding_layers:
+            attn_layers[i].kv_group = 1
+        if groups.hybrid:
+            logger.info(
+                "KV cache groups: %d full-attention layers, %d sliding-window layers (window %d) "
+                "in a pool of their own; prefix caching is off for this model",
+                len(groups.full_layers),
+                len(groups.sliding_layers),
+                groups.sliding_window,
+            )
+        return groups
+
+    def layer_block_bytes(self) -> int:
+        """One block of one layer's cache, K and V."""
         m = self.model
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
+
+    def bytes_per_block(self) -> int:
+        """One block of every layer (what a token range costs without sliding-window groups)."""
+        return self.model.num_layers * self.layer_block_bytes()
+
+    def sliding_window_spec(self, num_blocks: int) -> SlidingWindowSpec | None:
+        """The sliding-window pool that goes with `num_blocks` full-group blocks, if any."""
+        groups = self.kv_groups
+        if not groups.hybrid:
+            return None
+        assert groups.sliding_window is not None
+        return SlidingWindowSpec(groups.sliding_num_blocks(num_blocks), groups.sliding_window)
 
     def local_num_blocks(self, kv_cache_memory: int | None) -> int:
         """KV blocks this rank's budget holds: `kv_cache_memory` bytes when given; else, where
@@ -133,15 +174,19 @@ class ModelRunner:
         default budget. Every rank calls this at the same time: the profile holds collectives.
         """
         bytes_per_block = self.bytes_per_block()
+        layer_bytes = self.layer_block_bytes()
         if kv_cache_memory:
-            return kv_cache_memory // bytes_per_block
+            return self.kv_groups.num_blocks_for_budget(kv_cache_memory, layer_bytes)
         if not self.platform.can_profile_memory():
-            return self.platform.default_kv_cache_memory(bytes_per_block) // bytes_per_block
+            budget = self.platform.default_kv_cache_memory(bytes_per_block)
+            return self.kv_groups.num_blocks_for_budget(budget, layer_bytes)
         assert self.memory_baseline is not None  # taken in __init__ where memory can be profiled
         utilization = self.config.gpu_memory_utilization
         profile = profile_memory(self.platform, self.profile_run, self.memory_baseline, utilization)
         self.memory_profile = profile
-        num_blocks = max(0, profile.kv_cache_memory // bytes_per_block)
+        num_blocks = self.kv_groups.num_blocks_for_budget(
+            max(0, profile.kv_cache_memory), layer_bytes
+        )
         if profile.capped:
             logger.warning(
                 "gpu_memory_utilization %.2f asks for more than was free when the engine "
@@ -154,10 +199,21 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        # Per layer: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
-        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        spec = self.sliding_window_spec(num_blocks)
+        sliding = set(self.kv_groups.sliding_layers)
+        # Per layer: [2 (k, v), blocks of its group's pool, block_size, num_kv_heads, head_dim].
         self.kv_caches = [
-            self.platform.allocate_zeros(shape, self.kv_cache_dtype) for _ in range(m.num_layers)
+            self.platform.allocate_zeros(
+                (
+                    2,
+                    spec.num_blocks if spec is not None and i in sliding else num_blocks,
+                    self.block_size,
+                    m.num_kv_heads,
+                    m.head_dim,
+                ),
+                self.kv_cache_dtype,
+            )
+            for i in range(m.num_layers)
         ]
         self.capture_graphs()  # the graphs hold the caches' addresses: capture after allocating
 
@@ -205,6 +261,7 @@ class ModelRunner:
             not self.config.enforce_eager
             and self.platform.supports_graphs
             and self.attn_backend.supports_graphs
+            and not self.kv_groups.hybrid  # the graphs bind one block table per step
         )
 
     @torch.inference_mode()
@@ -234,7 +291,15 @@ class ModelRunner:
             scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens, strict=True
         ):
             start = r.num_computed_tokens
-            chunks.append(SeqChunk(r.all_token_ids[start : start + n], start, r.block_ids))
+            chunks.append(
+                # The sliding table is copied: the KV manager nulls its entries in place.
+                SeqChunk(
+                    r.all_token_ids[start : start + n],
+                    start,
+                    r.block_ids,
+                    list(r.sliding_block_ids),
+                )
+            )
             sample.append(start + n == r.num_tokens)
         return StepInput(chunks, sample)
 

@@ -18,15 +18,18 @@ class StepInput:
     sample: list[bool]
 
     def pack(self, block_size: int) -> list[int]:
-        """[B, then per chunk: n_tokens, num_computed, n_blocks, sample, tokens..., blocks...].
-        Only the blocks the chunk's positions reach are sent."""
+        """[B, then per chunk: n_tokens, num_computed, n_blocks, sample, n_sliding, tokens...,
+        blocks..., sliding blocks...]. Only the blocks the chunk's positions reach are sent."""
         out = [len(self.chunks)]
         for chunk, sample in zip(self.chunks, self.sample, strict=True):
             end = chunk.num_computed_tokens + len(chunk.token_ids)
             blocks = list(chunk.block_ids[: -(-end // block_size)])
+            sliding = list(chunk.sliding_block_ids[: -(-end // block_size)])
             out += (len(chunk.token_ids), chunk.num_computed_tokens, len(blocks), int(sample))
+            out.append(len(sliding))
             out += chunk.token_ids
             out += blocks
+            out += sliding
         return out
 
     @classmethod
@@ -35,11 +38,13 @@ class StepInput:
         sample: list[bool] = []
         pos = 1
         for _ in range(data[0]):
-            n_tokens, num_computed, n_blocks, samples = data[pos : pos + 4]
-            pos += 4
+            n_tokens, num_computed, n_blocks, samples, n_sliding = data[pos : pos + 5]
+            pos += 5
             tokens = data[pos : pos + n_tokens]
             pos += n_tokens
-            chunks.append(SeqChunk(tokens, num_computed, data[pos : pos + n_blocks]))
+            blocks = data[pos : pos + n_blocks]
             pos += n_blocks
+            chunks.append(SeqChunk(tokens, num_computed, blocks, data[pos : pos + n_sliding]))
+            pos += n_sliding
             sample.append(bool(samples))
         return cls(chunks, sample)

@@ -42,6 +42,16 @@ class AttentionMetadata:
     # hold the bound max_model_len instead, since the real lengths change with every replay.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Models with sliding-window layers whose KV lives in its own block pool (a second KV cache
+    # group, see engine/core/kv_cache_manager.py): that group's slot_mapping and block_tables,
+    # the rest shared. None when every layer uses the fields above.
+    sliding: AttentionMetadata | None = None
+
+    def for_group(self, kv_group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `kv_group` (0: full attention, 1: sliding window)."""
+        if kv_group == 0 or self.sliding is None:
+            return self
+        return self.sliding
 
     @property
     def num_reqs(self) -> int:
@@ -62,6 +72,12 @@ class AttentionBackend(ABC):
         context (cached tokens + this step's, causal), with grouped-query heads (query head h uses
         KV head h // (num_heads // num_kv_heads)).
       - Must not synchronize the device or allocate per-request host memory on GPU backends.
+      - With `sliding_window` W, query position p attends to key positions (p - W, p] only (HF's
+        convention); block-table entries wholly before that window may be the KV manager's null
+        block and must not influence the result. With `logits_soft_cap` c, scores (after
+        scaling) become c * tanh(score / c) before the mask and softmax (Gemma 2).
+      A backend that does not implement one of them says so through the class flags below and
+      refuses such a layer at construction with one clear line.
     """
 
     name: str = "abstract"
@@ -69,8 +85,31 @@ class AttentionBackend(ABC):
     # reads only the metadata's device tensors, using its host values (`seq_lens_cpu`,
     # `max_seq_len`) as upper bounds at most, and skips slots < 0 (padding rows) when storing.
     supports_graphs: bool = False
+    supports_sliding_window: bool = False
+    supports_logits_soft_cap: bool = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        if sliding_window is not None and not self.supports_sliding_window:
+            raise ValueError(
+                f"the {self.name} attention backend does not implement sliding-window attention "
+                "(this model needs it): choose --attention-backend torch or cpu"
+            )
+        if logits_soft_cap is not None and not self.supports_logits_soft_cap:
+            raise ValueError(
+                f"the {self.name} attention backend does not implement attention logit "
+                "soft-capping (this model needs it): choose --attention-backend torch or cpu"
+            )
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"

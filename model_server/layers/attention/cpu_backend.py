@@ -8,6 +8,9 @@ SDPA for decodes (3-5x less time at batch 16), and its per-request Python loop o
 for prefills (2-5x less for chunks after a cached prefix and for batches of prompts; about even
 for a lone prompt of 1024 tokens, where SDPA's flash kernel is matmul-bound).
 
+Layers with a sliding window or attention soft-capping (Gemma 2/3, Phi-3) run the portable path,
+which honours both.
+
 When the kernel cannot run (no C compiler, a dtype or head_dim it does not support) the step
 goes to the portable backend, after ONE warning per reason saying which kernel and why.
 """
@@ -39,9 +42,28 @@ def _warn_fallback(reason: str) -> None:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
         self.kernels = native.load_kernels()  # built once per process and ISA, then cached
+        # The C kernel attends to the whole context without capping: layers with a window or
+        # a soft cap run the portable path (which honours both) with no warning, by design.
+        self.portable_only = sliding_window is not None or logits_soft_cap is not None
 
     def forward(
         self,
@@ -52,6 +74,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.portable_only:
+            return super().forward(q, k, v, k_cache, v_cache, metadata)
         if self.kernels is None:
             reason = "the kernels could not be built (see the warning above)"
         else:

@@ -23,13 +23,26 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         attn_backend: type[AttentionBackend],
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_group: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.impl = attn_backend(num_heads, num_kv_heads, head_dim, scale)
+        self.sliding_window = sliding_window
+        # Which KV cache group's block table this layer reads (AttentionMetadata.for_group):
+        # set by the model runner when sliding layers get their own block pool.
+        self.kv_group = kv_group
+        extra: dict[str, object] = {}
+        if sliding_window is not None:
+            extra["sliding_window"] = sliding_window
+        if logits_soft_cap is not None:
+            extra["logits_soft_cap"] = logits_soft_cap
+        self.impl = attn_backend(num_heads, num_kv_heads, head_dim, scale, **extra)
 
     def forward(
         self,
@@ -42,11 +55,13 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.impl.forward(q, k, v, kv_cache[0], kv_cache[1], attn_metadata)
+        md = attn_metadata.for_group(self.kv_group)
+        out = self.impl.forward(q, k, v, kv_cache[0], kv_cache[1], md)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.impl.name}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
         )

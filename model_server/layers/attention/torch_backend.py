@@ -40,6 +40,8 @@ def gather_paged_context(
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def forward(
         self,
@@ -63,6 +65,13 @@ class TorchAttentionBackend(AttentionBackend):
             )
         return out
 
+    def _first_block(self, first_query_pos: int, block_size: int) -> int:
+        """The first block a query at `first_query_pos` (or later) can see: 0 without a window.
+        Blocks before it may be the KV manager's null block: they are never gathered."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query_pos - self.sliding_window + 1) // block_size
+
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
@@ -71,12 +80,20 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = md.seq_lens_cpu[:nd]
         max_len = max(seq_lens)
         num_blocks = -(-max_len // block_size)
-        tables = md.block_tables[:nd]
-        keys = gather_paged_context(k_cache, tables, num_blocks).to(q.dtype)  # [nd, L, Hkv, D]
-        values = gather_paged_context(v_cache, tables, num_blocks).to(q.dtype)
-        length = keys.shape[1]
-        positions = torch.arange(length, device=q.device)
-        mask = positions[None, :] < md.seq_lens[:nd, None]  # [nd, L]
+        first = self._first_block(min(seq_lens) - 1, block_size)
+        tables = md.block_tables[:nd, first:]
+        keys = gather_paged_context(k_cache, tables, num_blocks - first).to(q.dtype)
+        values = gather_paged_context(v_cache, tables, num_blocks - first).to(q.dtype)
+        # keys: [nd, L, Hkv, D] for positions [first * block_size, num_blocks * block_size).
+        positions = torch.arange(first * block_size, num_blocks * block_size, device=q.device)
+        seq_lens_t = md.seq_lens[:nd, None]
+        mask = positions[None, :] < seq_lens_t  # [nd, L]
+        if self.sliding_window is not None:
+            mask &= positions[None, :] >= seq_lens_t - self.sliding_window
+        if self.logits_soft_cap is not None:
+            return self._soft_capped(
+                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), mask[:, None, None]
+            ).squeeze(2)
         attn = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [nd, H, 1, D]
             keys.transpose(1, 2),  # [nd, Hkv, L, D]
@@ -99,18 +116,30 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         query_len = q.shape[0]
         seq_len = md.seq_lens_cpu[i]
+        # Query j sits at position seq_len - query_len + j and sees keys at positions <= it
+        # (and, with a window W, > it - W).
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         if seq_len == query_len:
-            # Nothing cached before this chunk: plain causal attention over the fresh K/V.
-            return self._sdpa(q, k, v, mask=None)
+            # Nothing cached before this chunk: attention over the fresh K/V.
+            if self.sliding_window is None and self.logits_soft_cap is None:
+                return self._sdpa(q, k, v, mask=None)
+            return self._sdpa(q, k, v, mask=self._mask(q_pos, q_pos))
         block_size = k_cache.shape[1]
         num_blocks = -(-seq_len // block_size)
-        table = md.block_tables[i : i + 1]
-        keys = gather_paged_context(k_cache, table, num_blocks)[0, :seq_len].to(q.dtype)
-        values = gather_paged_context(v_cache, table, num_blocks)[0, :seq_len].to(q.dtype)
-        # Query j sits at position seq_len - query_len + j and sees keys at positions <= it.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        return self._sdpa(q, keys, values, mask=k_pos[None, :] <= q_pos[:, None])
+        first = self._first_block(seq_len - query_len, block_size)
+        table = md.block_tables[i : i + 1, first:]
+        length = seq_len - first * block_size
+        keys = gather_paged_context(k_cache, table, num_blocks - first)[0, :length].to(q.dtype)
+        values = gather_paged_context(v_cache, table, num_blocks - first)[0, :length].to(q.dtype)
+        k_pos = torch.arange(first * block_size, seq_len, device=q.device)
+        return self._sdpa(q, keys, values, mask=self._mask(q_pos, k_pos))
+
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """[n, L] bool: causal, and within the sliding window when there is one."""
+        mask = k_pos[None, :] <= q_pos[:, None]
+        if self.sliding_window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - self.sliding_window
+        return mask
 
     def _sdpa(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -124,12 +153,28 @@ class TorchAttentionBackend(AttentionBackend):
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
+        q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        if self.logits_soft_cap is not None:
+            assert mask is not None
+            return self._soft_capped(q4, k4, v4, mask)[0].transpose(0, 1)
         attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
+            q4, k4, v4, attn_mask=mask, is_causal=mask is None, scale=self.scale
         )
         return attn[0].transpose(0, 1)
+
+    def _soft_capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention with Gemma 2's tanh soft-capping of the scaled scores (SDPA cannot apply
+        it): q [B, H, n, D], k/v [B, H or Hkv, L, D], mask broadcastable to [B, H, n, L] ->
+        [B, H, n, D]. Softmax in float32, as HF's eager path."""
+        group = self.num_heads // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        cap = self.logits_soft_cap
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / cap) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)

@@ -29,6 +29,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_graphs = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
 
     def __init__(
         self,
@@ -39,8 +41,17 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         decode_min_split_tokens: int = 256,
         max_decode_splits: int = 16,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        super().__init__(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
         self.decode_min_split_tokens = decode_min_split_tokens
         self.max_decode_splits = max_decode_splits
         self._sm_count: int | None = None
@@ -82,6 +93,8 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             # Decodes are the first nd tokens and the first nd requests (one token each).
             max_len = max(md.seq_lens_cpu[:nd])
+            if self.sliding_window is not None:
+                max_len = min(max_len, self.sliding_window)  # what a split may cover
             num_splits = choose_num_splits(
                 nd,
                 self.num_kv_heads,
@@ -98,8 +111,10 @@ class TritonAttentionBackend(AttentionBackend):
                 md.seq_lens[:nd],
                 md.block_tables[:nd],
                 self.scale,
-                max_len,
+                max(md.seq_lens_cpu[:nd]),
                 num_splits,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
         if md.num_prefills:
             paged_prefill_attention(
@@ -114,5 +129,7 @@ class TritonAttentionBackend(AttentionBackend):
                 nd,
                 md.num_prefills,
                 md.max_query_len,
+                sliding_window=self.sliding_window,
+                logits_soft_cap=self.logits_soft_cap,
             )
         return out

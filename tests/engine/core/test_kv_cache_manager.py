@@ -250,3 +250,92 @@ def test_can_fit() -> None:
     assert kv.can_fit(16)  # blocks in use count: the cache's size is what bounds a request
     kv.free(a)
     assert kv.num_cached_blocks == 2 and kv.num_free_blocks == 4
+
+
+# ---- the sliding-window group (models whose layers attend within a window) ----
+
+
+def test_sliding_group_frees_blocks_behind_the_window() -> None:
+    """Window 8, blocks of 4: a query at position p needs keys (p - 8, p], so once the next
+    query is at c, the blocks before (c - 7) // 4 are freed and their entries become null."""
+    spec = kvm.SlidingWindowSpec(num_blocks=6, sliding_window=8)
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding=spec)
+    req = make_request("a", range(10))
+    assert schedule_new(kv, req)
+    assert req.block_ids == [0, 1, 2] and req.sliding_block_ids == [1, 2, 3]
+    compute(kv, req, 10)
+    for token in range(10, 30):  # decode to 30 tokens
+        req.append_output_token(token)
+        assert kv.allocate_slots(req, 1)
+        compute(kv, req, 1)
+        held = [b for b in req.sliding_block_ids if b != kvm.NULL_BLOCK]
+        # The window of the token just computed plus the block being filled.
+        assert len(held) <= 8 // 4 + 1
+        assert len(req.block_ids) == -(-req.num_computed_tokens // 4)
+        assert len(req.sliding_block_ids) == len(req.block_ids)
+    assert req.sliding_block_ids[:5] == [kvm.NULL_BLOCK] * 5
+    # 30 tokens: 8 full blocks held, 3 sliding; the pool's other 2 usable blocks are free.
+    assert kv.num_free_blocks == 16 - 8
+    assert kv.num_free_sliding_blocks == 6 - 1 - 3
+    kv.free(req)
+    assert kv.num_free_blocks == 16 and kv.num_free_sliding_blocks == 5
+    assert req.sliding_block_ids == []
+
+
+def test_sliding_pool_exhaustion_refuses_without_changes() -> None:
+    spec = kvm.SlidingWindowSpec(num_blocks=4, sliding_window=8)  # 3 usable blocks
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding=spec)
+    a, b = make_request("a", range(8)), make_request("b", range(8))
+    assert schedule_new(kv, a)
+    assert not schedule_new(kv, b)  # needs 2 sliding blocks, 1 is free
+    assert b.block_ids == [] and b.sliding_block_ids == []
+    assert kv.num_free_blocks == 14 and kv.num_free_sliding_blocks == 1
+
+
+def test_fork_shares_window_blocks_or_nothing() -> None:
+    spec = kvm.SlidingWindowSpec(num_blocks=12, sliding_window=8)
+    kv = KVCacheManager(num_blocks=16, block_size=4, sliding=spec)
+    parent = make_request("p", range(10))
+    assert schedule_new(kv, parent)
+    compute(kv, parent, 10)
+    child = make_request("c", range(10))
+    assert kv.fork(parent, child) == 8
+    assert child.sliding_block_ids == parent.sliding_block_ids[:2]
+    assert kv.allocate_slots(child, 2)
+    kv.free(child)
+    # The parent decodes on: its first blocks leave the window; a late child shares nothing.
+    for token in range(10, 24):
+        parent.append_output_token(token)
+        assert kv.allocate_slots(parent, 1)
+        compute(kv, parent, 1)
+    late = make_request("l", range(10))
+    assert kv.fork(parent, late) == 0 and late.sliding_block_ids == []
+    kv.free(parent)
+    assert kv.num_free_sliding_blocks == 11
+
+
+def test_sliding_prefix_hit_needs_the_window_blocks_before_it() -> None:
+    """A prefix hit is cut back to where the sliding blocks of the window before its end are
+    still cached, and takes those blocks (not the ones behind the window) by reference."""
+    spec = kvm.SlidingWindowSpec(num_blocks=10, sliding_window=8)
+    kv = KVCacheManager(num_blocks=32, block_size=4, sliding=spec)
+    a = make_request("a", range(21))
+    assert schedule_new(kv, a)
+    compute(kv, a, 21)  # 5 full blocks registered in both pools
+    sliding_a = list(a.sliding_block_ids)
+    kv.free(a)
+    b = make_request("b", [*range(20), 99, 98])
+    assert schedule_new(kv, b)
+    # 20 tokens hit; the query at 20 needs positions 13..19: sliding blocks 3 and 4 only.
+    assert b.num_computed_tokens == 20
+    assert b.sliding_block_ids[:3] == [kvm.NULL_BLOCK] * 3
+    assert b.sliding_block_ids[3:5] == sliding_a[3:5]
+    assert len(b.sliding_block_ids) == 6
+    kv.free(b)
+    # Evict the cached sliding blocks: a third request with the same prefix gets no hit.
+    filler = make_request("f", range(100, 136))  # 9 sliding blocks: the whole usable pool
+    assert schedule_new(kv, filler)
+    kv.free(filler)
+    c = make_request("c", [*range(20), 7])
+    assert schedule_new(kv, c)
+    assert c.num_computed_tokens == 0

@@ -1,0 +1,134 @@
+"""GLM-4 (`Glm4ForCausalLM`, GLM-4-9B-0414 and GLM-4-32B): Llama-like attention with q/k/v bias
+(`attention_bias`), fused `gate_up_proj` SwiGLU in the checkpoint, norms before and after both
+attention and MLP (Gemma 2's sandwich, plain RMSNorm), and partial rotary (half of each head) in
+the interleaved (GPT-J) layout: dims (2i, 2i + 1) rotate together.
+
+The interleaved rotary becomes the neox rotary the kernels implement by permuting the rotary
+dims of each q and k head at load time (even dims first, then odd ones): q . k is unchanged
+when both get the same permutation, and v and the output are not touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
+from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_server.layers.norm import RMSNorm
+from model_server.layers.rotary import get_rope, rope_parameters_from_config
+from model_server.models.gemma import GemmaAttention, GemmaMLP, SandwichDecoderLayer
+from model_server.models.llama import LlamaForCausalLM, get_head_dim
+
+_NORM_NAMES = (
+    "input_layernorm",
+    "post_self_attn_layernorm",
+    "post_attention_layernorm",
+    "post_mlp_layernorm",
+)
+
+
+def interleaved_to_neox(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Permute the output rows ([heads * head_dim, ...]) of a q or k projection so that each
+    head's rotary dims (0, 2, 4, ... then 1, 3, 5, ...) pair as neox halves."""
+    perm = torch.cat(
+        (
+            torch.arange(0, rotary_dim, 2),
+            torch.arange(1, rotary_dim, 2),
+            torch.arange(rotary_dim, head_dim),
+        )
+    )
+    heads = rows.shape[0] // head_dim
+    shaped = rows.reshape(heads, head_dim, *rows.shape[1:])
+    return shaped[:, perm].reshape(rows.shape)
+
+
+class Glm4Model(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        attn_backend: type[AttentionBackend],
+        max_position: int,
+        kernels: KernelTable,
+    ) -> None:
+        super().__init__()
+        head_dim = get_head_dim(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = get_rope(head_dim, max_position, config, kernels)
+        eps = config.rms_norm_eps
+
+        def make_norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, eps=eps, kernels=kernels)
+
+        bias = bool(getattr(config, "attention_bias", False))
+        self.layers = nn.ModuleList(
+            SandwichDecoderLayer(
+                GemmaAttention(
+                    config,
+                    self.rotary_emb,
+                    attn_backend,
+                    kernels,
+                    scale=head_dim**-0.5,
+                    sliding_window=None,
+                    qkv_bias=bias,
+                ),
+                GemmaMLP(config, kernels),
+                make_norm,
+                post_norms=True,
+                names=_NORM_NAMES,
+            )
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = make_norm()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Glm4ForCausalLM(LlamaForCausalLM):
+    def __init__(
+        self,
+        config: Any,
+        attn_backend: type[AttentionBackend],
+        max_model_len: int | None = None,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.max_position = max_model_len or config.max_position_embeddings
+        self.sliding_window = None
+        self.model = Glm4Model(config, attn_backend, self.max_position, kernels)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        head_dim = get_head_dim(config)
+        factor = float(rope_parameters_from_config(config).get("partial_rotary_factor") or 1.0)
+        self._rotary = (head_dim, int(head_dim * factor))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """HF names; q/k projections (weights and biases) get the rotary permutation."""
+        head_dim, rotary_dim = self._rotary
+
+        def permuted() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:
+                    tensor = interleaved_to_neox(tensor, head_dim, rotary_dim)
+                yield name, tensor
+
+        return super().load_weights(permuted())

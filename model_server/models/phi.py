@@ -1,0 +1,239 @@
+"""Phi-2 (and Phi-1/1.5: `PhiForCausalLM`): LayerNorm with bias, attention and MLP in parallel
+from one norm (out = attn(ln(x)) + mlp(ln(x)) + x), partial rotary (`partial_rotary_factor`,
+0.4 for Phi-2), q/k/v and `dense` with biases, a GELU (tanh) MLP fc1 -> fc2, an LM head with bias.
+
+StableLM (models/stablelm.py) reuses the layer with its own MLP and residual order.
+`qk_layernorm` checkpoints are refused (no released Phi checkpoint uses it).
+
+Tensor parallelism: heads split like Llama's, fc1 by columns, fc2 by rows, the vocabulary split;
+the LM head's bias is whole and added on rank 0 after the gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
+from model_server.layers.attention.layer import Attention
+from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_server.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from model_server.layers.rotary import get_rope
+from model_server.models.llama import LlamaForCausalLM, get_head_dim, get_num_kv_heads
+
+
+class ParallelLMHeadWithBias(ParallelLMHead):
+    """The LM head plus a whole-vocabulary bias, added where the logits are (rank 0)."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, kernels: KernelTable = TORCH_KERNELS
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, kernels=kernels)
+        self.bias = nn.Parameter(torch.empty(num_embeddings), requires_grad=False)
+        self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().forward(hidden_states)
+        return None if logits is None else logits + self.bias
+
+
+def _check_no_qk_layernorm(config: Any) -> None:
+    if getattr(config, "qk_layernorm", False):
+        raise ValueError(f"{config.model_type} with qk_layernorm=True is not supported")
+
+
+class PartialRotaryAttention(nn.Module):
+    """q/k/v fused (with the config's bias), rotary on the first dims of each head, the output
+    projection named `out_name` (Phi: dense, StableLM: o_proj)."""
+
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: nn.Module,
+        attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        out_name: str,
+    ) -> None:
+        super().__init__()
+        self.head_dim = get_head_dim(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            get_num_kv_heads(config),
+            bias=qkv_bias,
+            kernels=kernels,
+        )
+        shard = self.qkv_proj.shard
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.out_name = out_name
+        setattr(
+            self,
+            out_name,
+            RowParallelLinear(
+                config.num_attention_heads * self.head_dim,
+                config.hidden_size,
+                bias=o_bias,
+                input_partition=(shard.q_start * self.head_dim, self.q_size),
+                kernels=kernels,
+            ),
+        )
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attn_backend
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)
+        return getattr(self, self.out_name)(out)
+
+
+class PhiMLP(nn.Module):
+    def __init__(self, config: Any, kernels: KernelTable) -> None:
+        super().__init__()
+        act = config.hidden_act
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu"):
+            raise ValueError(f"unsupported hidden_act {act!r} for phi")
+        self.approximate = "none" if act == "gelu" else "tanh"
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, bias=True, kernels=kernels
+        )
+        self.fc2 = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=True, kernels=kernels
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class LayerNormDecoderLayer(nn.Module):
+    """input LayerNorm, then either parallel (attn and MLP both from it, summed with the input)
+    or sequential (x + attn, then + MLP of `post_attention_layernorm`)."""
+
+    def __init__(
+        self,
+        config: Any,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        parallel: bool,
+    ) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.parallel = parallel
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+        if not parallel:
+            self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        normed = self.input_layernorm(hidden_states)
+        attn = self.self_attn(positions, normed, kv_cache, attn_metadata)
+        if self.parallel:
+            # HF's order of the sums (fp32 results bitwise like it).
+            return attn + self.mlp(normed) + residual
+        residual = residual + attn
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class LayerNormModel(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layers: list[nn.Module],
+        rotary_emb: nn.Module,
+        final_norm_name: str,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = rotary_emb
+        self.layers = nn.ModuleList(layers)
+        self.final_norm_name = final_norm_name
+        setattr(self, final_norm_name, nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+        return getattr(self, self.final_norm_name)(hidden)
+
+
+class PhiForCausalLM(LlamaForCausalLM):
+    """Phi-2 (see the module docstring); the runner interface and loading are Llama's."""
+
+    def __init__(
+        self,
+        config: Any,
+        attn_backend: type[AttentionBackend],
+        max_model_len: int | None = None,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
+        nn.Module.__init__(self)
+        _check_no_qk_layernorm(config)
+        self.config = config
+        self.max_position = max_model_len or config.max_position_embeddings
+        self.sliding_window = None
+        rotary = get_rope(get_head_dim(config), self.max_position, config, kernels)
+        layers = [
+            LayerNormDecoderLayer(
+                config,
+                PartialRotaryAttention(
+                    config,
+                    rotary,
+                    attn_backend,
+                    kernels,
+                    qkv_bias=True,
+                    o_bias=True,
+                    out_name="dense",
+                ),
+                PhiMLP(config, kernels),
+                parallel=True,
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.model = LayerNormModel(config, layers, rotary, "final_layernorm")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            raise ValueError("phi with tie_word_embeddings=True is not supported")
+        self.lm_head = ParallelLMHeadWithBias(
+            config.vocab_size, config.hidden_size, kernels=kernels
+        )
