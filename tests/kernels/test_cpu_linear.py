@@ -252,6 +252,25 @@ def test_a_corrupt_cache_file_is_ignored_with_one_warning(
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
+def test_buckets_that_inherit_times_drop_kernels_their_rows_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache, two_threads: None
+) -> None:
+    """With no time budget every bucket after the first copies the one-row timings, where
+    bmm_split (one row only) won: the larger buckets must not choose it (it used to crash any
+    step with 2-16 rows on a busy or slow machine)."""
+    force(monkeypatch, BMM_SPLIT)
+    w = torch.randn(64, 40)
+    linear = CpuLinear()
+    report = tune_cpu_linears(
+        [LinearSite(w, 16, True)], torch.float32, linear, CpuInt8Linear(), cache, budget_s=0.0
+    )
+    assert "budget spent: 2+ rows inherit" in report.lines[0]
+    assert "): rows 1 bmm_split, 2-16 " in report.lines[0]
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
 def test_timings_from_a_busy_machine_are_used_but_not_cached(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, quiet_machine: type[FakeWindow]
 ) -> None:

@@ -423,6 +423,22 @@ class TuningReport:
     busy: bool = False
 
 
+def _runnable_times(group: _Group) -> BucketTimes:
+    """Each bucket's timings less the candidates that cannot run its rows. A bucket that copied a
+    smaller bucket's times (the budget ran out) holds kernels timed at fewer rows, and one of
+    them may be valid there only: `bmm_split` runs exactly one row, and chosen for a 16-row
+    bucket it failed every step that had 16 rows."""
+    if group.int8:
+        return group.times
+    weight = group.sites[0].weight
+    runnable: BucketTimes = []
+    for rows, times in zip(group.buckets, group.times, strict=True):
+        allowed = {*float_candidates(rows, weight), PACKED}
+        kept = {name: t for name, t in times.items() if name in allowed}
+        runnable.append(kept or {TORCH: float("inf")})
+    return runnable
+
+
 def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
     names = [_best(t) for t in group.times]
     int8.set_shape_plan(group.shape, group.act_dtype, [INT8_FNS[name] for name in names])
@@ -514,6 +530,7 @@ def tune_cpu_linears(
             cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
         cache.save()
     for group in groups.values():
+        group.times = _runnable_times(group)
         if group.int8:
             text = _plan_int8(group, int8)
         else:
