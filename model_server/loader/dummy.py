@@ -32,6 +32,14 @@ HUB_ALIASES = {
     "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b",
     "huggingfacetb/smollm2-135m": "smollm2-135m",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b",
+    "qwen/qwen1.5-moe-a2.7b-chat": "qwen1.5-moe-a2.7b",
+    "qwen2-moe": "qwen1.5-moe-a2.7b",
+    "deepseek-ai/deepseek-v2-lite": "deepseek-v2-lite",
+    "deepseek-ai/deepseek-v2-lite-chat": "deepseek-v2-lite",
 }
 
 

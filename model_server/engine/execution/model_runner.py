@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -120,10 +121,18 @@ class ModelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         return self.dtype
 
-    def bytes_per_block(self) -> int:
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's KV cache tensor: the model's own layout where it declares one
+        (`kv_cache_shape(num_blocks, block_size)`: DeepSeek's latent cache), else
+        [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]."""
         m = self.model
+        if hasattr(m, "kv_cache_shape"):
+            return tuple(m.kv_cache_shape(num_blocks, self.block_size))
+        return (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+
+    def bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return self.model.num_layers * math.prod(self.kv_cache_shape(1)) * elem
 
     def local_num_blocks(self, kv_cache_memory: int | None) -> int:
         """KV blocks this rank's budget holds: `kv_cache_memory` bytes when given; else, where
@@ -154,8 +163,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.model
-        # Per layer: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
-        shape = (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+        shape = self.kv_cache_shape(num_blocks)
         self.kv_caches = [
             self.platform.allocate_zeros(shape, self.kv_cache_dtype) for _ in range(m.num_layers)
         ]
@@ -182,7 +190,7 @@ class ModelRunner:
         step samples. Nothing is kept; the scratch cache is freed on return."""
         m = self.model
         chunks = profile_chunks(self.config, self.max_model_len, self.block_size)
-        scratch_shape = (2, 1, self.block_size, m.num_kv_heads, m.head_dim)
+        scratch_shape = self.kv_cache_shape(1)
         scratch = [
             self.platform.allocate_zeros(scratch_shape, self.kv_cache_dtype)
             for _ in range(m.num_layers)
