@@ -18,8 +18,8 @@ import os
 import torch
 
 from model_server.kernels.fused_moe_torch import fused_experts_grouped, fused_experts_per_token
-from model_server.kernels.table import TORCH_KERNELS
 from model_server.layers.fused_moe import softmax_topk
+from model_server.platforms.cpu import CpuPlatform
 from tools.cpu_attention_bench import time_call
 
 
@@ -41,13 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     e, h, i = args.experts, args.hidden, args.inter
     w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(dtype)
     w2 = (torch.randn(e, h, i, generator=gen) * 0.02).to(dtype)
+    # The engine's CPU table: the native activation, and expert slices (untuned weights) on its
+    # fixed skinny matmul, which beats F.linear at a few rows.
+    kernels = CpuPlatform().kernel_table()
     print(f"load average {os.getloadavg()[0]:.2f}, {torch.get_num_threads()} threads")
     print(f"experts {e} x (hidden {h}, inter {i}), top-{args.top_k}, {args.dtype}")
     print("tokens  grouped_ms(median/min)  per_token_ms(median/min)  speedup")
     for t in args.tokens:
         x = torch.randn(t, h, generator=gen).to(dtype)
         weights, ids = softmax_topk(torch.randn(t, e, generator=gen), args.top_k, True)
-        inputs = (x, w13, w2, weights, ids, TORCH_KERNELS)
+        inputs = (x, w13, w2, weights, ids, kernels)
         with torch.inference_mode():
             g = time_call(functools.partial(fused_experts_grouped, *inputs), args.seconds)
             n = time_call(functools.partial(fused_experts_per_token, *inputs), args.seconds)
