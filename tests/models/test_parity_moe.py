@@ -253,3 +253,10 @@ def test_moe_gguf_files_are_refused_in_one_line(tmp_path: Path) -> None:
         message = str(info.value)
         assert "\n" not in message
         assert ("8 experts" in message) if extra else ("'qwen3moe' is not supported" in message)
+
+
+def test_deepseek_refuses_the_triton_backend_in_one_line(tmp_path: Path) -> None:
+    save_tiny("deepseek_v2", tmp_path)
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no Triton kernel: start with --attention-backend torch"):
+        build_model(config, get_attention_backend("triton"), max_model_len=MAX_MODEL_LEN)
