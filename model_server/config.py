@@ -44,6 +44,7 @@ class EngineConfig:
     device_ids: list[int] | None = _D["device_ids"]  # rank i uses device_ids[i]; None: 0, 1, ...
     tensor_parallel_size: int = _D["tensor_parallel_size"]
     seed: int = _D["seed"]
+    hf_overrides: str | None = _D["hf_overrides"]  # JSON object of HF config fields
     max_model_len: int | None = _D["max_model_len"]
     max_num_seqs: int = _D["max_num_seqs"]
     max_num_batched_tokens: int = _D["max_num_batched_tokens"]

@@ -90,6 +90,23 @@ def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
     return ids or None
 
 
+def parse_hf_overrides(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """`{"num_hidden_layers": 4}` (a JSON object of HF config fields) -> dict; empty -> None."""
+    if text is None or isinstance(text, dict):
+        return text or None
+    if not str(text).strip():
+        return None
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hf_overrides must be a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"hf_overrides must be a JSON object of config fields, got {text!r}")
+    return value or None
+
+
 QUANTIZATION_METHODS = ("int8",)
 # Spellings of "no quantization" (settings, env files, Helm values).
 _NONE = ("", "none", "auto")
@@ -254,6 +271,17 @@ SETTINGS: tuple[Setting, ...] = (
         check=_check_tp,
     ),
     Setting("seed", int, 0, "Seed for dummy weights.", "engine"),
+    Setting(
+        "hf_overrides",
+        str,  # the raw JSON; the loader parses it
+        None,
+        "JSON object of HF config fields set after the config is read, as vLLM's flag, e.g. "
+        "'{\"num_hidden_layers\": 4}' to benchmark a --load-format dummy preset at a small size "
+        "(with real weights, only fields that leave the weights' shapes alone).",
+        "engine",
+        default_text="none",
+        check=parse_hf_overrides,
+    ),
     Setting(
         "max_model_len",
         int,

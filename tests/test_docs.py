@@ -70,7 +70,7 @@ def test_the_readme_is_a_front_door() -> None:
                    "ModelRunner", "docs/architecture.md", "docs/configuration.md",
                    "docs/deployment.md", "docs/benchmarks.md"):  # fmt: skip
         assert needle in readme, needle
-    assert len(readme) < 16_000, "keep the README short: details belong in docs/"
+    assert len(readme) < 20_000, "keep the README short: details belong in docs/"
 
 
 def test_the_link_checker_sees_broken_links(tmp_path: Path) -> None:

@@ -30,7 +30,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         config.validate()
         self.platform = get_platform(config.device)
-        self.source = source or load_model_source(config.model, config.load_format)
+        self.source = source or load_model_source(
+            config.model, config.load_format, hf_overrides=config.hf_overrides
+        )
         context_length = self.source.context_length
         if config.max_model_len is not None and config.max_model_len > context_length:
             logger.warning(

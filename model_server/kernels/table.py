@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from model_server.kernels.fused_moe_torch import fused_experts_grouped
 from model_server.kernels.portable import (
     fused_add_rms_norm_torch,
     int8_linear_dequant,
@@ -45,6 +46,10 @@ RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 
+# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int64,
+# the table) -> [T, H]: the mixture-of-experts experts (kernels/fused_moe_torch.py)
+FusedExpertsFn = Callable[..., torch.Tensor]
+
 
 @dataclass(slots=True, frozen=True)
 class KernelTable:
@@ -60,6 +65,7 @@ class KernelTable:
     fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch
     rotary_embedding: RotaryFn = rotary_embedding_torch
+    fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.
@@ -68,13 +74,15 @@ TORCH_KERNELS = KernelTable()
 
 def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
     """`base` with the one-pass Triton RMSNorm (+ residual add) and SiluAndMul (kernels/
-    rms_norm.py, activation.py) and the w8a16 int8 matmul (kernels/int8_linear.py).
+    rms_norm.py, activation.py), the w8a16 int8 matmul (kernels/int8_linear.py) and the
+    grouped-GEMM fused MoE (kernels/fused_moe.py).
 
     Imports triton: call it where compiled Triton supports the model's device (CUDA) or under
     TRITON_INTERPRET=1 (tests); the kernels compile on first launch, so build the model (and
     warm it up) before capturing device graphs.
     """
     from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.fused_moe import fused_experts_triton
     from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
 
@@ -84,4 +92,5 @@ def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
         silu_and_mul=silu_and_mul,
+        fused_experts=fused_experts_triton,
     )

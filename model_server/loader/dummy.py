@@ -40,6 +40,14 @@ HUB_ALIASES = {
     "google/gemma-3-1b-pt": "gemma-3-1b",
     "stabilityai/stablelm-2-1_6b": "stablelm-2-1.6b",
     "thudm/glm-4-9b-0414": "glm-4-9b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b",
+    "qwen/qwen1.5-moe-a2.7b-chat": "qwen1.5-moe-a2.7b",
+    "qwen2-moe": "qwen1.5-moe-a2.7b",
+    "deepseek-ai/deepseek-v2-lite": "deepseek-v2-lite",
+    "deepseek-ai/deepseek-v2-lite-chat": "deepseek-v2-lite",
 }
 
 

@@ -45,6 +45,11 @@ def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
             raise ModelLoadError(f"{gf.path}: GGUF metadata has no {full}")
         return default
 
+    if key("expert_count", 0):  # Mixtral GGUFs are arch "llama" with stacked expert tensors
+        raise ModelLoadError(
+            f"{gf.path}: mixture-of-experts GGUF files ({key('expert_count')} experts) are not "
+            "supported: load the model's Hugging Face safetensors folder"
+        )
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
     kv_heads = _uniform(gf.path, "attention.head_count_kv", key("attention.head_count_kv", heads))

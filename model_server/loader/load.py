@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 from model_server.loader.source import ModelLoadError, ModelSource
+from model_server.settings_spec import parse_hf_overrides
 
 logger = logging.getLogger(__name__)
 
@@ -14,7 +16,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 def load_model_source(
-    model: str | None, load_format: str = "auto", revision: str | None = None
+    model: str | None,
+    load_format: str = "auto",
+    revision: str | None = None,
+    hf_overrides: str | dict[str, Any] | None = None,
 ) -> ModelSource:
     """Resolve `model` and return its config, tokenizer and lazy weights.
 
@@ -22,6 +27,7 @@ def load_model_source(
     config.json), an HF hub id `owner/name` (downloaded at `revision` through the local cache),
     or, with `load_format="dummy"`, also a preset name (see `model_server.loader.dummy`).
     `load_format`: auto | safetensors | gguf (insist on that format) | dummy (no weights).
+    `hf_overrides`: HF config fields (a dict or its JSON) set on the config once it is read.
     Raises ModelLoadError with a message naming the file and the problem.
     """
     if load_format not in LOAD_FORMATS:
@@ -30,6 +36,12 @@ def load_model_source(
         )
     start = time.perf_counter()
     source = _resolve(model, load_format, revision)
+    try:
+        overrides = parse_hf_overrides(hf_overrides)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    for key, value in (overrides or {}).items():
+        setattr(source.hf_config, key, value)
     logger.info(
         "model %s (%s): config, tokenizer and weight index in %.2fs",
         source.path or model,

@@ -121,11 +121,17 @@ class LlamaAttention(nn.Module):
         attn_backend: type[AttentionBackend],
         kernels: KernelTable,
         sliding_window: int | None = None,
+        *,
+        qkv_bias: bool | None = None,
+        qk_norm: bool | None = None,
     ) -> None:
+        """`qkv_bias` / `qk_norm` None: what the config's model_type implies (other families
+        reusing this attention, e.g. the MoE ones, say it)."""
         super().__init__()
         self.head_dim = get_head_dim(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or config.model_type == "qwen2"
+        if qkv_bias is None:
+            qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -147,7 +153,7 @@ class LlamaAttention(nn.Module):
             kernels=kernels,
         )
         # Qwen3: RMSNorm over each head's vector, applied before rotary.
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type == "qwen3" if qk_norm is None else qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, kernels=kernels)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, kernels=kernels)

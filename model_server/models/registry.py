@@ -32,6 +32,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),  # Phi-1/1.5/2
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekForCausalLM"),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 

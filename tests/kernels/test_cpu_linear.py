@@ -441,3 +441,17 @@ def test_the_real_dtype_measurement_runs_on_small_shapes(isolated_cache: Path) -
     figures = dtype_choice.measure_dtype_speed([(64, 32, 2), (16, 32, 1)])
     assert figures.fp32_decode_s > 0 and figures.bf16_prefill_s > 0
     assert "bf16" in figures.describe()
+
+
+def test_int8_kernel_with_k_not_a_multiple_of_16_does_not_crash() -> None:
+    """torch's int8 pack kernel segfaults at K % 16 != 0 with several rows (DeepSeek's tiny
+    q_lora_rank 24 under --quantization int8): the candidate dequantizes there instead."""
+    from model_server.kernels.cpu.linear import int8_kernel_linear
+
+    gen = torch.Generator().manual_seed(0)
+    qweight = torch.randint(-127, 127, (96, 24), dtype=torch.int8, generator=gen)
+    scale = torch.rand(96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, 24, generator=gen)
+    expected = int8_linear_dequant(x, qweight, scale, None)
+    got = int8_kernel_linear(x, qweight, scale, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)

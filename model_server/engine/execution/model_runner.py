@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -148,11 +149,19 @@ class ModelRunner:
             )
         return groups
 
-    def layer_block_bytes(self) -> int:
-        """One block of one layer's cache, K and V."""
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's KV cache tensor: the model's own layout where it declares one
+        (`kv_cache_shape(num_blocks, block_size)`: DeepSeek's latent cache), else
+        [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]."""
         m = self.model
+        if hasattr(m, "kv_cache_shape"):
+            return tuple(m.kv_cache_shape(num_blocks, self.block_size))
+        return (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
+
+    def layer_block_bytes(self) -> int:
+        """One block of one layer's cache (K and V, or the model's own layout)."""
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return 2 * self.block_size * m.num_kv_heads * m.head_dim * elem
+        return math.prod(self.kv_cache_shape(1)) * elem
 
     def bytes_per_block(self) -> int:
         """One block of every layer (what a token range costs without sliding-window groups)."""
@@ -201,15 +210,12 @@ class ModelRunner:
         m = self.model
         spec = self.sliding_window_spec(num_blocks)
         sliding = set(self.kv_groups.sliding_layers)
-        # Per layer: [2 (k, v), blocks of its group's pool, block_size, num_kv_heads, head_dim].
+        # Per layer: [2 (k, v), blocks of its group's pool, block_size, num_kv_heads, head_dim]
+        # (or the model's own layout, kv_cache_shape).
         self.kv_caches = [
             self.platform.allocate_zeros(
-                (
-                    2,
-                    spec.num_blocks if spec is not None and i in sliding else num_blocks,
-                    self.block_size,
-                    m.num_kv_heads,
-                    m.head_dim,
+                self.kv_cache_shape(
+                    spec.num_blocks if spec is not None and i in sliding else num_blocks
                 ),
                 self.kv_cache_dtype,
             )
@@ -238,7 +244,7 @@ class ModelRunner:
         step samples. Nothing is kept; the scratch cache is freed on return."""
         m = self.model
         chunks = profile_chunks(self.config, self.max_model_len, self.block_size)
-        scratch_shape = (2, 1, self.block_size, m.num_kv_heads, m.head_dim)
+        scratch_shape = self.kv_cache_shape(1)
         scratch = [
             self.platform.allocate_zeros(scratch_shape, self.kv_cache_dtype)
             for _ in range(m.num_layers)

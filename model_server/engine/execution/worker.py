@@ -96,7 +96,9 @@ def _serve_steps(spec: WorkerSpec) -> None:
         init_method=spec.init_method,
     )
     try:
-        source = load_model_source(config.model, config.load_format)
+        source = load_model_source(
+            config.model, config.load_format, hf_overrides=config.hf_overrides
+        )
         runner = ModelRunner(config, source, platform)
         # In step with rank 0's determine_num_blocks: a profile forward (collectives) and the
         # reduction; then every rank checks the same count (rank 0 raises the same error).

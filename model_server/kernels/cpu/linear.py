@@ -183,6 +183,10 @@ def int8_linear(
 def int8_kernel_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`torch._weight_int8pack_mm`: streams the int8 codes with x rounded to bf16."""
+    """`torch._weight_int8pack_mm`: streams the int8 codes with x rounded to bf16. Its CPU
+    kernel (torch 2.13) segfaults for K not a multiple of 16 at more than one row (DeepSeek's
+    tiny q_lora_rank 24): those dequantize instead."""
+    if qweight.shape[1] % 16 and x.shape[0] > 1:
+        return dequantized_linear(x, qweight, scale, bias)
     out = torch._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scale).to(x.dtype)
     return _add_bias(out, bias)
