@@ -146,9 +146,8 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 def _check_tool_call_parser(value: str) -> None:
     if value not in TOOL_CALL_PARSERS:
-        raise ValueError(
-            f"tool_call_parser {value!r} is not known; choose one of: {', '.join(TOOL_CALL_PARSERS)}"
-        )
+        known = ", ".join(TOOL_CALL_PARSERS)
+        raise ValueError(f"tool_call_parser {value!r} is not known; choose one of: {known}")
 
 
 # -------------------------------------------------------------------------------- declarations

@@ -23,10 +23,16 @@ import torch
 
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
     "person": (
-        {"type": "object", "properties": {"name": {"type": "string"},
-         "age": {"type": "integer", "minimum": 0, "maximum": 130}}, "required": ["name", "age"]},
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            },
+            "required": ["name", "age"],
+        },
         {"name": "Ada Lovelace", "age": 36},
-    ),  # fmt: skip
+    ),
     "order": (
         {
             "type": "object",
@@ -48,33 +54,73 @@ SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
             },
             "required": ["id", "items", "status"],
         },
-        {"id": "ABC-1234", "items": [{"sku": "x-1", "qty": 2, "price": 9.5},
-         {"sku": "y-2", "qty": 1, "price": 120}], "status": "paid"},
-    ),  # fmt: skip
+        {
+            "id": "ABC-1234",
+            "items": [
+                {"sku": "x-1", "qty": 2, "price": 9.5},
+                {"sku": "y-2", "qty": 1, "price": 120},
+            ],
+            "status": "paid",
+        },
+    ),
     "tool_call": (
         {
             "type": "array",
             "minItems": 1,
             "items": {
                 "anyOf": [
-                    {"type": "object", "properties": {"name": {"enum": ["get_weather"]},
-                     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}},
-                     "required": ["name", "parameters"]},
-                    {"type": "object", "properties": {"name": {"enum": ["get_time"]},
-                     "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
-                     "required": ["tz"]}}, "required": ["name", "parameters"]},
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"enum": ["get_weather"]},
+                            "parameters": {
+                                "type": "object",
+                                "properties": {
+                                    "city": {"type": "string"},
+                                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                                },
+                                "required": ["city", "unit"],
+                            },
+                        },
+                        "required": ["name", "parameters"],
+                    },
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"enum": ["get_time"]},
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"tz": {"type": "string"}},
+                                "required": ["tz"],
+                            },
+                        },
+                        "required": ["name", "parameters"],
+                    },
                 ]
             },
         },
         [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}],
-    ),  # fmt: skip
+    ),
     "nested": (
-        {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {
-         "type": "object", "properties": {"c": {"type": "array", "items": {"type": "number"}}},
-         "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+        {
+            "type": "object",
+            "properties": {
+                "a": {
+                    "type": "object",
+                    "properties": {
+                        "b": {
+                            "type": "object",
+                            "properties": {"c": {"type": "array", "items": {"type": "number"}}},
+                            "required": ["c"],
+                        }
+                    },
+                    "required": ["b"],
+                }
+            },
+            "required": ["a"],
+        },
         {"a": {"b": {"c": [1.5, 2, -3.25, 4e3]}}},
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -170,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{engine.name} {engine.version}: vocabulary preprocessing {setup_ms:.1f} ms")
         compiles, fills = [], []
         for name, (schema, answer) in SCHEMAS.items():
-            compile_ms, compiled = _ms(lambda s=schema: engine.compile(s))
+            compile_ms, compiled = _ms(lambda s=schema, e=engine: e.compile(s))
             text = json.dumps(answer)  # both engines write ", " and ": " by default
             tokens = [*tokenizer(text, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
             walks = [engine.walk(compiled, tokens) for _ in range(args.repeats)]

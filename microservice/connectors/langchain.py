@@ -30,10 +30,8 @@ from langchain_core.messages import (
     AIMessageChunk,
     BaseMessage,
     ToolMessage,
-    invalid_tool_call,
-    tool_call,
-    tool_call_chunk,
 )
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser, StrOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
@@ -98,12 +96,19 @@ def _ai_message(text: str, calls: list[dict[str, Any]] | None) -> AIMessage:
         try:
             args = json.loads(arguments)
         except json.JSONDecodeError as exc:
-            invalid.append(invalid_tool_call(name=name, args=arguments, id=call.get("id"),
-                                             error=str(exc)))  # fmt: skip
+            invalid.append(
+                invalid_tool_call(name=name, args=arguments, id=call.get("id"), error=str(exc))
+            )
             continue
         if not isinstance(args, dict):
-            invalid.append(invalid_tool_call(name=name, args=arguments, id=call.get("id"),
-                                             error="arguments are not an object"))  # fmt: skip
+            invalid.append(
+                invalid_tool_call(
+                    name=name,
+                    args=arguments,
+                    id=call.get("id"),
+                    error="arguments are not an object",
+                )
+            )
             continue
         valid.append(tool_call(name=name, args=args, id=call.get("id")))
     return AIMessage(content=text, tool_calls=valid, invalid_tool_calls=invalid)
@@ -389,8 +394,10 @@ class LangchainConnector(Connector):
             prompt = _OPEA_PROMPT if opea.system else _USER_PROMPT
             inputs: dict[str, Any] = {"system": opea.system, "user": opea.user}
         else:
-            prompt, inputs = _MESSAGES_PROMPT, {"messages": [_to_langchain(m)
-                                                             for m in request.messages]}  # fmt: skip
+            prompt, inputs = (
+                _MESSAGES_PROMPT,
+                {"messages": [_to_langchain(m) for m in request.messages]},
+            )
         if _wants_messages(request):
             return prompt | llm, inputs
         return prompt | llm | self.parser, inputs

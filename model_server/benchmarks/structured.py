@@ -54,12 +54,23 @@ LONG_SCHEMA: dict[str, Any] = {
 }
 # Compiled once each for the compile figure.
 COMPILE_SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-     "required": ["name", "age"]},  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 5},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {
-        "b": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["b"]}},
-     "required": ["a"]},  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {"b": {"type": "number", "minimum": 0, "maximum": 1}},
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
     LONG_SCHEMA,
 ]
 

@@ -1,8 +1,8 @@
 """The grammar engine behind structured outputs, behind a small interface: compile a constraint
 once, then one matcher per request that accepts tokens and fills its row of the token bitmask.
 
-The engine is xgrammar (see docs/structured_outputs.md for the measurements that chose it over
-llguidance); it is imported on first use only.
+The engine is xgrammar (xgrammar_backend.py; docs/structured_outputs.md has the measurements that
+chose it over llguidance); manager.py imports it on first use only.
 """
 
 from __future__ import annotations
@@ -44,10 +44,3 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher: ...
-
-
-def load_backend(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> GrammarBackend:
-    """The grammar engine for this tokenizer and the model's vocabulary size."""
-    from model_server.structured_output.xgrammar_backend import XGrammarBackend
-
-    return XGrammarBackend(tokenizer, vocab_size, eos_token_id)

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from model_server.structured_output.backend import GrammarBackend, GrammarMatcher, load_backend
+from model_server.structured_output.backend import GrammarBackend, GrammarMatcher
 from model_server.structured_output.params import GrammarKey, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 # Compiled grammars kept (least recently used dropped first). A compiled JSON schema is tens of
 # kilobytes to a few megabytes; agents reuse a handful of schemas.
 DEFAULT_CACHE_SIZE = 256
+
+
+def load_backend(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> GrammarBackend:
+    """The grammar engine for this tokenizer and the model's vocabulary size."""
+    from model_server.structured_output.xgrammar_backend import XGrammarBackend
+
+    return XGrammarBackend(tokenizer, vocab_size, eos_token_id)
 
 
 @dataclass(slots=True)

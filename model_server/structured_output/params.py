@@ -57,11 +57,12 @@ class StructuredOutputsParams:
             self.json = _check_schema(self.json, self.param)
         if self.regex is not None and not self.regex:
             raise StructuredOutputError("the regex must not be empty", self.param)
-        if self.choice is not None:
-            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
-                raise StructuredOutputError(
-                    "choice must be a non-empty list of non-empty strings", self.param
-                )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise StructuredOutputError(
+                "choice must be a non-empty list of non-empty strings", self.param
+            )
         if self.grammar is not None and not self.grammar.strip():
             raise StructuredOutputError("the grammar must not be empty", self.param)
 
@@ -86,7 +87,9 @@ def _check_schema(schema: str | dict[str, Any], param: str | None) -> dict[str, 
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise StructuredOutputError(f"the JSON schema is not valid JSON: {exc}", param) from None
+            raise StructuredOutputError(
+                f"the JSON schema is not valid JSON: {exc}", param
+            ) from None
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):

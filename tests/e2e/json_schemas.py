@@ -104,7 +104,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "union_value": {
         "type": "object",
-        "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 12}]}},
+        "properties": {
+            "value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 12}]}
+        },
         "required": ["value"],
     },
     "nullable_field": {

@@ -85,9 +85,13 @@ def test_tools_pass_through_the_microservice(openai_services: list[Microservice]
     for service in openai_services:
         client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0)
         kwargs = dict(
-            model="", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+            model="",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=120,
             temperature=0,
-        )  # fmt: skip
+        )
         whole = client.chat.completions.create(**kwargs).choices[0]
         calls = whole.message.tool_calls
         assert calls, service.connector

@@ -182,8 +182,14 @@ def test_tool_results_go_back_in_the_conversation(client: openai.OpenAI) -> None
         ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f",
-              "parameters": {"type": "objekt"}}}]},  # fmt: skip
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "objekt"}},
+                    }
+                ]
+            },
             "tools[0].function.parameters",
             "invalid JSON schema",
         ),

@@ -6,7 +6,11 @@ from __future__ import annotations
 import torch
 
 from model_server.layers.sampler import Sampler
-from model_server.layers.sampling.grammar_mask import apply_grammar_bitmask, unpack_bitmask
+from model_server.layers.sampling.grammar_mask import (
+    apply_grammar_bitmask,
+    mask_rows_inplace,
+    unpack_bitmask,
+)
 from model_server.sampling_params import SamplingParams
 
 V = 100
@@ -73,3 +77,17 @@ def test_sampler_respects_masks_and_leaves_free_rows_alone() -> None:
         assert out[0] == int(free[0])
         assert out[1] == max(allowed[0], key=lambda t: float(logits[1, t]))
         assert out[2] in allowed[1]
+
+
+def test_the_cpu_kernel_and_the_portable_ops_agree() -> None:
+    torch.manual_seed(1)
+    allowed = [[0, 5, 31, 32, 77, 99], list(range(0, V, 3))]
+    bitmask = bitmask_allowing(allowed)
+    logits = torch.randn(2, V)
+    fast = logits.clone()
+    mask_rows_inplace(fast, bitmask)  # float32 on CPU: xgrammar's kernel
+    portable = logits.double()
+    mask_rows_inplace(portable, bitmask)  # float64: the PyTorch ops
+    assert torch.equal(fast.isfinite(), portable.isfinite())
+    for row, tokens in enumerate(allowed):
+        assert torch.isfinite(fast[row]).nonzero().flatten().tolist() == tokens

@@ -38,12 +38,14 @@ def _tool_answer(request: httpx.Request, payload: dict[str, Any]) -> httpx.Respo
             {"tool_calls": [{"index": 0, **CALL}]},
         ]
         body = ""
-        for i, delta in enumerate(chunks + [{}]):
+        for i, delta in enumerate([*chunks, {}]):
             reason = "tool_calls" if i == len(chunks) else None
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
             body += f"data: {json.dumps({'id': 'x', 'choices': [choice]})}\n\n"
         body += "data: [DONE]\n\n"
-        return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+        return httpx.Response(
+            200, content=body.encode(), headers={"content-type": "text/event-stream"}
+        )
     body = completion_body("", "tool_calls")
     body["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": [CALL]}
     return httpx.Response(200, json=body)

@@ -62,7 +62,7 @@ def test_one_compile_per_constraint_even_concurrently(manager: StructuredOutputM
 def test_failures_name_the_field_and_are_not_cached(manager: StructuredOutputManager) -> None:
     bad = StructuredOutputsParams(grammar="root ::= (", param="guided_grammar")
     for _ in range(2):
-        with pytest.raises(StructuredOutputError, match="^guided_grammar: the grammar cannot"):
+        with pytest.raises(StructuredOutputError, match=r"^guided_grammar: the grammar cannot"):
             manager.compile(bad)
     assert bad.key not in manager._cache
 

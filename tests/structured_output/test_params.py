@@ -9,7 +9,7 @@ from model_server.structured_output.params import StructuredOutputError, Structu
 
 
 def test_exactly_one_constraint() -> None:
-    with pytest.raises(StructuredOutputError, match="exactly one.*got none"):
+    with pytest.raises(StructuredOutputError, match=r"exactly one.*got none"):
         StructuredOutputsParams(param="structured_outputs")
     with pytest.raises(StructuredOutputError, match="got regex, choice") as info:
         StructuredOutputsParams(regex="a", choice=["a"], param="structured_outputs")
@@ -40,6 +40,7 @@ def test_key_is_canonical() -> None:
     assert a.key == b.key and a.key[0] == "json"
     assert isinstance(b.json, dict)
     assert StructuredOutputsParams(json_object=True).key == ("json_object", "")
-    assert StructuredOutputsParams(choice=["a", "b"]).key != StructuredOutputsParams(
-        choice=["b", "a"]
-    ).key
+    assert (
+        StructuredOutputsParams(choice=["a", "b"]).key
+        != StructuredOutputsParams(choice=["b", "a"]).key
+    )
