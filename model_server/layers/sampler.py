@@ -105,7 +105,9 @@ class Sampler:
         return generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, V] (float32; other dtypes are upcast). The input is never modified."""
+        """logits: [B, V] (float32; other dtypes are upcast). The input is modified in one way
+        only: on rows with a grammar, the tokens it forbids become -inf (in place, see
+        sampling/grammar_mask.py); the raw logprobs are taken before."""
         if logits.shape != (metadata.num_reqs, metadata.vocab_size):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match the metadata "

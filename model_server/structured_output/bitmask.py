@@ -24,16 +24,17 @@ def bitmask_words(vocab_size: int) -> int:
 def fill_grammar_bitmask(
     requests: Sequence[ConstrainedRequest], vocab_size: int
 ) -> tuple[list[int], torch.Tensor] | None:
-    """(rows, [len(rows), ceil(V / 32)] int32 bitmask on the host) for the rows of `requests`
-    (the sampler's rows, in order) that have a grammar; None when none has, so a free batch pays
-    one pass over the list and nothing else."""
+    """(rows, [len(requests), ceil(V / 32)] int32 bitmask on the host) for the rows of
+    `requests` (the sampler's rows, in order) that have a grammar; only those rows of the bitmask
+    are filled (the others are never read). None when no row has a grammar, so a free batch
+    pays one pass over the list and nothing else."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return None
-    bitmask = torch.empty((len(rows), bitmask_words(vocab_size)), dtype=torch.int32)
-    for j, i in enumerate(rows):
+    bitmask = torch.empty((len(requests), bitmask_words(vocab_size)), dtype=torch.int32)
+    for i in rows:
         grammar = requests[i].grammar
         assert grammar is not None
         grammar.sync(requests[i].output_token_ids)
-        grammar.fill_bitmask(bitmask, j)
+        grammar.fill_bitmask(bitmask, i)
     return rows, bitmask

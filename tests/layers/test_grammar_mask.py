@@ -1,16 +1,13 @@
 """Grammar bitmasks in the sampler: forbidden tokens never sampled on the constrained rows, the
-other rows' logits and tokens untouched bit for bit, the input logits never modified."""
+other rows' logits and tokens untouched bit for bit; the CPU kernel and the portable ops agree."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model_server.layers.sampler import Sampler
-from model_server.layers.sampling.grammar_mask import (
-    apply_grammar_bitmask,
-    mask_rows_inplace,
-    unpack_bitmask,
-)
+from model_server.layers.sampling.grammar_mask import apply_grammar_bitmask, unpack_bitmask
 from model_server.sampling_params import SamplingParams
 
 V = 100
@@ -34,15 +31,24 @@ def test_unpack_reads_every_bit_including_the_sign_bit() -> None:
     assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 31, 63, 64, 99]
 
 
-def test_only_constrained_rows_change() -> None:
-    logits = torch.randn(4, V)
+def _full(rows: list[int], allowed: list[list[int]], batch: int) -> torch.Tensor:
+    """A [batch, W] bitmask with `rows` allowing `allowed` (other rows left all-forbidding: the
+    mask must never read them)."""
+    full = torch.zeros((batch, -(-V // 32)), dtype=torch.int32)
+    full[rows] = bitmask_allowing(allowed)
+    return full
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # CPU kernel, portable ops
+def test_only_constrained_rows_change(dtype: torch.dtype) -> None:
+    logits = torch.randn(4, V, dtype=dtype)
     before = logits.clone()
-    rows = torch.tensor([1, 3])
-    out = apply_grammar_bitmask(logits, rows, bitmask_allowing([[5, 7], [42]]))
-    assert torch.equal(logits, before)  # not in place
+    out = apply_grammar_bitmask(logits, torch.tensor([1, 3]), _full([1, 3], [[5, 7], [42]], 4))
+    assert out is logits  # in place
     assert torch.equal(out[0], before[0]) and torch.equal(out[2], before[2])
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 7]
     assert torch.isfinite(out[3]).nonzero().flatten().tolist() == [42]
+    assert torch.equal(out[1, [5, 7]], before[1, [5, 7]])
 
 
 class _Req:
@@ -71,23 +77,9 @@ def test_sampler_respects_masks_and_leaves_free_rows_alone() -> None:
     free = sampler(logits, sampler.build_metadata(reqs, V)).sampled_token_ids
     allowed = [[3, 9], [11, 12, 13]]
     masked_sampler = Sampler("cpu")
-    md = masked_sampler.build_metadata(reqs, V, ([1, 2], bitmask_allowing(allowed)))
+    md = masked_sampler.build_metadata(reqs, V, ([1, 2], _full([1, 2], allowed, 3)))
     for _ in range(20):
-        out = masked_sampler(logits, md).sampled_token_ids.tolist()
+        out = masked_sampler(logits.clone(), md).sampled_token_ids.tolist()
         assert out[0] == int(free[0])
         assert out[1] == max(allowed[0], key=lambda t: float(logits[1, t]))
         assert out[2] in allowed[1]
-
-
-def test_the_cpu_kernel_and_the_portable_ops_agree() -> None:
-    torch.manual_seed(1)
-    allowed = [[0, 5, 31, 32, 77, 99], list(range(0, V, 3))]
-    bitmask = bitmask_allowing(allowed)
-    logits = torch.randn(2, V)
-    fast = logits.clone()
-    mask_rows_inplace(fast, bitmask)  # float32 on CPU: xgrammar's kernel
-    portable = logits.double()
-    mask_rows_inplace(portable, bitmask)  # float64: the PyTorch ops
-    assert torch.equal(fast.isfinite(), portable.isfinite())
-    for row, tokens in enumerate(allowed):
-        assert torch.isfinite(fast[row]).nonzero().flatten().tolist() == tokens

@@ -110,7 +110,7 @@ def test_bitmask_rows_only_for_constrained_requests_and_rebuilt_state(
     # state were lost): the fill replays the tokens first.
     reqs = [_Req(None), _Req(fresh, list(prefix)), _Req(None)]
     rows, bitmask = fill_grammar_bitmask(reqs, 49152)
-    assert rows == [1] and bitmask.shape == (1, 49152 // 32)
+    assert rows == [1] and bitmask.shape == (3, 49152 // 32)
     assert fresh.num_accepted == len(prefix)
-    allowed = unpack_bitmask(bitmask, 49152)[0]
+    allowed = unpack_bitmask(bitmask, 49152)[1]
     assert allowed[tokens(tokenizer, " true")[0]] and not allowed[tokens(tokenizer, '"')[0]]

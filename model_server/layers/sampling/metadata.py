@@ -86,8 +86,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Largest `logprobs` asked by any row; None when no row asked for logprobs.
     max_num_logprobs: int | None = None
-    # [R] int64 rows with a grammar and their [R, ceil(V / 32)] int32 token bitmasks
-    # (grammar_mask.py); None when no row is constrained, so free batches pay nothing.
+    # [R] int64 rows with a grammar, and the [B, ceil(V / 32)] int32 token bitmask whose rows
+    # `grammar_rows` are filled (grammar_mask.py); None when no row is constrained, so free
+    # batches pay nothing.
     grammar_rows: torch.Tensor | None = None
     grammar_bitmask: torch.Tensor | None = None
 
@@ -102,8 +103,8 @@ def build_sampling_metadata(
     """Turns the step's requests (one row each, in order) into a SamplingMetadata on `device`.
 
     `get_generator(request)` is called only for seeded random rows and must return that
-    request's persistent generator. `grammar_bitmask` is (rows, [len(rows), W] int32 bitmask)
-    for the rows with a grammar (structured_output/bitmask.py), or None.
+    request's persistent generator. `grammar_bitmask` is (rows with a grammar, [B, W] int32
+    bitmask with those rows filled) (structured_output/bitmask.py), or None.
     """
     num_reqs = len(requests)
     greedy = [r.sampling_params.greedy for r in requests]
