@@ -31,7 +31,9 @@ def choose(settings: MicroserviceSettings, chat: ChatRequest, stream: bool) -> F
         return "openai"
     if settings.response_format != "auto":
         return settings.response_format
-    return "openai" if chat.dialect == "genaicomps" else "enterprise_rag"
+    if chat.dialect == "genaicomps" or (chat.uses_tools and not chat.is_opea):
+        return "openai"
+    return "enterprise_rag"
 
 
 def stream_format(fmt: Format, request_id: str, model: str) -> StreamFormat:
@@ -52,7 +54,7 @@ def chat_completion(request_id: str, model: str, completion: Completion) -> dict
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": completion.text},
+                "message": _message(completion),
                 "logprobs": None,
                 "finish_reason": completion.finish_reason or "stop",
             }
@@ -61,3 +63,13 @@ def chat_completion(request_id: str, model: str, completion: Completion) -> dict
     if completion.usage is not None:
         body["usage"] = completion.usage
     return body
+
+
+def _message(completion: Completion) -> dict[str, Any]:
+    if not completion.tool_calls:
+        return {"role": "assistant", "content": completion.text}
+    return {
+        "role": "assistant",
+        "content": completion.text or None,
+        "tool_calls": completion.tool_calls,
+    }

@@ -67,7 +67,20 @@ FORWARDED = (
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    # Structured outputs and function calling (the model server checks them).
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
+# Fields that make a request an OpenAI client's whose answer carries `tool_calls` or JSON: under
+# LLM_RESPONSE_FORMAT=auto it gets OpenAI's format (formats.py).
+TOOL_FIELDS = ("tools", "response_format")
 # Seeds the model server takes (as vLLM does): 64-bit signed integers.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**63 - 1
@@ -110,8 +123,11 @@ class Document(_Body):
 
 class ChatMessage(_Body):
     # "developer" is OpenAI's newer name for the system role.
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    # An assistant turn that called tools, and a tool's answer (passed through as they are).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -175,6 +191,15 @@ class ChatRequest(BaseModel):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     data: dict[str, Any] | None = None
     output_guardrail_params: dict[str, Any] | None = None
     # GenAIComps' RAG inputs (rag.py): reranked documents, a {context}/{question} template.
@@ -259,17 +284,30 @@ class ChatRequest(BaseModel):
             return OpeaMessages(user=self.query or "")
         return None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """OpenAI chat messages with text content."""
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """OpenAI chat messages with text content (and tool calls / tool call ids)."""
         opea = self.opea_messages
         if opea is not None:
             system = [{"role": "system", "content": opea.system}] if opea.system else []
             return [*system, {"role": "user", "content": opea.user}]
         assert isinstance(self.messages, list)
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        messages: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(),
+            }
+            if m.tool_calls is not None:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        return messages
+
+    @property
+    def uses_tools(self) -> bool:
+        """Asks for tool calls or JSON: only OpenAI's answer format can carry those."""
+        return any(getattr(self, name) is not None for name in TOOL_FIELDS)
 
     def document_texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents or ()]
@@ -357,7 +395,7 @@ class GenerationRequest:
     `messages` or `stream`. `opea` is kept for connectors that template OPEA's two parts."""
 
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     params: dict[str, Any] = field(default_factory=dict)
     opea: OpeaMessages | None = None
 

@@ -71,7 +71,9 @@ class OpenAIFormat:
         return [self._chunk({"role": "assistant", "content": ""})]
 
     def piece(self, piece: Piece) -> list[str]:
-        delta = {"content": piece.text} if piece.text else {}
+        delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
+        if piece.tool_calls:
+            delta["tool_calls"] = piece.tool_calls
         if not delta and piece.finish_reason is None:
             return []
         return [self._chunk(delta, piece.finish_reason)]

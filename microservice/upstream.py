@@ -44,15 +44,19 @@ class Piece:
 
     text: str
     finish_reason: str | None = None
+    # OpenAI's `delta.tool_calls` entries of this piece, as the model server sent them.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
 class Completion:
-    """A whole answer: its text, why it ended, and the model server's token counts."""
+    """A whole answer: its text, why it ended, the model server's token counts and the tool
+    calls of `message.tool_calls` (OpenAI's objects)."""
 
     text: str
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def timeouts(connect: float, read: float) -> httpx.Timeout:
@@ -156,9 +160,11 @@ def chunk_piece(chunk: dict[str, Any]) -> Piece | None:
     if not choices:
         return None
     choice = choices[0]
-    text = (choice.get("delta") or {}).get("content") or ""
+    delta = choice.get("delta") or {}
+    text = delta.get("content") or ""
+    tool_calls = delta.get("tool_calls") or None
     reason = choice.get("finish_reason")
-    return Piece(text, reason) if text or reason else None
+    return Piece(text, reason, tool_calls) if text or reason or tool_calls else None
 
 
 def parse_completion(body: bytes) -> Completion:
@@ -167,12 +173,18 @@ def parse_completion(body: bytes) -> Completion:
         data = json.loads(body)
         choice = data["choices"][0]
         text = choice["message"]["content"] or ""
-    except (ValueError, KeyError, IndexError, TypeError):
+        tool_calls = choice["message"].get("tool_calls") or None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise UpstreamBroken(
             f"the model server sent an unexpected answer: {body[:200]!r}"
         ) from None
     usage = data.get("usage")
-    return Completion(text, choice.get("finish_reason"), usage if isinstance(usage, dict) else None)
+    return Completion(
+        text,
+        choice.get("finish_reason"),
+        usage if isinstance(usage, dict) else None,
+        tool_calls if isinstance(tool_calls, list) else None,
+    )
 
 
 def is_model_not_found(exc: UpstreamError) -> bool:

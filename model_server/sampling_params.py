@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from model_server.structured_output.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (argmax); dividing by them would overflow.
 _GREEDY_EPS = 1e-5
 # Hard ceiling on top logprobs per token, like vLLM's default max_logprobs.
@@ -57,6 +59,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -24,7 +24,14 @@ Group = Literal["engine", "server"]
 # Engine settings are flags of every command that runs an engine; only `serve` has the server
 # settings and reads the environment (LLM_* and OPEA names) under its flags.
 GROUP_COMMANDS: dict[Group, tuple[str, ...]] = {
-    "engine": ("serve", "generate", "worker", "bench throughput", "bench latency"),
+    "engine": (
+        "serve",
+        "generate",
+        "worker",
+        "bench throughput",
+        "bench latency",
+        "bench structured",
+    ),
     "server": ("serve",),
 }
 
@@ -149,6 +156,15 @@ def _check_port(value: int) -> None:
 def _check_drain_timeout(value: float) -> None:
     if value < 0:
         raise ValueError(f"drain_timeout must be non-negative, got {value}")
+
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+
+
+def _check_tool_call_parser(value: str) -> None:
+    if value not in TOOL_CALL_PARSERS:
+        known = ", ".join(TOOL_CALL_PARSERS)
+        raise ValueError(f"tool_call_parser {value!r} is not known; choose one of: {known}")
 
 
 # -------------------------------------------------------------------------------- declarations
@@ -418,6 +434,17 @@ SETTINGS: tuple[Setting, ...] = (
         "server",
         check=_check_kv_cache_dtype,
     ),
+    Setting(
+        "tool_call_parser",
+        str,
+        "auto",
+        "How tool calls are read from the model's output on chat completions with `tools`: "
+        "hermes (<tool_call> JSON: Qwen2.5/Qwen3, SmolLM2), llama3_json (Llama 3.1/3.2 JSON), "
+        "mistral ([TOOL_CALLS]), or auto (from the chat template; hermes when it says nothing).",
+        "server",
+        choices=TOOL_CALL_PARSERS,
+        check=_check_tool_call_parser,
+    ),
     Setting("access_log", bool, True, "Log one line per HTTP request.", "server"),
     Setting(
         "log_level",
@@ -496,7 +523,8 @@ def configuration_markdown() -> str:
         "OPEA's name for it (" + ", ".join(f"`{n}`" for n in opea) + "); otherwise the default. "
         "Empty variables count as unset.",
         "",
-        "`generate`, `worker`, `bench throughput` and `bench latency` take the engine flags "
+        "`generate`, `worker`, `bench throughput`, `bench latency` and `bench structured` take "
+        "the engine flags "
         "with the same defaults; they do not read the environment.",
     ]
     for group in GROUP_COMMANDS:

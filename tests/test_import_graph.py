@@ -14,10 +14,10 @@ from tests.import_graph import cycles, import_graph, longest_chain, module_files
 
 LAYERS: list[tuple[str, ...]] = [
     # Plain values every layer shares; the settings' declarations (config's defaults).
-    ("sampling_params", "config", "settings_spec", "engine.outputs"),
+    ("sampling_params", "config", "settings_spec", "engine.outputs", "structured_output.params"),
     ("distributed", "kernels"),
     ("platforms",),  # devices, and the kernel table each hands the model builder
-    ("layers",),
+    ("layers", "structured_output"),  # grammar engine: compiles, matchers, bitmasks
     ("models",),
     ("loader",),
     ("engine.core",),  # pure bookkeeping: requests, scheduler, KV blocks

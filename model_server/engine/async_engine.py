@@ -337,6 +337,15 @@ class AsyncLLM(EngineClient):
         self._check_accepting()
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None:
+            # Compiled (and cached) on a worker thread, never in an engine step; an
+            # uncompilable grammar raises StructuredOutputError (a ValueError) here.
+            manager = getattr(self._engine, "structured_output", None)
+            if manager is not None:
+                await asyncio.to_thread(manager.compile, params.structured_outputs)
+            self._check_accepting()  # the engine may have failed or begun draining meanwhile
+            if request_id in self._collectors:
+                raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None
         collector = RequestOutputCollector(self._loop.create_future())
         self._collectors[request_id] = collector

@@ -11,6 +11,7 @@ from model_server.engine.engine_core import EngineCore
 from model_server.engine.output_processor import OutputProcessor
 from model_server.engine.outputs import RequestOutput
 from model_server.sampling_params import SamplingParams
+from model_server.structured_output.manager import StructuredOutputManager
 
 
 class LLMEngine:
@@ -21,6 +22,11 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.tokenizer = self.core.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Grammar compiles for structured outputs; `compile` is safe from any thread (the
+        # server compiles off this thread before adding a request: async_engine.py).
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.core.eos_token_id
+        )
 
     @property
     def config(self) -> EngineConfig:
@@ -51,6 +57,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         """Queue a request (all `params.n` samples); raises ValueError if it can never run."""
         prompt_token_ids = self.tokenize(prompt)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            self.structured_output.compile(constraint)  # raises before anything is queued
         text = prompt if isinstance(prompt, str) else None
         child_ids = self.output_processor.add_request(request_id, text, prompt_token_ids, params)
         added: list[str] = []
@@ -64,6 +73,11 @@ class LLMEngine:
                     eos_token_id=self.core.eos_token_id,
                     parent=first,
                     sample_index=index,
+                    grammar=(
+                        self.structured_output.new_grammar(constraint)
+                        if constraint is not None
+                        else None
+                    ),
                 )
                 self.core.add_request(request)
                 added.append(child_id)

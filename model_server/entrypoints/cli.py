@@ -1,5 +1,5 @@
-"""Command line: `generate`, `serve`, `bench throughput`, `bench latency`, `bench serve`. Logs go
-to stderr."""
+"""Command line: `generate`, `serve`, `bench throughput`, `bench latency`, `bench structured`,
+`bench serve`. Logs go to stderr."""
 
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ def _bench_latency(args: argparse.Namespace) -> int:
     from model_server.benchmarks.latency import run_latency_benchmark
 
     return run_latency_benchmark(args, EngineConfig.from_attrs(args))
+
+
+def _bench_structured(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.structured import run_structured_benchmark
+
+    return run_structured_benchmark(args, EngineConfig.from_attrs(args))
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -179,6 +185,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_latency_args(lat)
     add_engine_args(lat)
     lat.set_defaults(func=_bench_latency)
+
+    from model_server.benchmarks.structured import add_structured_args
+
+    st = bench_sub.add_parser(
+        "structured",
+        help="Per-step cost of grammar-constrained decoding (bitmask fill and apply) at each "
+        "batch size, with and without constrained requests.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_structured_args(st)
+    add_engine_args(st)
+    st.set_defaults(func=_bench_structured)
 
     from model_server.benchmarks.serve import add_bench_serve_args
 

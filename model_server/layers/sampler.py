@@ -4,8 +4,9 @@ Order of operations (as in vLLM v1):
   1. raw logprobs = log_softmax(logits), only when some row asked for logprobs
   2. min_tokens: stop tokens -> -inf for rows below their min_tokens
   3. penalties: repetition (prompt + output), frequency and presence (output)
-  4. greedy rows: argmax (ties -> lowest id)
-  5. random rows: temperature -> min_p -> top_k -> top_p -> exponential race (see
+  4. grammar bitmask: tokens a row's grammar forbids -> -inf, on the constrained rows only
+  5. greedy rows: argmax (ties -> lowest id)
+  6. random rows: temperature -> min_p -> top_k -> top_p -> exponential race (see
      sampling/ops.py for how top-k/top-p avoid sorting the vocabulary)
 Every step is a batched tensor op: no per-request loop except one noise draw per seeded row
 (from its own generator), and no device->host read except one per batch when top-p is used
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model_server.layers.sampling.grammar_mask import apply_grammar_bitmask
 from model_server.layers.sampling.metadata import (
     SamplingMetadata,
     SamplingRequest,
@@ -80,10 +82,16 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def build_metadata(
-        self, requests: Sequence[SamplingRequest], vocab_size: int
+        self,
+        requests: Sequence[SamplingRequest],
+        vocab_size: int,
+        grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Metadata for sampling one token for each of `requests` (row i = requests[i])."""
-        return build_sampling_metadata(requests, vocab_size, self.device, self._generator_for)
+        """Metadata for sampling one token for each of `requests` (row i = requests[i]);
+        `grammar_bitmask`: (rows, bitmask) of the constrained rows, if any."""
+        return build_sampling_metadata(
+            requests, vocab_size, self.device, self._generator_for, grammar_bitmask
+        )
 
     def _generator_for(self, request: SamplingRequest) -> torch.Generator:
         generator = self._generators.get(request.request_id)
@@ -97,7 +105,9 @@ class Sampler:
         return generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, V] (float32; other dtypes are upcast). The input is never modified."""
+        """logits: [B, V] (float32; other dtypes are upcast). The input is modified in one way
+        only: on rows with a grammar, the tokens it forbids become -inf (in place, see
+        sampling/grammar_mask.py); the raw logprobs are taken before."""
         if logits.shape != (metadata.num_reqs, metadata.vocab_size):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match the metadata "
@@ -120,6 +130,10 @@ class Sampler:
                 metadata.presence_penalty,
                 metadata.frequency_penalty,
             )
+
+        if metadata.grammar_rows is not None:
+            assert metadata.grammar_bitmask is not None
+            logits = apply_grammar_bitmask(logits, metadata.grammar_rows, metadata.grammar_bitmask)
 
         sampled = self._sample(logits, metadata)
 

@@ -172,7 +172,7 @@ def test_developer_role_is_the_system_role_for_templates() -> None:
 def test_unknown_role_message_names_the_roles() -> None:
     message = message_for(ChatCompletionRequest, {"messages": [{"role": "wizard", "content": "x"}]})
     assert message.startswith("messages.0.role:")
-    assert "'system', 'developer', 'user' or 'assistant'" in message
+    assert "'system', 'developer', 'user', 'assistant' or 'tool'" in message
     assert "wizard" in message
 
 

@@ -127,6 +127,15 @@ SAMPLE_VALUES: dict[str, Any] = {
     "add_generation_prompt": True,
     "continue_final_message": False,
     "chat_template_kwargs": {"enable_thinking": False},
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "structured_outputs": {"regex": "a+"},
+    "guided_json": {"type": "object"},
+    "guided_regex": "b+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "x"',
 }
 
 

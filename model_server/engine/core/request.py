@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from model_server.sampling_params import SamplingParams
 
@@ -34,6 +35,19 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_REJECTED: "error",
 }
+
+
+class GrammarState(Protocol):
+    """A request's grammar matcher as the scheduler drives it (structured_output/manager.py).
+
+    It has consumed exactly the request's output tokens so far: the scheduler feeds it each
+    sampled token once, and preemption by recompute keeps the output tokens, so the state stays
+    valid; the runner rebuilds it if the counts ever differ."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -75,6 +89,8 @@ class Request:
     num_preemptions: int = 0
     # Time the first output token was produced (monotonic), for TTFT metrics.
     first_token_time: float | None = None
+    # Structured outputs: the grammar the sampler's bitmask comes from (None: unconstrained).
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -12,6 +12,7 @@ only moves in `update_from_output`).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -24,6 +25,8 @@ from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from model_server.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -327,7 +330,15 @@ class Scheduler:
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
-            status = self._check_stop(request, token_id)
+            status = None
+            if request.grammar is not None and not request.grammar.accept_token(token_id):
+                # The bitmask allowed only tokens the grammar accepts: a bug, not the input's
+                # fault. The matcher cannot go on, so neither can the request.
+                logger.error(
+                    "request %s: grammar rejected sampled token %d", request.request_id, token_id
+                )
+                status = RequestStatus.FINISHED_ABORTED
+            status = status or self._check_stop(request, token_id)
             if status is not None:
                 request.status = status
                 self._release(request)
@@ -359,6 +370,8 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
+        if request.grammar is not None and request.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete (ignore_eos too)
         max_tokens = request.max_tokens
         if max_tokens is not None and request.num_output_tokens >= max_tokens:
             return RequestStatus.FINISHED_LENGTH

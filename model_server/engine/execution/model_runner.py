@@ -41,6 +41,7 @@ from model_server.loader import ModelSource
 from model_server.models.quantization import quantize_model
 from model_server.models.registry import build_model, init_dummy_weights
 from model_server.platforms import Platform
+from model_server.structured_output.bitmask import fill_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +352,8 @@ class ModelRunner:
         if out.logits is None:
             return ModelRunnerOutput(sampled, logprobs)
         sample_reqs = [reqs[idx] for idx in out.sample_indices]
-        metadata = self.sampler.build_metadata(sample_reqs, self.vocab_size)
+        grammar_bitmask = fill_grammar_bitmask(sample_reqs, self.vocab_size)
+        metadata = self.sampler.build_metadata(sample_reqs, self.vocab_size, grammar_bitmask)
         result = self.sampler(out.logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         want_logprobs = result.logprobs is not None

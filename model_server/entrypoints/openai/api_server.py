@@ -95,7 +95,7 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
     name = settings.model_name
     root = model_root(settings)
     completion = OpenAIServingCompletion(engine_client, name)
-    chat = OpenAIServingChat(engine_client, name)
+    chat = OpenAIServingChat(engine_client, name, settings.tool_call_parser)
     tokenization = OpenAIServingTokenization(engine_client, name)
 
     @app.get("/health", response_model=None)

@@ -100,6 +100,19 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` request field: one of its constraints."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    # `json` would shadow pydantic's BaseModel.json: the field is `json_`, `json` on the wire.
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -127,6 +140,15 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     # vLLM: lets the caller pick the request id (also read from the X-Request-Id header).
     request_id: str | None = None
+    # Structured outputs (vLLM): the current form, and the older guided_* fields.
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # Accepted for vLLM clients and ignored: there is one grammar engine (docs).
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> _SamplingRequest:
@@ -227,11 +249,26 @@ class ChatOtherPart(OpenAIBaseModel):
 ChatContentPart = Annotated[ChatTextPart | ChatOtherPart, Field(union_mode="left_to_right")]
 
 
+class ToolCallFunction(OpenAIBaseModel):
+    name: str
+    # A JSON text, as OpenAI sends it back (a dict is accepted too).
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIBaseModel):
     # "developer" is OpenAI's newer name for the system role; templates know only "system".
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's answer to one of those calls.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @property
     def template_role(self) -> str:
@@ -254,6 +291,51 @@ class ChatMessage(OpenAIBaseModel):
         return "\n".join(texts)
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    # A JSON schema of the arguments; none means "no arguments".
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic reserves the name, hence the alias.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError(
+                "response_format of type json_schema needs json_schema.schema (the JSON schema)"
+            )
+        return self
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -263,22 +345,16 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Not supported, but parsed so that a request using them gets a clear 400.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    # Function calling (entrypoints/openai/tool_calls.py) and structured outputs.
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
-        fmt = (self.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise ValueError(f"response_format {fmt!r} is not supported (only 'text')")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":

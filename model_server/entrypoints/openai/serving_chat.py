@@ -9,6 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from model_server.engine.async_engine import EngineClient
 from model_server.engine.outputs import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, ChatCompletionRequest
 from model_server.entrypoints.openai.serving_engine import (
@@ -19,9 +20,35 @@ from model_server.entrypoints.openai.serving_engine import (
     sse_error,
     usage,
 )
+from model_server.entrypoints.openai.structured_outputs import (
+    build_structured_outputs,
+    request_constraints,
+)
+from model_server.entrypoints.openai.tool_calls import (
+    ToolDeltas,
+    ToolPlan,
+    conversation,
+    plan_tools,
+    tool_call_objects,
+)
+from model_server.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(
+        self, engine_client: EngineClient, model_name: str, tool_call_parser: str | None = None
+    ) -> None:
+        super().__init__(engine_client, model_name)
+        self._tool_call_parser_name = tool_call_parser
+        self._tool_parser: ToolParser | None = None
+
+    def tool_parser(self) -> ToolParser:
+        """`--tool-call-parser`, or the format the model's chat template writes (once loaded)."""
+        if self._tool_parser is None:
+            template = getattr(self.tokenizer(), "chat_template", None)
+            self._tool_parser = get_tool_parser(self._tool_call_parser_name, template)
+        return self._tool_parser
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Any:
@@ -30,37 +57,62 @@ class OpenAIServingChat(OpenAIServing):
             params = request.to_sampling_params()
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
+        plan = plan_tools(request)
+        forced = plan.constraint()
+        constraints = request_constraints(request) + ([forced] if forced else [])
+        params.structured_outputs = build_structured_outputs(constraints)
+        parser = self.tool_parser()
+        try:
+            messages, tool_kwargs = conversation(
+                request.messages, plan, parser, getattr(self.tokenizer(), "chat_template", None)
+            )
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="messages") from None
         prompt_token_ids = self.chat_prompt(
-            request.messages,
+            messages,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            template_kwargs=request.chat_template_kwargs,
+            template_kwargs={**(request.chat_template_kwargs or {}), **tool_kwargs},
         )
         request_id = self.request_id(raw_request, "chatcmpl", request.request_id)
         created = int(time.time())
         if request.stream:
             (stream,) = await self.start_generation([prompt_token_ids], params, request_id)
             return StreamingResponse(
-                self._stream(request, stream, request_id, created),
+                self._stream(request, stream, request_id, created, plan, parser),
                 media_type="text/event-stream",
             )
         (out,) = await self.run_to_completion([prompt_token_ids], params, request_id)
-        return self._response(request, out, request_id, created)
+        return self._response(request, out, request_id, created, plan, parser)
 
     def _response(
-        self, request: ChatCompletionRequest, out: RequestOutput, request_id: str, created: int
+        self,
+        request: ChatCompletionRequest,
+        out: RequestOutput,
+        request_id: str,
+        created: int,
+        plan: ToolPlan,
+        parser: ToolParser,
     ) -> Response:
         choices = []
         for sample in out.outputs:
             logprobs = None
             if request.logprobs and sample.logprobs is not None:
                 logprobs = self.chat_logprobs(sample.logprobs)
+            message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+            finish_reason = sample.finish_reason
+            if plan.parses_output:
+                extracted = plan.extract(parser, sample.text)
+                if extracted.calls:
+                    message["content"] = extracted.content
+                    message["tool_calls"] = tool_call_objects(extracted.calls)
+                finish_reason = plan.finish_reason(finish_reason, bool(extracted.calls))
             choices.append(
                 {
                     "index": sample.index,
-                    "message": {"role": "assistant", "content": sample.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": sample.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": sample.stop_reason,
                 }
             )
@@ -81,9 +133,12 @@ class OpenAIServingChat(OpenAIServing):
         stream: AsyncIterator[RequestOutput],
         request_id: str,
         created: int,
+        plan: ToolPlan,
+        parser: ToolParser,
     ) -> AsyncGenerator[str, None]:
         n = request.n
         finished = [False] * n
+        tools = [plan.stream(parser) for _ in range(n)] if plan.parses_output else None
         num_tokens = [0] * n
         prompt_tokens = 0
 
@@ -114,7 +169,8 @@ class OpenAIServingChat(OpenAIServing):
                     if finished[sample.index]:
                         continue
                     num_tokens[sample.index] = sample.num_token_ids
-                    choice = self._stream_choice(request, sample)
+                    deltas = tools[sample.index] if tools is not None else None
+                    choice = self._stream_choice(request, sample, deltas, plan)
                     if choice is not None:
                         choices.append(choice)
                         finished[sample.index] = sample.finished
@@ -128,18 +184,34 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     def _stream_choice(
-        self, request: ChatCompletionRequest, sample: CompletionOutput
+        self,
+        request: ChatCompletionRequest,
+        sample: CompletionOutput,
+        tools: ToolDeltas | None,
+        plan: ToolPlan,
     ) -> dict[str, Any] | None:
         logprobs = None
         if request.logprobs and sample.logprobs_delta:
             logprobs = self.chat_logprobs(sample.logprobs_delta)
-        if not sample.text_delta and logprobs is None and not sample.finished:
+        content = sample.text_delta
+        tool_calls: list[dict[str, Any]] = []
+        finish_reason = sample.finish_reason
+        if tools is not None:
+            content, tool_calls = tools.feed(sample.text_delta)
+            if sample.finished:
+                rest, more = tools.finish()
+                content += rest
+                tool_calls += more
+                finish_reason = plan.finish_reason(finish_reason, tools.num_calls > 0)
+        if not content and not tool_calls and logprobs is None and not sample.finished:
             return None
-        delta = {"content": sample.text_delta} if sample.text_delta else {}
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         return {
             "index": sample.index,
             "delta": delta,
             "logprobs": logprobs,
-            "finish_reason": sample.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": sample.stop_reason,
         }

@@ -23,6 +23,10 @@ from model_server.entrypoints.openai.serving_engine import (
     sse_error,
     usage,
 )
+from model_server.entrypoints.openai.structured_outputs import (
+    build_structured_outputs,
+    request_constraints,
+)
 from model_server.entrypoints.utils import merge_async_iterators
 
 
@@ -33,6 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = request.to_sampling_params()
         except ValueError as exc:
             raise APIError(str(exc), 400) from None
+        params.structured_outputs = build_structured_outputs(request_constraints(request))
         if request.echo and request.logprobs is not None:
             raise APIError("echo with logprobs is not supported (no prompt logprobs)", 400)
         prompts = request.prompts()

@@ -26,6 +26,7 @@ from model_server.engine.outputs import RequestOutput, TokenLogprobs
 from model_server.entrypoints.openai.protocol import APIError, ChatMessage
 from model_server.entrypoints.utils import prepend
 from model_server.sampling_params import RequestOutputKind, SamplingParams
+from model_server.structured_output.params import StructuredOutputError
 
 # JSON has no -inf: a token the model rules out gets this logprob instead (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -54,6 +55,8 @@ def to_api_error(exc: BaseException) -> APIError:
     """Map engine exceptions to HTTP errors; anything unexpected is re-raised by the caller."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, StructuredOutputError):
+        return APIError(str(exc), 400, param=exc.param)
     if isinstance(exc, ValueError):
         return APIError(str(exc), 400)
     if isinstance(exc, EngineNotReadyError | RequestAbortedError):
@@ -182,7 +185,7 @@ class OpenAIServing:
 
     def chat_prompt(
         self,
-        messages: Sequence[ChatMessage],
+        messages: Sequence[ChatMessage] | list[dict[str, Any]],
         *,
         add_generation_prompt: bool,
         continue_final_message: bool,
@@ -198,7 +201,10 @@ class OpenAIServing:
             )
         tokenizer = self.tokenizer()
         try:
-            conversation = [{"role": m.template_role, "content": m.text()} for m in messages]
+            conversation = [
+                m if isinstance(m, dict) else {"role": m.template_role, "content": m.text()}
+                for m in messages
+            ]
             return render_chat(
                 tokenizer,
                 conversation,

@@ -86,6 +86,11 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Largest `logprobs` asked by any row; None when no row asked for logprobs.
     max_num_logprobs: int | None = None
+    # [R] int64 rows with a grammar, and the [B, ceil(V / 32)] int32 token bitmask whose rows
+    # `grammar_rows` are filled (grammar_mask.py); None when no row is constrained, so free
+    # batches pay nothing.
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
 
 def build_sampling_metadata(
@@ -93,11 +98,13 @@ def build_sampling_metadata(
     vocab_size: int,
     device: torch.device,
     get_generator: Callable[[SamplingRequest], torch.Generator],
+    grammar_bitmask: tuple[list[int], torch.Tensor] | None = None,
 ) -> SamplingMetadata:
     """Turns the step's requests (one row each, in order) into a SamplingMetadata on `device`.
 
     `get_generator(request)` is called only for seeded random rows and must return that
-    request's persistent generator.
+    request's persistent generator. `grammar_bitmask` is (rows with a grammar, [B, W] int32
+    bitmask with those rows filled) (structured_output/bitmask.py), or None.
     """
     num_reqs = len(requests)
     greedy = [r.sampling_params.greedy for r in requests]
@@ -207,6 +214,16 @@ def build_sampling_metadata(
         ),
         generators=generators,
         max_num_logprobs=max(asked) if asked else None,
+        grammar_rows=(
+            torch.tensor(grammar_bitmask[0], dtype=torch.int64, device=device)
+            if grammar_bitmask is not None
+            else None
+        ),
+        grammar_bitmask=(
+            grammar_bitmask[1].to(device, non_blocking=True)
+            if grammar_bitmask is not None
+            else None
+        ),
     )
 
 

@@ -398,3 +398,43 @@ def test_config_from_engine_config() -> None:
     assert config.max_num_batched_tokens == 2048 and config.block_size == 8
     with pytest.raises(ValueError, match="block_size mismatch"):
         Scheduler(config, KVCacheManager(8, 16))
+
+
+class _CountingGrammar:
+    """A grammar of exactly `length` tokens, any token allowed: the scheduler's side of the
+    GrammarState contract (accept each sampled token once; stop once terminated)."""
+
+    def __init__(self, length: int, reject: int | None = None) -> None:
+        self.accepted: list[int] = []
+        self.length = length
+        self.reject = reject
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id == self.reject:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    @property
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+def test_a_terminated_grammar_stops_the_request_even_with_ignore_eos() -> None:
+    sched = make_scheduler()
+    req = make_request("g", 4, max_tokens=8, ignore_eos=True)
+    req.grammar = _CountingGrammar(3)
+    sched.add_request(req)
+    for _ in range(3):
+        step(sched, token=9)
+    assert req.grammar.accepted == [9, 9, 9]
+    assert req.status == RequestStatus.FINISHED_STOPPED and req.num_output_tokens == 3
+
+
+def test_a_rejected_token_aborts_the_request() -> None:
+    sched = make_scheduler()
+    req = make_request("g", 4, max_tokens=8)
+    req.grammar = _CountingGrammar(5, reject=7)
+    sched.add_request(req)
+    step(sched, token=7)
+    assert req.status == RequestStatus.FINISHED_ABORTED
