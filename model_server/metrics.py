@@ -117,6 +117,15 @@ class EngineMetrics:
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
 
+        # HTTP answers, by route: prometheus-fastapi-instrumentator's name (as vLLM's server
+        # exposes), with exact statuses so that 503s (backpressure, draining) stand out.
+        self.http_requests = Counter(
+            "http_requests",
+            "HTTP requests answered, by route, method and status.",
+            ["handler", "method", "status"],
+            registry=reg,
+        )
+
         # Token counters.
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -257,6 +266,9 @@ class EngineMetrics:
             self.request_n.observe(req.n)
             if req.max_tokens_param:
                 self.request_max_tokens.observe(req.max_tokens_param)
+
+    def count_http(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(handler, method, str(status)).inc()
 
     # -- exposition -------------------------------------------------------------------------
 

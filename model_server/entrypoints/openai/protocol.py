@@ -233,6 +233,13 @@ class ChatMessage(OpenAIBaseModel):
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        # OpenAI rejects these; only an assistant turn may come without content.
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise ValueError(f"a {self.role} message must have `content`")
+        return self
+
     @property
     def template_role(self) -> str:
         """The role as chat templates know it."""
