@@ -328,7 +328,7 @@ def test_bad_raw_requests_are_4xx_and_the_server_keeps_serving(
 def test_health_503_until_warm_then_sigterm_drains(tmp_path: Any) -> None:
     from tests.e2e.conftest import launch
 
-    srv = launch(tmp_path, "--drain-timeout", "60")
+    srv = launch(tmp_path, "--drain-timeout", "120")
     try:
         first = None
         deadline = time.monotonic() + 120
@@ -345,7 +345,7 @@ def test_health_503_until_warm_then_sigterm_drains(tmp_path: Any) -> None:
         first_chunk = threading.Event()
 
         def in_flight() -> None:
-            body = {"prompt": "Tell me about the sea.", "max_tokens": 200, "ignore_eos": True,
+            body = {"prompt": "Tell me about the sea.", "max_tokens": 150, "ignore_eos": True,
                     "temperature": 0, "stream": True}  # fmt: skip
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
                 text, finish = "", None
