@@ -113,6 +113,13 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        # As OpenAI (and the model server): only an assistant turn may come without content.
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise ValueError(f"a {self.role} message must have `content`")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""

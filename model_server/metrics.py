@@ -276,8 +276,19 @@ class EngineMetrics:
         """The registry as `(body, content_type)`, in the format the scraper's `Accept` header
         asks for (OpenMetrics or the Prometheus text format); text 0.0.4 when it asks nothing."""
         from prometheus_client.exposition import choose_encoder
+        from prometheus_client.openmetrics import exposition as openmetrics
 
         encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith("application/openmetrics-text"):
+            # prometheus-client's default OpenMetrics escaping ("underscores") turns the ':' of
+            # vLLM's names into '_' in the samples (not in HELP/TYPE), although ':' is valid in
+            # every Prometheus name: a real Prometheus (which asks for OpenMetrics) stored
+            # vllm_num_requests_running, and dashboards querying vllm:* found nothing. Our
+            # names are all classic Prometheus names, so they need no escaping.
+            content_type = content_type.split("; escaping=")[0]
+            return openmetrics.generate_latest(self.registry, escaping=openmetrics.ALLOWUTF8), (
+                content_type
+            )
         return encoder(self.registry), content_type
 
 

@@ -107,3 +107,15 @@ def test_a_model_server_that_cannot_be_reached_is_503_with_retry_after(connector
     resp = run(go())
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     assert json.loads(resp.content)["error"]["code"] == "model_server_unavailable"
+
+
+@pytest.mark.parametrize("role", ["user", "system"])
+def test_a_message_without_content_is_422_before_the_model_server(
+    connector: str, role: str
+) -> None:
+    fake = FakeModelServer()
+    messages = [{"role": role}, {"role": "user", "content": "Hi"}][: 1 if role == "user" else 2]
+    resp = post(connector, fake, {"messages": messages})
+    assert resp.status_code == 422, resp.text  # the microservice's status for invalid fields
+    assert f"a {role} message must have `content`" in resp.json()["error"]["message"]
+    assert fake.count(CHAT) == 0
