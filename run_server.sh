@@ -150,6 +150,7 @@ if [[ "$MODE" == compose ]]; then
   [[ -f "$ENV_FILE" ]] && args+=(--env-file "$ENV_FILE")
   export COMPOSE_PROFILES="$LLM_DEVICE" LLM_MODEL_SERVER_PORT="$MS_PORT" LLM_USVC_PORT="$USVC_PORT"
   log "starting the $LLM_DEVICE stack with ${COMPOSE[*]} (model server :$MS_PORT, microservice :$USVC_PORT)"
+  log "once it is up, chat in a browser at http://localhost:$MS_PORT/"
   exec "${COMPOSE[@]}" "${args[@]}" --profile "$LLM_DEVICE" up "${EXTRA[@]}"
 fi
 
@@ -273,6 +274,7 @@ done
 
 cat <<EOF
 Wick is ready on $LLM_DEVICE (native).
+  chat page     $MS_URL/   open it in a browser
   model server  $MS_URL   OpenAI API (/v1/chat/completions, /v1/completions), /health, /metrics
                 log: $MS_LOG
   microservice  $USVC_URL   OPEA chat API (/v1/chat/completions), /v1/health_check, /metrics

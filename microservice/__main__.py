@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -79,10 +81,36 @@ everything but /v1/health_check and /metrics. Empty variables count as unset.
 """
 
 
+# Seconds in-flight requests get to finish after SIGTERM/SIGINT.
+DRAIN_TIMEOUT_S = 10.0
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that after a graceful shutdown on SIGTERM/SIGINT the signal is
-    not re-raised (uvicorn does, so the process would die of it instead of exiting 0, which
-    supervisors and `docker stop` read as a crash)."""
+    """uvicorn's server, with two changes: on SIGTERM/SIGINT the port stays open while in-flight
+    requests finish (new ones get 503 with Retry-After, see drain.py), and after the graceful
+    shutdown the signal is not re-raised (uvicorn does, so the process would die of it instead
+    of exiting 0, which supervisors and `docker stop` read as a crash)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Any = None) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.drain is not None:
+            self.drain.draining = True
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while (
+            self.drain is not None
+            and self.drain.in_flight
+            and time.monotonic() < deadline
+            and not self.force_exit
+        ):
+            await asyncio.sleep(0.05)
+        self.config.timeout_graceful_shutdown = max(1.0, deadline - time.monotonic())
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -159,8 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=settings.port,
             log_config=None,  # our logging setup (stderr), not uvicorn's
             log_level=settings.log_level.lower(),
-            timeout_graceful_shutdown=10,
-        )
+            timeout_graceful_shutdown=int(DRAIN_TIMEOUT_S),
+        ),
+        drain=app.state.drain,
     )
     server.run()
     return 0

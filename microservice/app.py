@@ -29,10 +29,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from microservice import __version__, formats
 from microservice.connectors.base import Connector
+from microservice.drain import Drain, DrainMiddleware
 from microservice.errors import ServiceError, UpstreamError, error_body
 from microservice.health import CachedHealth
 from microservice.metrics import RequestMetricsMiddleware, ServiceMetrics
 from microservice.protocol import ChatRequest, GenerationRequest, generated_doc, parse_chat_request
+from microservice.request_id import RequestIdMiddleware, current_request_id
 from microservice.settings import MicroserviceSettings
 from microservice.sse import DONE, error_event
 from microservice.upstream import Piece, default_limit, is_model_not_found
@@ -138,6 +140,9 @@ def build_app(
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, paths=frozenset({CHAT_PATH}))
     if settings.usvc_api_key_value:
         app.add_middleware(APIKeyMiddleware, api_key=settings.usvc_api_key_value)
+    app.add_middleware(RequestIdMiddleware, paths=frozenset({CHAT_PATH}))
+    app.state.drain = Drain()
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)  # outermost: see __main__
     return app
 
 
@@ -186,7 +191,7 @@ class _ChatHandler:
         self, request: Request, chat: ChatRequest, model: str, stream: bool, fmt: formats.Format
     ) -> Response:
         generation = await _until_disconnected(self._generation(chat, model), request)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = f"chatcmpl-{current_request_id() or uuid.uuid4().hex}"
         if stream:
             return await self._stream(request, generation, request_id, fmt)
         completion = await _until_disconnected(self.connector.answer(generation), request)
@@ -298,7 +303,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
         if isinstance(exc, UpstreamError):
             metrics.upstream_errors.labels(kind=exc.kind).inc()
             logger.warning("model server error -> %d: %s", exc.status_code, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status_code)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:

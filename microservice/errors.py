@@ -27,6 +27,12 @@ class ServiceError(Exception):
         self.type = type or _error_type(status_code)
         self.param = param
         self.code = code
+        # Seconds (as sent) before a retry may succeed; answered as `Retry-After` when set.
+        self.retry_after: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": self.retry_after} if self.retry_after else {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status_code, self.type, self.param, self.code)
@@ -69,6 +75,7 @@ class UpstreamUnavailable(UpstreamError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, 503, code="model_server_unavailable")
+        self.retry_after = "1"  # it may be restarting, or behind a load balancer
 
 
 class UpstreamTimeout(UpstreamError):

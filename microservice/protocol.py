@@ -129,6 +129,13 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        # As OpenAI (and the model server): only an assistant turn may come without content.
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise ValueError(f"a {self.role} message must have `content`")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -25,6 +25,7 @@ from microservice.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from microservice.request_id import forward_request_id
 
 CHAT_PATH = "/v1/chat/completions"
 TOKENIZE_PATH = "/tokenize"
@@ -86,9 +87,12 @@ def _why(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def error_from_response(status: int, body: bytes) -> UpstreamHTTPError:
+def error_from_response(
+    status: int, body: bytes, retry_after: str | None = None
+) -> UpstreamHTTPError:
     """A non-200 answer: 4xx pass through (message, type, param, code), 503/504 stay, other
-    5xx become 502. 401/403 mean our LLM_API_KEY is wrong, which is not the client's fault."""
+    5xx become 502. 401/403 mean our LLM_API_KEY is wrong, which is not the client's fault.
+    A 503's (or 429's) `Retry-After` is passed on: the model server is overloaded or draining."""
     info = _error_info(body)
     message = info.get("message") or f"the model server answered HTTP {status}"
     kw = {"type": info.get("type"), "param": info.get("param"), "code": info.get("code")}
@@ -100,14 +104,18 @@ def error_from_response(status: int, body: bytes) -> UpstreamHTTPError:
             code="model_server_auth",
         )
     if 400 <= status < 500:
-        return UpstreamHTTPError(message, status, upstream_status=status, **kw)
+        error = UpstreamHTTPError(message, status, upstream_status=status, **kw)
+        error.retry_after = retry_after if status == 429 else None
+        return error
     if status in (503, 504):
-        return UpstreamHTTPError(
+        error = UpstreamHTTPError(
             f"the model server is not ready: {message}",
             status,
             upstream_status=status,
-            code="model_server_unavailable",
+            code=kw["code"] or "model_server_unavailable",
         )
+        error.retry_after = retry_after if status == 503 else None
+        return error
     return UpstreamHTTPError(
         f"the model server failed (HTTP {status}): {message}", 502, upstream_status=status
     )
@@ -238,7 +246,9 @@ async def post_completion(
     except httpx.HTTPError as exc:
         raise map_transport_error(exc, base_url) from exc
     if response.status_code != 200:
-        raise error_from_response(response.status_code, response.content)
+        raise error_from_response(
+            response.status_code, response.content, response.headers.get("retry-after")
+        )
     return parse_completion(response.content)
 
 
@@ -280,7 +290,9 @@ async def _pump(
         async with client.stream("POST", CHAT_PATH, json=payload) as response:
             if response.status_code != 200:
                 await response.aread()
-                raise error_from_response(response.status_code, response.content)
+                raise error_from_response(
+                    response.status_code, response.content, response.headers.get("retry-after")
+                )
             async for piece in aiter_pieces(response, base_url):
                 await queue.put(piece)
     except httpx.HTTPError as exc:
@@ -319,6 +331,7 @@ class ModelServer:
             timeout=timeouts(connect_timeout, read_timeout),
             limits=LIMITS,
             transport=transport,
+            event_hooks={"request": [forward_request_id]},
         )
 
     async def aclose(self) -> None:

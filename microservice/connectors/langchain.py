@@ -283,7 +283,9 @@ class WickChatModel(BaseChatModel):
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.base_url) from exc
         if response.status_code != 200:
-            raise error_from_response(response.status_code, response.content)
+            raise error_from_response(
+                response.status_code, response.content, response.headers.get("retry-after")
+            )
         return self._result(parse_completion(response.content))
 
     async def _agenerate(
@@ -299,7 +301,9 @@ class WickChatModel(BaseChatModel):
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, self.base_url) from exc
         if response.status_code != 200:
-            raise error_from_response(response.status_code, response.content)
+            raise error_from_response(
+                response.status_code, response.content, response.headers.get("retry-after")
+            )
         return self._result(parse_completion(response.content))
 
     def _stream(
@@ -315,7 +319,9 @@ class WickChatModel(BaseChatModel):
             with self._sync().stream("POST", CHAT_PATH, json=payload) as response:
                 if response.status_code != 200:
                     response.read()
-                    raise error_from_response(response.status_code, response.content)
+                    raise error_from_response(
+                        response.status_code, response.content, response.headers.get("retry-after")
+                    )
                 for piece in iter_pieces(response, self.base_url):
                     chunk = self._chunk(piece)
                     if run_manager is not None:

@@ -62,11 +62,22 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (shutdown drain timeout)."""
 
 
+class EngineDrainingError(EngineNotReadyError):
+    """The server is shutting down: in-flight requests finish, new ones are refused."""
+
+
+class EngineOverloadedError(EngineNotReadyError):
+    """More requests wait for the engine than `max_waiting_requests`: try again later."""
+
+
 class EngineClient(ABC):
     """What the HTTP layer needs from an engine. Every method runs on the event loop."""
 
     # Told about every engine step (see engine/stats.py); append before start().
     stat_loggers: list[StatLogger]
+    # Backpressure: `generate` refuses a request (EngineOverloadedError) while this many engine
+    # requests already wait to be scheduled; 0 means no limit.
+    max_waiting_requests: int = 0
 
     @property
     @abstractmethod
@@ -97,7 +108,7 @@ class EngineClient(ABC):
         if phase is EnginePhase.ERROR:
             raise EngineDeadError(f"the engine failed: {self.error_message}")
         if phase is EnginePhase.DRAINING:
-            raise EngineNotReadyError("the server is shutting down")
+            raise EngineDrainingError("the server is shutting down")
         if phase is not EnginePhase.READY:
             raise EngineNotReadyError(f"the model is not ready yet (phase: {phase.value})")
 
@@ -243,6 +254,9 @@ class AsyncLLM(EngineClient):
         self._failed: asyncio.Event | None = None
         self._phase_changed: asyncio.Event | None = None
         self._logged_logger_errors: set[int] = set()
+        # Engine requests the scheduler runs, as of the last iteration (written by the engine
+        # thread, read by the loop: a plain int, so no lock).
+        self._num_running = 0
 
     # ---------------------------------------------------------------- EngineClient: state
 
@@ -269,6 +283,13 @@ class AsyncLLM(EngineClient):
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._collectors)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Engine requests accepted but not running: the live ones less those the scheduler ran
+        at its last iteration. Requests added since then count as waiting, which they are until
+        the next step schedules them."""
+        return max(0, len(self._collectors) - self._num_running)
 
     async def wait_until_ready(self, timeout: float | None = None) -> None:
         """Wait for READY; raises EngineDeadError if loading fails, TimeoutError on timeout."""
@@ -372,8 +393,14 @@ class AsyncLLM(EngineClient):
     def _check_accepting(self) -> None:
         self._raise_if_dead()
         if not self._accepting:
-            raise EngineNotReadyError("the server is shutting down")
+            raise EngineDrainingError("the server is shutting down")
         self.check_ready()
+        limit = self.max_waiting_requests
+        if limit > 0 and self.num_waiting_requests >= limit:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {self.num_waiting_requests} requests are already "
+                f"waiting (--max-waiting-requests {limit}); retry later"
+            )
 
     def _raise_if_dead(self) -> None:
         if self._phase is EnginePhase.ERROR:
@@ -510,6 +537,7 @@ class AsyncLLM(EngineClient):
                 if outputs:
                     self._post(self._dispatch, outputs)
                 self._tracker.update(outputs, step_start, now, stats)
+            self._num_running = self._tracker.num_running()
             self._record(stats)
 
     def _next_commands(self, block: bool) -> list[_Command]:

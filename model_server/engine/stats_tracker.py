@@ -59,6 +59,9 @@ class StatsTracker:
             prefix_cache_hits=s.prefix_cache_hits - self._base_hits,
         )
 
+    def num_running(self) -> int:
+        return self._scheduler.num_running
+
     def live_request_ids(self) -> list[str]:
         return list(self._requests)
 

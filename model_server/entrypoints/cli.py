@@ -1,5 +1,5 @@
 """Command line: `generate`, `serve`, `bench throughput`, `bench latency`, `bench structured`,
-`bench serve`. Logs go to stderr."""
+`bench serve`, `bench soak`. Logs go to stderr."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from model_server.benchmarks.serve import run_serve_benchmark
 
     return run_serve_benchmark(args)
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.soak import run_soak_benchmark
+
+    return run_soak_benchmark(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -210,6 +216,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     add_bench_serve_args(bs)
     bs.set_defaults(func=_bench_serve)
+
+    from model_server.benchmarks.soak import add_bench_soak_args
+
+    soak = bench_sub.add_parser(
+        "soak",
+        help="Minutes of mixed traffic (streamed, whole, cancelled, malformed) through the LLM "
+        "microservice; prints ok / failed / cancelled, p50/p99 latency, and the model server's "
+        "RSS and KV cache usage every minute.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_bench_soak_args(soak)
+    soak.set_defaults(func=_bench_soak)
     return parser
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from microservice.settings import MicroserviceSettings
 from model_server.settings import ServerSettings
@@ -179,3 +180,47 @@ def test_env_example_documents_every_setting() -> None:
     used = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", code))
     assert "OMPI_MCA_btl_vader_single_copy_mechanism" in used
     assert used - opea_aliases - {"LLM_VLLM_PORT"} <= set(names)
+
+
+def test_monitoring_profile_scrapes_both_services_and_mounts_the_charts_dashboard() -> None:
+    config = compose_config(ROOT / "compose" / "cpu.env", COMPOSE_PROFILES="cpu,monitoring")
+    services = config["services"]
+    assert set(services) == {"model-server-cpu", USVC, "prometheus", "grafana"}
+    assert compose_config(ROOT / "compose" / "cpu.env")["services"].keys() == {
+        "model-server-cpu",
+        USVC,
+    }  # fmt: skip  (off unless asked for)
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert published(prometheus) == {9090: 9090} and published(grafana) == {3000: 3000}
+
+    def mounts(service: dict[str, Any]) -> dict[str, Path]:
+        return {v["target"]: Path(v["source"]) for v in service["volumes"] if v["type"] == "bind"}
+
+    scrape = yaml.safe_load(mounts(prometheus)["/etc/prometheus/prometheus.yml"].read_text())
+    targets = {
+        job["job_name"]: target
+        for job in scrape["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
+    # The names compose gives the two services on its network.
+    assert targets == {
+        "wick-model-server": "model-server:8008",
+        "wick-microservice": f"{USVC}:9000",
+    }
+    assert "model-server" in services["model-server-cpu"]["networks"]["default"]["aliases"]
+
+    grafana_mounts = mounts(grafana)
+    assert (
+        grafana_mounts["/var/lib/grafana/dashboards/wick"] == ROOT / "helm" / "wick" / "dashboards"
+    )
+    provider = yaml.safe_load(
+        grafana_mounts["/etc/grafana/provisioning/dashboards/wick.yaml"].read_text()
+    )
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards/wick"
+    datasource = yaml.safe_load(
+        grafana_mounts["/etc/grafana/provisioning/datasources/wick.yaml"].read_text()
+    )["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / "helm" / "wick" / "dashboards" / Path(home).name).is_file()

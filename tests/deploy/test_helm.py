@@ -44,6 +44,9 @@ TOGGLES: dict[str, dict[str, Any]] = {
     "existing-secret": {"secrets": {"existingSecret": "wick-keys"}},
     "no-tests": {"tests": {"enabled": False}},
     "registry": {"image": {"registry": "registry.example/", "tag": "1.2.3"}},
+    "dashboard": {
+        "grafanaDashboard": {"enabled": True, "folder": "LLM", "namespace": "monitoring"}
+    },
 }
 
 
@@ -451,3 +454,26 @@ def test_tensor_parallel_size_needs_that_many_accelerators(chart: helm_python.Ch
     assert config["data"]["LLM_TP_SIZE"] == "4"
     # CPU ranks share the pod's cores: no accelerator count applies.
     render(chart, {"device": "cpu", "modelServer": {"config": {"LLM_TP_SIZE": 2}}})
+
+
+def test_grafana_dashboard_configmap_is_off_by_default_and_carries_the_sidecar_label(
+    chart: helm_python.Chart,
+) -> None:
+    assert [
+        c for c in find(render(chart), "ConfigMap") if "dashboard" in c["metadata"]["name"]
+    ] == []
+    docs = render(chart, TOGGLES["dashboard"])
+    (config_map,) = [c for c in find(docs, "ConfigMap") if "dashboard" in c["metadata"]["name"]]
+    meta = config_map["metadata"]
+    assert meta["labels"]["grafana_dashboard"] == "1"
+    assert meta["namespace"] == "monitoring"
+    assert meta["annotations"] == {"grafana_folder": "LLM"}
+    # The very file compose's monitoring profile mounts.
+    shipped = json.loads((CHART / "dashboards" / "wick.json").read_text())
+    assert json.loads(config_map["data"]["wick.json"]) == shipped
+    custom = render(
+        chart, {"grafanaDashboard": {"enabled": True, "label": "dash", "labelValue": "y"}}
+    )
+    (config_map,) = [c for c in find(custom, "ConfigMap") if "dashboard" in c["metadata"]["name"]]
+    assert config_map["metadata"]["labels"]["dash"] == "y"
+    assert "namespace" not in config_map["metadata"]

@@ -254,6 +254,10 @@ def test_native_stack_on_cpu(tmp_path: Path) -> None:
         stack.wait_ready()
         banner = "".join(stack.out)
         assert f"http://localhost:{env['LLM_USVC_PORT']}" in banner and "curl" in banner
+        # The chat page is linked, and is there.
+        page = f"http://localhost:{env['LLM_MODEL_SERVER_PORT']}/"
+        assert f"chat page     {page}" in banner
+        assert "<title>Wick chat</title>" in httpx.get(page, timeout=30).text
 
         # The seed's health check.
         health = httpx.get(f"{stack.usvc_url}/v1/health_check", timeout=30)

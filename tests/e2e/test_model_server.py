@@ -328,7 +328,7 @@ def test_bad_raw_requests_are_4xx_and_the_server_keeps_serving(
 def test_health_503_until_warm_then_sigterm_drains(tmp_path: Any) -> None:
     from tests.e2e.conftest import launch
 
-    srv = launch(tmp_path, "--drain-timeout", "60")
+    srv = launch(tmp_path, "--drain-timeout", "120")
     try:
         first = None
         deadline = time.monotonic() + 120
@@ -345,7 +345,7 @@ def test_health_503_until_warm_then_sigterm_drains(tmp_path: Any) -> None:
         first_chunk = threading.Event()
 
         def in_flight() -> None:
-            body = {"prompt": "Tell me about the sea.", "max_tokens": 40, "ignore_eos": True,
+            body = {"prompt": "Tell me about the sea.", "max_tokens": 150, "ignore_eos": True,
                     "temperature": 0, "stream": True}  # fmt: skip
             with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
                 text, finish = "", None
@@ -362,6 +362,17 @@ def test_health_503_until_warm_then_sigterm_drains(tmp_path: Any) -> None:
         thread.start()
         assert first_chunk.wait(60)
         srv.proc.send_signal(__import__("signal").SIGTERM)
+        time.sleep(0.3)
+        # Draining: the port still answers, new work gets 503 with Retry-After (not a refused
+        # connection), and the connection is closed so the client goes elsewhere.
+        refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi"}, timeout=10)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.headers["connection"] == "close"
+        assert "shutting down" in refused.json()["error"]["message"]
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["phase"] == "draining"
+        assert thread.is_alive(), "the in-flight stream ended before the checks: make it longer"
         thread.join(120)
         assert result.get("status") == 200 and result.get("finish") == "length", result
         assert srv.proc.wait(60) == 0, srv.log()[-3000:]

@@ -391,3 +391,25 @@ def test_collector_merges_deltas_for_a_slow_consumer() -> None:
             collector.get_nowait()
 
     run(main())
+
+
+def test_max_waiting_requests_refuses_at_once_and_admits_again_once_the_queue_moves() -> None:
+    from model_server.engine.async_engine import EngineNotReadyError, EngineOverloadedError
+
+    async def main() -> None:
+        llm, engine = await started()
+        llm.max_waiting_requests = 1
+        engine.step_gate = threading.Semaphore(0)  # no step runs: what was added waits
+        first = asyncio.ensure_future(collect(llm, "a"))
+        await asyncio.sleep(0.05)
+        assert llm.num_waiting_requests == 1
+        with pytest.raises(EngineOverloadedError, match="--max-waiting-requests 1") as info:
+            await collect(llm, "b")
+        assert isinstance(info.value, EngineNotReadyError)  # the HTTP layer's 503 family
+        engine.step_gate.release(1000)
+        assert len(await first) == 4
+        assert llm.num_waiting_requests == 0
+        assert len(await collect(llm, "c")) == 4
+        await llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: `build_app(engine_client, settings)`, `run_server(settings)`.
 
 Lifecycle: the app's lifespan starts the engine in the background, so the port answers at once
-(`/health` is 503 with the phase until the model is loaded and warmed up). SIGTERM/SIGINT: new
-requests get 503, in-flight ones have `drain_timeout` seconds to finish (uvicorn's graceful
-shutdown), the rest are aborted, and the process exits 0. An engine crash fails every pending
+(`/health` is 503 with the phase until the model is loaded and warmed up). SIGTERM/SIGINT: the
+port stays open while in-flight requests have `drain_timeout` seconds to finish, new requests
+get 503 with Retry-After (and `Connection: close`), then uvicorn's graceful shutdown closes the
+listener, the rest are aborted, and the process exits 0. An engine crash fails every pending
 request, turns `/health` to 503 and stops the server with exit code 1.
 """
 
@@ -15,6 +16,7 @@ import hmac
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -28,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model_server import __version__
 from model_server.engine.async_engine import EngineClient, EnginePhase
+from model_server.entrypoints.openai.chat_page import mount_chat_page
 from model_server.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -37,6 +40,7 @@ from model_server.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from model_server.entrypoints.openai.request_id import RequestIdMiddleware
 from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from model_server.entrypoints.openai.serving_engine import json_response
@@ -48,8 +52,9 @@ from model_server.settings import DEFAULT_MODEL_NAME, ServerSettings
 
 logger = logging.getLogger(__name__)
 
-# Paths that stay open with --api-key: probes and scrapers carry no key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Paths that stay open with --api-key: probes and scrapers carry no key; the chat page is a
+# static file (it asks its user for the key).
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version"})
 
 
 def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -75,12 +80,33 @@ def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine_client = engine_client
     app.state.settings = settings
     app.state.on_engine_failed = None
+    engine_client.max_waiting_requests = settings.max_waiting_requests
     _add_routes(app, engine_client, settings)
+    mount_chat_page(app)
     _add_error_handlers(app)
     _mount_metrics(app, engine_client, settings)
     if settings.api_key_value:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key_value)
+    # Outermost: even a 401 carries (and logs, and counts) the request id.
+    app.add_middleware(
+        RequestIdMiddleware,
+        log=settings.access_log,
+        on_response=lambda path, method, status: _count_http(app, path, method, status),
+    )
     return app
+
+
+# Routes counted under their own path; anything else is "other" (bounded label values).
+_COUNTED_ROUTES = frozenset(
+    {"/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
+     "/health", "/version", "/metrics"}
+)  # fmt: skip
+
+
+def _count_http(app: FastAPI, path: str, method: str, status: int) -> None:
+    metrics = getattr(app.state, "metrics", None)
+    if metrics is not None:
+        metrics.count_http(path if path in _COUNTED_ROUTES else "other", method, status)
 
 
 async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
@@ -142,6 +168,12 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
         return json_response(tokenization.detokenize(request).model_dump())
 
 
+def chat_page_url(host: str, port: int) -> str:
+    """Where a browser on this machine finds the chat page."""
+    shown = "localhost" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{shown}:{port}/"
+
+
 def model_root(settings: ServerSettings) -> str:
     """What /v1/models reports as `root`: the model as loaded (vLLM: the --model value). With no
     --model that is the embedded GGUF; its hub id stands in when the package is missing (the
@@ -166,7 +198,9 @@ def _error(status_code: int, message: str, param: str | None = None, **kw: Any) 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> Response:
-        return json_response(exc.to_response().model_dump(), exc.status_code)
+        response = json_response(exc.to_response().model_dump(), exc.status_code)
+        response.headers.update(getattr(exc, "headers", {}))  # Retry-After on 503s
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -353,28 +387,52 @@ def run_server(settings: ServerSettings) -> int:
         access_log=settings.access_log,
         timeout_graceful_shutdown=settings.drain_timeout,
     )
-    server = _GracefulServer(config, on_signal=engine.begin_shutdown)
+    server = _GracefulServer(
+        config,
+        on_signal=engine.begin_shutdown,
+        busy=lambda: engine.num_unfinished_requests > 0,
+        drain_timeout=settings.drain_timeout,
+    )
     app.state.on_engine_failed = server.fail
     logger.info(
-        "serving %s on http://%s:%d (drain timeout %.0fs)",
+        "serving %s on http://%s:%d (drain timeout %.0fs); chat page at %s",
         settings.model_name,
         settings.host,
         settings.port,
         settings.drain_timeout,
+        chat_page_url(settings.host, settings.port),
     )
     server.run()
     return server.exit_code
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn's server, with two changes: a signal first tells the engine to refuse new work,
-    and after a graceful shutdown the signal is not re-raised (uvicorn does, which would make
-    the process die of SIGTERM instead of exiting 0)."""
+    """uvicorn's server, with three changes: a signal first tells the engine to refuse new work;
+    the listener stays open while in-flight requests drain, so new ones get the engine's 503 with
+    Retry-After rather than a refused connection; and after a graceful shutdown the signal is not
+    re-raised (uvicorn does, which would make the process die of SIGTERM instead of exiting 0)."""
 
-    def __init__(self, config: Any, on_signal: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: Any,
+        on_signal: Callable[[], None],
+        busy: Callable[[], bool] = lambda: False,
+        drain_timeout: float = 0.0,
+    ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._busy = busy
+        self._drain_timeout = drain_timeout
         self.exit_code = 0
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self.exit_code == 0:  # a signal; an engine failure has nothing left to drain
+            deadline = time.monotonic() + self._drain_timeout
+            while self._busy() and time.monotonic() < deadline and not self.force_exit:
+                await asyncio.sleep(0.05)
+            # What is left of the drain timeout goes to uvicorn's wait for the last responses.
+            self.config.timeout_graceful_shutdown = max(1.0, deadline - time.monotonic())
+        await super().shutdown(sockets)
 
     def fail(self, message: str) -> None:
         self.exit_code = 1

@@ -270,6 +270,13 @@ class ChatMessage(OpenAIBaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        # OpenAI rejects these; only an assistant turn may come without content.
+        if self.content is None and self.role in ("system", "developer", "user"):
+            raise ValueError(f"a {self.role} message must have `content`")
+        return self
+
     @property
     def template_role(self) -> str:
         """The role as chat templates know it."""

@@ -18,12 +18,15 @@ from starlette.responses import Response
 from model_server.engine.async_engine import (
     EngineClient,
     EngineDeadError,
+    EngineDrainingError,
     EngineNotReadyError,
+    EngineOverloadedError,
     RequestAbortedError,
 )
 from model_server.engine.chat_template import render_chat
 from model_server.engine.outputs import RequestOutput, TokenLogprobs
 from model_server.entrypoints.openai.protocol import APIError, ChatMessage
+from model_server.entrypoints.openai.unavailable import ServiceUnavailable
 from model_server.entrypoints.utils import prepend
 from model_server.sampling_params import RequestOutputKind, SamplingParams
 from model_server.structured_output.params import StructuredOutputError
@@ -59,8 +62,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(str(exc), 400, param=exc.param)
     if isinstance(exc, ValueError):
         return APIError(str(exc), 400)
+    if isinstance(exc, EngineOverloadedError):
+        return ServiceUnavailable(str(exc), code="overloaded")
     if isinstance(exc, EngineNotReadyError | RequestAbortedError):
-        return APIError(str(exc), 503, code="service_unavailable")
+        return ServiceUnavailable(str(exc), close=isinstance(exc, EngineDrainingError))
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), 500, code="engine_dead")
     raise exc
