@@ -191,7 +191,9 @@ def get_rope(
     if params is None:
         params = rope_parameters_from_config(config)
     params = dict(params)
-    params.setdefault("max_position_embeddings", config.max_position_embeddings)
+    params.setdefault(
+        "max_position_embeddings", getattr(config, "max_position_embeddings", max_position)
+    )
     if params["rope_type"] == "longrope" and not params.get("original_max_position_embeddings"):
         # Phi-3 configs keep it at the top level.
         params["original_max_position_embeddings"] = config.original_max_position_embeddings

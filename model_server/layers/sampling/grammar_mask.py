@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from model_server.kernels.cpu.token_bitmask import apply_token_bitmask_cpu
+
 _BITS_CACHE: dict[torch.device, torch.Tensor] = {}
 
 
@@ -48,12 +50,7 @@ def apply_grammar_bitmask(
             f"a bitmask of shape {tuple(bitmask.shape)} does not cover logits of shape "
             f"{tuple(logits.shape)}"
         )
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        import xgrammar  # installed wherever a grammar exists: it filled the bitmask
-
-        xgrammar.apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=vocab_size, indices=rows.tolist()
-        )
+    if apply_token_bitmask_cpu(logits, rows, bitmask):
         return logits
     allowed = unpack_bitmask(bitmask.index_select(0, rows), vocab_size)
     constrained = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
