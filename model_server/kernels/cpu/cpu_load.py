@@ -42,13 +42,21 @@ def _num_cpus() -> int:
         return 1
 
 
+def _own_seconds() -> float:
+    """CPU-seconds of this process and its reaped children: the compiler that builds the native
+    kernels on first use (kernels/cpu/native.py) runs inside the window and is ours, not a
+    neighbour's (counted as others, it made every first start look busy)."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
 @dataclass(slots=True)
 class LoadWindow:
     """Opened before timing, read after: `others_share()` is the share of all cores that other
     processes kept busy in between (0 = idle apart from us, 1 = every core busy)."""
 
     wall: float = field(default_factory=time.perf_counter)
-    own: float = field(default_factory=time.process_time)
+    own: float = field(default_factory=_own_seconds)
     busy: float | None = field(default_factory=_busy_seconds)
 
     def others_share(self) -> float:
@@ -61,7 +69,7 @@ class LoadWindow:
             except OSError:
                 return 0.0
             return max(0.0, load - 1.0) / _num_cpus()
-        others = (busy - self.busy) - (time.process_time() - self.own)
+        others = (busy - self.busy) - (_own_seconds() - self.own)
         return min(1.0, max(0.0, others / (wall * _num_cpus())))
 
     def busy_machine(self) -> bool:
