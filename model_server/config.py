@@ -39,7 +39,7 @@ class EngineConfig:
     model: str | None = _D["model"]  # None: the embedded SmolLM2 GGUF
     load_format: str = _D["load_format"]  # auto | dummy
     dtype: str = _D["dtype"]  # auto | float32 | bfloat16 | float16
-    quantization: str | None = _D["quantization"]  # None | int8 (layers/quantization.py)
+    quantization: str | None = _D["quantization"]  # None | int8 (layers/quantization/)
     device: str = _D["device"]  # cpu | cuda | gcu | hpu | auto
     device_ids: list[int] | None = _D["device_ids"]  # rank i uses device_ids[i]; None: 0, 1, ...
     tensor_parallel_size: int = _D["tensor_parallel_size"]

@@ -1,7 +1,7 @@
 """Weight-only int8 matmul (w8a16) for `--quantization int8` on CUDA: y = x @ (s * Q)^T + b.
 
 x [M, K] in the model dtype; Q [N, K] int8 codes and s [N] per-row scales (bf16 as
-layers/quantization.py stores them, or float32), widened to float32 in the kernel.
+layers/quantization/ stores them, or float32), widened to float32 in the kernel.
 Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a program loads int8 tiles of Q (1 byte per weight
 from memory, half of bf16's), converts them to x's dtype in registers, accumulates `tl.dot` in
 fp32 over K, then applies the scales (and bias) once per output column.

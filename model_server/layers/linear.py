@@ -32,22 +32,23 @@ from model_server.distributed.parallel_state import (
 )
 from model_server.distributed.partition import HeadShard, divide, shard_heads
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
-from model_server.layers.quantization import Int8Weight, int8_dense
+from model_server.layers.quantization import QuantizedWeight
 
 
 def dense(
     x: torch.Tensor,
-    weight: torch.Tensor | Int8Weight,
+    weight: torch.Tensor | QuantizedWeight,
     bias: torch.Tensor | None = None,
     *,
     kernels: KernelTable,
 ) -> torch.Tensor:
     """x [M, in] @ weight [out, in]^T + bias: every linear layer and the LM head call this.
 
-    `weight` is a float tensor, or an `Int8Weight` once `--quantization int8` has replaced it.
+    `weight` is a float tensor, or a `QuantizedWeight` (`--quantization int8`, or a checkpoint
+    kept in its quantized format), which runs its own kernel-table slot.
     """
-    if isinstance(weight, Int8Weight):
-        return int8_dense(x, weight, bias, kernels.int8_linear)
+    if isinstance(weight, QuantizedWeight):
+        return weight.apply(x, bias, kernels)
     return kernels.linear(x, weight, bias)
 
 

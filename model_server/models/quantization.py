@@ -1,4 +1,4 @@
-"""Quantize a loaded model in place (`--quantization int8`; the format is layers/quantization.py).
+"""Quantize a loaded model in place (`--quantization int8`; the format is layers/quantization/).
 
 It lives above the layers because it walks a whole model for the layer classes that hold matrices.
 """

@@ -61,7 +61,7 @@ class Platform(ABC):
     dist_backend: str  # torch.distributed backend for tensor collectives
     default_attention_backend: str = "torch"
     supports_graphs: bool = False
-    # `--quantization` methods with a kernel here (layers/quantization.py); others are refused.
+    # `--quantization` methods with a kernel here (layers/quantization/); others are refused.
     quantization_methods: tuple[str, ...] = ()
     # The vendor's variable that restricts which devices the runtime sees; None on CPU.
     visible_devices_env: str | None = None

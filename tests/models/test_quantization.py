@@ -1,4 +1,4 @@
-"""`--quantization int8`: per-channel weight-only int8 (layers/quantization.py, the CPU kernel in
+"""`--quantization int8`: per-channel weight-only int8 (layers/quantization/, the CPU kernel in
 kernels/cpu/linear.py), from the codes up to the real embedded model."""
 
 from __future__ import annotations

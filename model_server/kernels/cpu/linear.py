@@ -169,7 +169,7 @@ def int8_linear(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [M, K] @ dequantized(qweight [N, K] int8, scale [N] bf16)^T + bias -> [M, N] in x's
-    dtype (see layers/quantization.py).
+    dtype (see layers/quantization/).
 
     Few rows: `torch._weight_int8pack_mm` streams the int8 codes (1 byte per weight) with x
     rounded to bf16, accumulating in fp32, scaled by the (exact, bf16) per-row scales, and

@@ -24,10 +24,11 @@ import torch
 from torch import nn
 
 from model_server.kernels.portable import dequantize_int8
-from model_server.kernels.table import Int8LinearFn
+from model_server.kernels.table import Int8LinearFn, KernelTable
+from model_server.layers.quantization.base import QuantizedWeight
 
 
-class Int8Weight(nn.Module):
+class Int8Weight(QuantizedWeight):
     """A quantized weight in place of a float `weight` parameter: `dense` dispatches on it.
 
     The scales are stored in bf16 and are exactly the values the codes were made with, so kernels
@@ -35,6 +36,8 @@ class Int8Weight(nn.Module):
     float32 apply the same scales. Its tensors are parameters (without grad) so that
     `model.parameters()` still lists every byte a step reads (see benchmarks/bandwidth.py).
     """
+
+    method = "int8"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
@@ -48,6 +51,11 @@ class Int8Weight(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scale, dtype)
+
+    def apply(
+        self, x: torch.Tensor, bias: torch.Tensor | None, kernels: KernelTable
+    ) -> torch.Tensor:
+        return int8_dense(x, self, bias, kernels.int8_linear)
 
     def extra_repr(self) -> str:
         return f"int8 {tuple(self.qweight.shape)}, per-row scales"
