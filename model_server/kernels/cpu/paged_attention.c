@@ -23,17 +23,14 @@
  * Work items are (sequence, tile of <= QUERY_TILE queries, range of kv heads): all of a
  * sequence's kv heads when there are enough tiles to keep every thread busy, so each token's
  * K/V row (num_kv_heads * head_dim values) is read in one contiguous run; one kv head per item
- * otherwise. An item streams its K rows once into a scores buffer (every query row of the tile
- * and the group reuses a K row while it is in L1), takes an exact softmax per row, then streams
- * its V rows once. An item of one query (every decode) runs `attend_decode` instead: the same
- * steps on explicit vectors, see "Decodes" below.
+ * otherwise. An item of one query (every decode) runs `attend_decode` (see "Decodes" below); a
+ * prefill tile runs `attend` (see "Prefill tiles"), which converts the context's K/V rows of a kv
+ * head to fp32 once and multiplies them against all of the tile's query rows of that head in
+ * register blocks.
  *
  * Vector paths: this file is compiled once per ISA by kernels/cpu/native.py with explicit -m
- * flags (no -march=native). The general path's loops are written for the auto-vectorizer
- * (`omp simd`, -fopenmp-simd): bf16 -> fp32 is a 16-bit left shift of the bits, so AVX2 and
- * AVX-512 both vectorize it (vpmovzxwd + vpslld). With AVX512-BF16 (__AVX512BF16__) and
- * -DWICK_VDPBF16PS, its Q.K on bf16 runs on vdpbf16ps instead (off by default: see dot_bf16).
- * The decode path is written on GCC vector extensions of the ISA's width (see "Vectors").
+ * flags (no -march=native), on GCC vector extensions of the ISA's width (wick_vec.h): AVX-512,
+ * AVX2 and a 4-lane generic build run the same source.
  * Built with -fno-strict-aliasing: the bf16 shifts write floats through uint32_t.
  */
 #include <float.h>
@@ -70,40 +67,6 @@ const char *wick_isa(void) {
   return "generic";
 #endif
 }
-
-/* One cached K or V row as fp32: in place for an fp32 cache; converted into `buf` for bf16
- * (once per row, then reused by every query row of the work item). */
-static inline const float *cache_row(const void *cache, const int64_t at, const int is_bf16,
-                                     float *restrict buf, const int head_dim) {
-  if (!is_bf16) return (const float *)cache + at;
-  bf16_to_f32_row((const bf16_t *)cache + at, buf, 1.f, head_dim);
-  return buf;
-}
-
-/* Off by default: with Q.K on vdpbf16ps, SmolLM2-135M in bf16 on a Zen 4 EPYC answered
- * "What is the capital of France?" with gibberish, while the shift-conversion path (the same
- * build without it) and the torch backend answer "Paris", although the kernel tests against the
- * PyTorch reference pass on both. Until that is understood, -DWICK_VDPBF16PS turns it on. */
-#if defined(__AVX512BF16__) && defined(WICK_VDPBF16PS)
-/* sum_d a[d] * b[d] over bf16 rows on vdpbf16ps (pairs of products added into fp32 lanes); the
- * tail (head_dim not a multiple of 32) is loaded masked, its missing lanes zero. */
-static inline float dot_bf16(const bf16_t *a, const bf16_t *b, const int n) {
-  __m512 acc = _mm512_setzero_ps();
-  int d = 0;
-  for (; d + 32 <= n; d += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + d),
-                           (__m512bh)_mm512_loadu_si512(b + d));
-  if (d < n) {
-    const __mmask32 m = (__mmask32)((1ull << (n - d)) - 1);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, a + d),
-                           (__m512bh)_mm512_maskz_loadu_epi16(m, b + d));
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-#define HAVE_DOT_BF16 1
-#else
-#define HAVE_DOT_BF16 0
-#endif
 
 /* ---- Vectors of the decode path ---------------------------------------------------------------
  * GCC / Clang vector extensions at the build's native width, so that one source serves every
@@ -250,9 +213,10 @@ typedef struct {
   float *scores; /* [rows, len]: scores, then probabilities (row r valid up to its vis) */
   float *q;      /* [rows, head_dim]: scaled fp32 queries */
   float *acc;    /* [rows, head_dim]: P V accumulators */
-  float *row;    /* [head_dim]: one K or V row converted to fp32 */
   float *stats;  /* [2 * rows]: row max, then 1 / row sum */
-  int64_t scores_cap, q_cap, acc_cap, row_cap, stats_cap;
+  float *kbuf;   /* prefill tiles: the context's K rows of one kv head as fp32 */
+  float *vbuf;   /* and its V rows */
+  int64_t scores_cap, q_cap, acc_cap, stats_cap, kbuf_cap, vbuf_cap;
 } Scratch;
 
 static int grow(float **buf, int64_t *cap, int64_t need) {
@@ -271,142 +235,7 @@ static int reserve(Scratch *s, int64_t rows, int64_t len, int64_t head_dim) {
   const int64_t dp = round_up(head_dim, VW);
   return grow(&s->scores, &s->scores_cap, rows * round_up(len, VW)) |
          grow(&s->q, &s->q_cap, rows * dp) | grow(&s->acc, &s->acc_cap, rows * dp) |
-         grow(&s->row, &s->row_cap, head_dim) | grow(&s->stats, &s->stats_cap, 2 * rows);
-}
-
-/* One work item: queries [j0, j0 + nq) of a sequence whose first query sits at position ctx,
- * kv heads [kh0, kh0 + nkh). `q` and `out` point at the sequence's first query row; `table` at
- * its block table row. `is_bf16` and `head_dim` are compile-time constants after inlining (one
- * copy per dtype and common head_dim: constant trip counts unroll into registers). */
-static inline __attribute__((always_inline)) void attend(
-    const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
-    const int nq, const int kh0, const int nkh, const void *restrict q,
-    const void *restrict k_cache, const void *restrict v_cache, const int32_t *restrict table,
-    void *restrict out, Scratch *scratch) {
-  const int group = geo->group;
-  const int rows = nkh * nq * group;
-  const int len = ctx + j0 + nq; /* tokens the last query of the tile sees */
-  const int num_blocks = (len + geo->block_size - 1) / geo->block_size;
-  /* With vdpbf16ps, Q.K reads the bf16 query and key rows as they are (scaled afterwards). */
-  const int dp = is_bf16 && HAVE_DOT_BF16;
-  float *restrict scores = scratch->scores;
-  float *restrict qf = scratch->q;
-  float *restrict acc = scratch->acc;
-  float *restrict kvrow = scratch->row;
-  float *restrict row_max = scratch->stats;
-  float *restrict inv_sum = scratch->stats + rows;
-
-  /* Query rows (scaled, fp32) of the item, in row order. */
-  for (int kk = 0; kk < nkh; kk++)
-    for (int jj = 0; jj < nq; jj++)
-      for (int g = 0; g < group; g++) {
-        const int r = (kk * nq + jj) * group + g;
-        const int64_t src = ((int64_t)(j0 + jj) * geo->num_heads + (kh0 + kk) * group + g) *
-                            head_dim;
-        float *dst = qf + (int64_t)r * head_dim;
-        if (is_bf16) {
-          if (!dp) bf16_to_f32_row((const bf16_t *)q + src, dst, geo->scale, head_dim);
-        } else {
-          const float *qs = (const float *)q + src;
-#pragma omp simd
-          for (int d = 0; d < head_dim; d++) dst[d] = qs[d] * geo->scale;
-        }
-        row_max[r] = -FLT_MAX;
-      }
-
-  /* Q K^T, block by block (no division per token). Token t is seen by the tile's queries
-   * jj >= t - ctx - j0 (all of them for cached tokens), so each token starts at row jj_lo. */
-  for (int b = 0; b < num_blocks; b++) {
-    const int t0 = b * geo->block_size;
-    const int n = len - t0 < geo->block_size ? len - t0 : geo->block_size;
-    for (int o = 0; o < n; o++) {
-      const int t = t0 + o;
-      const int jj_lo = t - ctx - j0 > 0 ? t - ctx - j0 : 0;
-      const int64_t at = (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride;
-      for (int kk = 0; kk < nkh; kk++) {
-        const int64_t kat = at + (int64_t)(kh0 + kk) * head_dim;
-        /* With vdpbf16ps the bf16 row is read as it is: nothing to convert. */
-        const float *k = dp ? NULL : cache_row(k_cache, kat, is_bf16, kvrow, head_dim);
-        for (int jj = jj_lo; jj < nq; jj++)
-          for (int g = 0; g < group; g++) {
-            const int r = (kk * nq + jj) * group + g;
-            float dot = 0.f;
-#if HAVE_DOT_BF16
-            if (dp) {
-              const int64_t qat =
-                  ((int64_t)(j0 + jj) * geo->num_heads + (kh0 + kk) * group + g) * head_dim;
-              dot = dot_bf16((const bf16_t *)q + qat, (const bf16_t *)k_cache + kat, head_dim) *
-                    geo->scale;
-            } else
-#endif
-            {
-              const float *qr = qf + (int64_t)r * head_dim;
-#pragma omp simd reduction(+ : dot)
-              for (int d = 0; d < head_dim; d++) dot += qr[d] * k[d];
-            }
-            scores[(int64_t)r * len + t] = dot;
-            if (dot > row_max[r]) row_max[r] = dot;
-          }
-      }
-    }
-  }
-
-  /* Exact softmax per row over the positions it sees: [0, ctx + j0 + jj]. */
-  for (int r = 0; r < rows; r++) {
-    const int vis = ctx + j0 + (r / group) % nq + 1;
-    float *row = scores + (int64_t)r * len;
-    const float mx = row_max[r];
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int t = 0; t < vis; t++) {
-      row[t] = exp_nonpositive(row[t] - mx);
-      sum += row[t];
-    }
-    inv_sum[r] = 1.f / sum;
-  }
-
-  /* P V in the same order; the accumulators (rows * head_dim floats) stay in L1/L2. */
-  memset(acc, 0, sizeof(float) * (size_t)rows * head_dim);
-  for (int b = 0; b < num_blocks; b++) {
-    const int t0 = b * geo->block_size;
-    const int n = len - t0 < geo->block_size ? len - t0 : geo->block_size;
-    for (int o = 0; o < n; o++) {
-      const int t = t0 + o;
-      const int jj_lo = t - ctx - j0 > 0 ? t - ctx - j0 : 0;
-      const int64_t at = (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride;
-      for (int kk = 0; kk < nkh; kk++) {
-        const int64_t vat = at + (int64_t)(kh0 + kk) * head_dim;
-        const float *v = cache_row(v_cache, vat, is_bf16, kvrow, head_dim);
-        for (int jj = jj_lo; jj < nq; jj++)
-          for (int g = 0; g < group; g++) {
-            const int r = (kk * nq + jj) * group + g;
-            const float p = scores[(int64_t)r * len + t];
-            float *acc_r = acc + (int64_t)r * head_dim;
-#pragma omp simd
-            for (int d = 0; d < head_dim; d++) acc_r[d] += p * v[d];
-          }
-      }
-    }
-  }
-
-  /* Normalize and store in the output's dtype. */
-  for (int kk = 0; kk < nkh; kk++)
-    for (int jj = 0; jj < nq; jj++)
-      for (int g = 0; g < group; g++) {
-        const int r = (kk * nq + jj) * group + g;
-        const int64_t dst =
-            ((int64_t)(j0 + jj) * geo->num_heads + (kh0 + kk) * group + g) * head_dim;
-        const float *acc_r = acc + (int64_t)r * head_dim;
-        const float inv = inv_sum[r];
-        if (is_bf16) {
-          bf16_t *o = (bf16_t *)out + dst;
-          for (int d = 0; d < head_dim; d++) o[d] = f32_to_bf16(acc_r[d] * inv);
-        } else {
-          float *o = (float *)out + dst;
-#pragma omp simd
-          for (int d = 0; d < head_dim; d++) o[d] = acc_r[d] * inv;
-        }
-      }
+         grow(&s->stats, &s->stats_cap, 2 * rows);
 }
 
 /* ---- Decodes ------------------------------------------------------------------------------------
@@ -717,6 +546,238 @@ static inline __attribute__((always_inline)) void attend_decode(
                (char *)out + (first + (int64_t)r * head_dim) * it.elem);
 }
 
+/* ---- Prefill tiles -----------------------------------------------------------------------------
+ * An item of nq > 1 queries works one kv head at a time on that head's R = nq * group query rows
+ * (row r = jj * group + g), in layouts that let every inner loop run across rows or across head
+ * dims, never into a horizontal sum:
+ *   qt   [head_dim][rp]  the scaled queries, transposed (rp: R rounded up to whole vectors)
+ *   kbuf [len][dp]       the kv head's K rows of the context as fp32, converted once per item
+ *   vbuf [len][dp]       its V rows likewise (dp: head_dim rounded up to whole vectors)
+ *   st   [len][rp]       scores, then unnormalized probabilities, token-major
+ * Q.K: st[t][rows] = sum over d of kbuf[t][d] (a broadcast scalar) * qt[d][rows], QK_TB tokens by
+ * QK_RB row vectors of accumulators in registers, the query vectors loaded once per d. Softmax
+ * per row, vectorized across rows: the max over tokens, then exp and sums. P.V:
+ * acc[r][d-vector] += st[t][r] (broadcast) * vbuf[t][d-vector], PV_RB rows by a slice of
+ * PV_REGS / PV_RB vectors in registers over all tokens. Causality: row r (query jj = r / group)
+ * sees tokens t <= ctx + j0 + jj; in the tile's own tokens the (t, r) it does not see get
+ * probability 0, so every loop runs over whole token ranges. */
+#define QK_TB 4
+#if VW == 16
+#define QK_RB 4
+#else
+#define QK_RB 2
+#endif
+#define PV_RB 4
+
+/* st[t0 + t][0, rb * VW) for t < tb (<= QK_TB) from rb (<= QK_RB, a compile-time constant) row
+ * vectors of qt. kbuf holds whole QK_TB-token groups (rows past len are zero). */
+static inline __attribute__((always_inline)) void qk_block(
+    const int head_dim, const int rb, const float *restrict qt, const int64_t rp,
+    const float *restrict kbuf, const int dp, const int t0, const int tb, float *restrict st) {
+  vf acc[QK_TB][QK_RB];
+  for (int t = 0; t < QK_TB; t++)
+    for (int i = 0; i < rb; i++) acc[t][i] = vsplat(0.f);
+  const float *k = kbuf + (int64_t)t0 * dp;
+  for (int d = 0; d < head_dim; d++) {
+    vf q[QK_RB];
+    for (int i = 0; i < rb; i++) q[i] = vload(qt + d * rp + i * VW);
+    for (int t = 0; t < QK_TB; t++) {
+      const vf kd = vsplat(k[t * dp + d]);
+      for (int i = 0; i < rb; i++) acc[t][i] = vfma(kd, q[i], acc[t][i]);
+    }
+  }
+  for (int t = 0; t < tb; t++)
+    for (int i = 0; i < rb; i++) vstore(st + (t0 + t) * rp + i * VW, acc[t][i]);
+}
+
+static inline __attribute__((always_inline)) void tile_scores(
+    const int head_dim, const float *restrict qt, const int64_t rp, const float *restrict kbuf,
+    const int dp, const int len, float *restrict st) {
+  const int nrv = (int)(rp / VW);
+  for (int rv = 0; rv < nrv; rv += QK_RB) {
+    const int rb = nrv - rv < QK_RB ? nrv - rv : QK_RB;
+    for (int t0 = 0; t0 < len; t0 += QK_TB) {
+      const int tb = len - t0 < QK_TB ? len - t0 : QK_TB;
+#define QK_BLOCK(RB) qk_block(head_dim, RB, qt + rv * VW, rp, kbuf, dp, t0, tb, st + rv * VW)
+      switch (rb) {
+        case 1:
+          QK_BLOCK(1);
+          break;
+#if QK_RB > 2
+        case 2:
+          QK_BLOCK(2);
+          break;
+        case 3:
+          QK_BLOCK(3);
+          break;
+#endif
+        default:
+          QK_BLOCK(QK_RB);
+      }
+#undef QK_BLOCK
+    }
+  }
+}
+
+/* Lanes of row vector r0 / VW that token t may not be seen by: rows r < u * group, where u is
+ * t's index among the tile's queries (t = first + u); none for tokens before the tile. */
+static inline vi tile_hidden(const int t, const int first, const int group, const int r0) {
+  vi lane;
+  for (int i = 0; i < VW; i++) lane[i] = r0 + i;
+  const int u = t - first;
+  return u > 0 ? lane < u * group : (vi){0};
+}
+
+/* Causal softmax of every row vector, across rows: st becomes exp(s - row max), 0 where the row
+ * does not see the token; inv[r] = 1 / row r's sum. `first`: the tile's first query position. */
+static inline void tile_softmax(float *restrict st, const int64_t rp, const int len,
+                                const int first, const int group, float *restrict inv) {
+  for (int r0 = 0; r0 < rp; r0 += VW) {
+    vf m = vsplat(-FLT_MAX);
+    for (int t = 0; t < len; t++) {
+      const vf s = vload(st + t * rp + r0);
+      const vi hidden = tile_hidden(t, first, group, r0);
+      m = vmax(m, (vf)(((vi)s & ~hidden) | ((vi)vsplat(-FLT_MAX) & hidden)));
+    }
+    vf sum = vsplat(0.f);
+    for (int t = 0; t < len; t++) {
+      const vf e = (vf)((vi)vexp_nonpositive(vload(st + t * rp + r0) - m) &
+                        ~tile_hidden(t, first, group, r0));
+      vstore(st + t * rp + r0, e);
+      sum += e;
+    }
+    vstore(inv + r0, 1.f / sum);
+  }
+}
+
+/* acc[r0 + i][c0 .. c0 + m vectors) = sum over t < len of st[t][r0 + i] * vbuf[t][...], for
+ * nr <= PV_RB rows (a compile-time constant) and m <= PV_REGS / PV_RB vectors. */
+static inline __attribute__((always_inline)) void pv_block(
+    const int nr, const int m, const float *restrict st, const int64_t rp, const int r0,
+    const float *restrict vbuf, const int dp, const int c0, const int len, float *restrict acc) {
+  vf a[PV_RB][PV_REGS / PV_RB];
+  for (int i = 0; i < nr; i++)
+    for (int c = 0; c < m; c++) a[i][c] = vsplat(0.f);
+  for (int t = 0; t < len; t++) {
+    vf v[PV_REGS / PV_RB];
+    for (int c = 0; c < m; c++) v[c] = vload(vbuf + (int64_t)t * dp + (c0 + c) * VW);
+    for (int i = 0; i < nr; i++) {
+      const vf p = vsplat(st[t * rp + r0 + i]);
+      for (int c = 0; c < m; c++) a[i][c] = vfma(p, v[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < nr; i++)
+    for (int c = 0; c < m; c++) vstore(acc + (int64_t)(r0 + i) * dp + (c0 + c) * VW, a[i][c]);
+}
+
+static inline __attribute__((always_inline)) void tile_values(
+    const int head_dim, const int rows, const float *restrict st, const int64_t rp,
+    const float *restrict vbuf, const int dp, const int len, float *restrict acc) {
+  const int nv = (head_dim + VW - 1) / VW;
+  const int width = PV_REGS / PV_RB;
+  for (int r0 = 0; r0 < rows; r0 += PV_RB) {
+    const int nr = rows - r0 < PV_RB ? rows - r0 : PV_RB;
+    for (int c0 = 0; c0 < nv; c0 += width) {
+      const int m = nv - c0 < width ? nv - c0 : width;
+#define PV_BLOCK(NR) pv_block(NR, m, st, rp, r0, vbuf, dp, c0, len, acc)
+      switch (nr) {
+        case 1:
+          PV_BLOCK(1);
+          break;
+        case 2:
+          PV_BLOCK(2);
+          break;
+        case 3:
+          PV_BLOCK(3);
+          break;
+        default:
+          PV_BLOCK(PV_RB);
+      }
+#undef PV_BLOCK
+    }
+  }
+}
+
+/* The kv head's rows (element offset `head_off` in a token) of tokens [0, len) as fp32 rows of
+ * dp values (zero past head_dim), then zero rows up to a whole QK_TB group. */
+static inline __attribute__((always_inline)) void load_context(
+    const int head_dim, const int is_bf16, const Geometry *geo, const int32_t *restrict table,
+    const void *restrict cache, const int64_t head_off, const int len, const int dp,
+    float *restrict buf) {
+  const int nv = dp / VW;
+  int b = 0, o = 0;
+  for (int t = 0; t < len; t++) {
+    const int64_t at =
+        (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
+    for (int c = 0; c < nv; c++)
+      vstore(buf + (int64_t)t * dp + c * VW,
+             load_row(cache, at + c * VW, is_bf16, lanes_in_row(head_dim, c)));
+    if (++o == geo->block_size) {
+      o = 0;
+      b++;
+    }
+  }
+  memset(buf + (int64_t)len * dp, 0, sizeof(float) * (size_t)(round_up(len, QK_TB) - len) * dp);
+}
+
+/* Scratch of a prefill tile item (see above); returns 0, or -1 when out of memory. */
+static int reserve_tile(Scratch *s, const int64_t rows, const int64_t len,
+                        const int64_t head_dim) {
+  const int64_t dp = round_up(head_dim, VW), rp = round_up(rows, VW);
+  const int64_t padded = round_up(len, QK_TB);
+  return grow(&s->scores, &s->scores_cap, padded * rp) | grow(&s->q, &s->q_cap, head_dim * rp) |
+         grow(&s->acc, &s->acc_cap, rp * dp) | grow(&s->kbuf, &s->kbuf_cap, padded * dp) |
+         grow(&s->vbuf, &s->vbuf_cap, padded * dp) | grow(&s->stats, &s->stats_cap, rp);
+}
+
+/* One work item: queries [j0, j0 + nq) of a sequence whose first query sits at position ctx,
+ * kv heads [kh0, kh0 + nkh). `q` and `out` point at the sequence's first query row; `table` at
+ * its block table row. Scratch: reserve_tile for nq * group rows and ctx + j0 + nq tokens. */
+static inline __attribute__((always_inline)) void attend(
+    const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
+    const int nq, const int kh0, const int nkh, const void *restrict q,
+    const void *restrict k_cache, const void *restrict v_cache, const int32_t *restrict table,
+    void *restrict out, Scratch *scratch) {
+  const int group = geo->group;
+  const int rows = nq * group;
+  const int64_t rp = round_up(rows, VW);
+  const int dp = (int)round_up(head_dim, VW);
+  const int len = ctx + j0 + nq; /* tokens the last query of the tile sees */
+  const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+  float *restrict qt = scratch->q;
+  float *restrict st = scratch->scores;
+  float *restrict inv = scratch->stats;
+
+  for (int kk = 0; kk < nkh; kk++) {
+    const int kh = kh0 + kk;
+    /* qt[d][r] = scale * q of row r = jj * group + g (query j0 + jj, head kh * group + g). */
+    for (int r = 0; r < rows; r++) {
+      const int64_t src = ((int64_t)(j0 + r / group) * geo->num_heads + kh * group + r % group) *
+                          head_dim;
+      for (int d = 0; d < head_dim; d++) {
+        const float x = is_bf16 ? bf16_to_f32(((const bf16_t *)q)[src + d])
+                                : ((const float *)q)[src + d];
+        qt[d * rp + r] = x * geo->scale;
+      }
+    }
+    for (int d = 0; d < head_dim; d++)
+      for (int r = rows; r < rp; r++) qt[d * rp + r] = 0.f;
+    load_context(head_dim, is_bf16, geo, table, k_cache, (int64_t)kh * head_dim, len, dp,
+                 scratch->kbuf);
+    load_context(head_dim, is_bf16, geo, table, v_cache, (int64_t)kh * head_dim, len, dp,
+                 scratch->vbuf);
+    tile_scores(head_dim, qt, rp, scratch->kbuf, dp, len, st);
+    tile_softmax(st, rp, len, ctx + j0, group, inv);
+    tile_values(head_dim, rows, st, rp, scratch->vbuf, dp, len, scratch->acc);
+    for (int r = 0; r < rows; r++) {
+      const int64_t dst =
+          ((int64_t)(j0 + r / group) * geo->num_heads + kh * group + r % group) * head_dim;
+      store_head(scratch->acc + (int64_t)r * dp, inv[r], head_dim, is_bf16,
+                 (char *)out + dst * (int64_t)elem);
+    }
+  }
+}
+
 /* A work item: on the decode path when it has one query, else on `attend`. */
 static inline __attribute__((always_inline)) void attend_item(
     const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
@@ -876,7 +937,10 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
       const int nq = qlen - j0 < QUERY_TILE ? qlen - j0 : QUERY_TILE;
       const int ctx = seq_lens[s] - qlen;
       const int64_t rows = (int64_t)heads_per_item * nq * geo.group;
-      if (reserve(&scratch, rows, ctx + j0 + nq, head_dim) != 0) {
+      const int reserved = nq == 1 ? reserve(&scratch, rows, ctx + j0 + nq, head_dim)
+                                   : reserve_tile(&scratch, (int64_t)nq * geo.group,
+                                                  ctx + j0 + nq, head_dim);
+      if (reserved != 0) {
 #pragma omp atomic write
         failed = 1;
         continue;
@@ -889,8 +953,9 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
     free(scratch.scores);
     free(scratch.q);
     free(scratch.acc);
-    free(scratch.row);
     free(scratch.stats);
+    free(scratch.kbuf);
+    free(scratch.vbuf);
   }
   free(tile_seq);
   free(tile_j0);
