@@ -23,6 +23,7 @@ from model_server.kernels.cpu.linear_tuning import (
     MM_T,
     NATIVE,
     PACKED,
+    PANELS,
     ROW_BLOCKS,
     TORCH,
     TUNING_ENV,
@@ -32,6 +33,7 @@ from model_server.kernels.cpu.linear_tuning import (
     row_buckets,
     tune_cpu_linears,
 )
+from model_server.kernels.cpu.panel_gemm import panels_available
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.portable import int8_linear_dequant
@@ -112,7 +114,7 @@ def test_row_buckets() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, NATIVE, PACKED])
+@pytest.mark.parametrize("winner", [TORCH, MM_T, BMM_SPLIT, ROW_BLOCKS, NATIVE, PACKED, PANELS])
 @pytest.mark.parametrize(("n", "k"), [(96, 48), (97, 33)])  # N odd (not split by 2), K odd
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_candidate_equals_f_linear(
@@ -152,23 +154,34 @@ def test_every_candidate_equals_f_linear(
     )
 
 
+@pytest.mark.parametrize(
+    ("kind", "dtype"),
+    [(PACKED, torch.float32), (PANELS, torch.bfloat16)],
+    ids=["onednn-fp32", "panels-bf16"],
+)
 def test_packed_exclusive_weight_is_relaid_out_in_place(
-    monkeypatch: pytest.MonkeyPatch, cache: TuningCache
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache, kind: str, dtype: torch.dtype
 ) -> None:
-    """Packed winning everywhere: an exclusive weight's dense bytes go (shape and dtype stay),
-    a shared one keeps them and the extra bytes are reported."""
-    force(monkeypatch, PACKED)
-    w, shared = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False), torch.randn(64, 32)
+    """A packed kind winning everywhere: an exclusive weight's dense bytes go (shape and dtype
+    stay), a shared one keeps them and the extra bytes are reported. Where the kind cannot pack
+    (the panels without AVX512-BF16) both stay dense."""
+    force(monkeypatch, kind)
+    w = torch.nn.Parameter(torch.randn(64, 32).to(dtype), requires_grad=False)
+    shared = torch.randn(64, 32).to(dtype)
     ref_w, ref_shared = w.detach().clone(), shared.clone()
     linear = CpuLinear()
     sites = [LinearSite(w, 16, exclusive=True), LinearSite(shared, 16, exclusive=False)]
-    report = tune_cpu_linears(sites, torch.float32, linear, CpuInt8Linear(), cache)
-    assert w.shape == (64, 32) and w.dtype == torch.float32 and w.stride() == (0, 0)
-    assert torch.equal(shared, ref_shared) and report.extra_bytes == shared.numel() * 4
-    x = torch.randn(7, 32)
-    torch.testing.assert_close(linear(x, w), F.linear(x, ref_w), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(linear(x, shared), F.linear(x, shared), atol=1e-5, rtol=1e-5)
-    assert any("packed" in line for line in report.lines)
+    report = tune_cpu_linears(sites, dtype, linear, CpuInt8Linear(), cache)
+    packs = kind == PACKED or panels_available()
+    assert w.shape == (64, 32) and w.dtype == dtype
+    assert (w.stride() == (0, 0)) == packs
+    assert torch.equal(shared, ref_shared)
+    assert report.extra_bytes == (shared.numel() * shared.element_size() if packs else 0)
+    x = torch.randn(7, 32).to(dtype)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(linear(x, w).float(), F.linear(x, ref_w).float(), **tol)
+    torch.testing.assert_close(linear(x, shared).float(), F.linear(x, shared).float(), **tol)
+    assert any(f"{kind} [packed" in line for line in report.lines) == packs
 
 
 @pytest.mark.parametrize("winner", [INT8_KERNEL, DEQUANT])

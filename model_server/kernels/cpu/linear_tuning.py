@@ -7,17 +7,18 @@ weights win on AVX-512 but not everywhere), by dtype, by shape and by row count.
 bucketed to the next power of two (1, 2, 4, ..., 256; more rows use the 256 bucket).
 
 Candidates (kernels/cpu/linear.py): F.linear (torch's own BLAS/oneDNN choice), `W @ x^T`, the
-one-row bmm split, `W @ x^T` in blocks of rows, oneDNN with a prepacked weight, and up to
-NATIVE_MAX_ROWS rows the native skinny matmul (kernels/cpu/gemm.py, where its library builds);
-for int8 weights PyTorch's int8 kernel and dequantize-then-matmul. A candidate that raises is
-dropped (debug log).
+one-row bmm split, `W @ x^T` in blocks of rows, up to NATIVE_MAX_ROWS rows the native skinny
+matmul (kernels/cpu/gemm.py, where its library builds), and two kernels on a weight re-laid out
+once (PACKED_KINDS): oneDNN with a prepacked weight, and in bf16 on AVX512-BF16 builds the
+native panel matmul (kernels/cpu/panel_gemm.py); for int8 weights PyTorch's int8 kernel and
+dequantize-then-matmul. A candidate that raises is dropped (debug log).
 
-Memory: a prepacked weight holds the same bytes in oneDNN's layout. Where only the layer reads
-the weight (`LinearSite.exclusive`) and the packed kernel is the better choice over the buckets,
-the packed copy replaces the dense values (the parameter keeps its shape and dtype on a one-element
-expanded placeholder), so memory does not grow. A weight another module reads (a tied
-embedding) keeps its dense values; it is packed as well only where packed wins, and that extra
-memory is logged.
+Memory: a packed weight holds the same bytes in another layout. Where only the layer reads the
+weight (`LinearSite.exclusive`) and one packed kind at every bucket beats the best dense kernel
+per bucket, that kind's copy replaces the dense values (the parameter keeps its shape and dtype
+on a one-element expanded placeholder), so memory does not grow. A weight another module reads
+(a tied embedding) keeps its dense values; it is packed as well (one kind) only where packed
+wins, and that extra memory is logged.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from model_server.kernels.cpu.linear import (
     row_blocks,
     skinny_linear,
 )
+from model_server.kernels.cpu.panel_gemm import pack_panels, panel_linear
 from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import Int8LinearFn, LinearFn
@@ -91,6 +93,7 @@ BMM_SPLIT = "bmm_split"
 ROW_BLOCKS = "row_blocks"
 NATIVE = "native_gemm"
 PACKED = "onednn_packed"
+PANELS = "native_panels"
 INT8_KERNEL = "int8_kernel"
 DEQUANT = "dequantize"
 
@@ -102,6 +105,12 @@ DENSE_FNS: dict[str, LinearFn] = {
     NATIVE: gemm_linear,
 }
 INT8_FNS: dict[str, Int8LinearFn] = {INT8_KERNEL: int8_kernel_linear, DEQUANT: dequantized_linear}
+# Kernels on a re-laid-out weight: name -> (pack a weight [N, K], the matmul on the packed copy
+# with F.linear's (x, weight, bias) order). Packing raises where the kind does not apply.
+PACKED_KINDS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[..., torch.Tensor]]] = {
+    PACKED: (pack_onednn_weight, onednn_packed_linear),
+    PANELS: (pack_panels, panel_linear),
+}
 
 # Timings of one shape: per bucket, candidate name -> best seconds.
 BucketTimes = list[dict[str, float]]
@@ -132,9 +141,13 @@ def bucket_index(rows: int, num_buckets: int) -> int:
 
 
 def _packed_call(
-    packed: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    fn: Callable[..., torch.Tensor],
+    packed: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    return onednn_packed_linear(x, packed, bias)
+    return fn(x, packed, bias)
 
 
 class CpuLinear:
@@ -287,12 +300,19 @@ MAX_COPIES = 32
 
 
 class _Rotating:
-    """`fn(x, weights[i], None)` with i advancing by one per call, round the copies."""
+    """`fn(x, weights[i], None)` with i advancing by one per call, round the copies, from
+    `start`."""
 
     __slots__ = ("fn", "i", "weights", "x")
 
-    def __init__(self, fn: LinearFn, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> None:
-        self.fn, self.x, self.weights, self.i = fn, x, weights, 0
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        weights: Sequence[Any],
+        start: int = 0,
+    ) -> None:
+        self.fn, self.x, self.weights, self.i = fn, x, weights, start % len(weights)
 
     def __call__(self) -> torch.Tensor:
         weight = self.weights[self.i]
@@ -314,12 +334,13 @@ def _time_group(group: _Group, deadline: float) -> None:
     weight = site.weight
     n, k = group.shape
     copies = [weight] if group.int8 else _cold_copies(weight)
-    packed: list[torch.Tensor] | None = None
+    packed: dict[str, list[Any]] = {}
     if not group.int8:
-        try:
-            packed = [pack_onednn_weight(w) for w in copies]
-        except Exception as exc:
-            logger.debug("cpu linear candidate %s dropped for %dx%d: %s", PACKED, n, k, exc)
+        for kind, (pack, _) in PACKED_KINDS.items():
+            try:
+                packed[kind] = [pack(w) for w in copies]
+            except Exception as exc:
+                logger.debug("cpu linear candidate %s dropped for %dx%d: %s", kind, n, k, exc)
     gen = torch.Generator().manual_seed(0)
     group.times = []
     for index, rows in enumerate(group.buckets):
@@ -336,12 +357,16 @@ def _time_group(group: _Group, deadline: float) -> None:
                 name: functools.partial(fn, x, weight, scale, None) for name, fn in INT8_FNS.items()
             }
         else:
+            # The dense candidates share the copies: each starts 1/R of the way further round
+            # them, so that between two reads of one copy every other copy is read once (R
+            # readers in step would each read the copy the first one just brought into cache).
+            names = float_candidates(rows, weight)
             calls = {
-                name: _Rotating(DENSE_FNS[name], x, copies)
-                for name in float_candidates(rows, weight)
+                name: _Rotating(DENSE_FNS[name], x, copies, j * len(copies) // len(names))
+                for j, name in enumerate(names)
             }
-            if packed is not None:
-                calls[PACKED] = _Rotating(onednn_packed_linear, x, packed)
+            for kind, kind_copies in packed.items():
+                calls[kind] = _Rotating(PACKED_KINDS[kind][1], x, kind_copies)
         # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
         group.times.append(time_candidates(calls) or {TORCH: float("inf")})
 
@@ -379,16 +404,16 @@ def _is_dense(name: str) -> bool:
     return name in DENSE_FNS
 
 
-def _packed_only_pays(times: BucketTimes) -> bool:
-    """Whether packed everywhere beats the best dense kernel per bucket, summed over buckets as
-    ratios to each bucket's best (every bucket counts alike)."""
+def _packed_only_cost(times: BucketTimes, kind: str) -> float | None:
+    """`kind` at every bucket, summed over buckets as ratios to each bucket's best (every bucket
+    counts alike), when that beats the best dense kernel per bucket; else None."""
     inf = float("inf")
     packed = dense = 0.0
     for t in times:
         best = min(t.values())
-        packed += t.get(PACKED, inf) / best
+        packed += t.get(kind, inf) / best
         dense += t[_best(t, _is_dense)] / best if any(map(_is_dense, t)) else inf
-    return packed <= dense
+    return packed if packed <= dense and packed < inf else None
 
 
 def _ranges(buckets: tuple[int, ...], names: Sequence[str]) -> str:
@@ -433,7 +458,7 @@ def _runnable_times(group: _Group) -> BucketTimes:
     weight = group.sites[0].weight
     runnable: BucketTimes = []
     for rows, times in zip(group.buckets, group.times, strict=True):
-        allowed = {*float_candidates(rows, weight), PACKED}
+        allowed = {*float_candidates(rows, weight), *PACKED_KINDS}
         kept = {name: t for name, t in times.items() if name in allowed}
         runnable.append(kept or {TORCH: float("inf")})
     return runnable
@@ -448,36 +473,48 @@ def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
 def _plan_float(group: _Group, linear: CpuLinear, report: TuningReport) -> str:
     best = [_best(t) for t in group.times]
     dense = [_best(t, _is_dense) for t in group.times]
-    dense_fns = [DENSE_FNS[name] for name in dense]
-    linear.set_shape_plan(group.shape, group.act_dtype, dense_fns)
-    if PACKED not in best:
+    linear.set_shape_plan(group.shape, group.act_dtype, [DENSE_FNS[name] for name in dense])
+    used = [name for name in best if name in PACKED_KINDS]
+    if not used:
         return _ranges(group.buckets, dense)
-    packed_only = _packed_only_pays(group.times)
+    # Exclusive weights: the packed kind that alone beats dense by the most, if one does.
+    costs = {kind: _packed_only_cost(group.times, kind) for kind in PACKED_KINDS}
+    paying = {kind: cost for kind, cost in costs.items() if cost is not None}
+    only = min(paying, key=paying.__getitem__) if paying else None
+    # A shared weight keeps its dense values and gets one packed copy: the kind it wins with
+    # most often; its other buckets run their best dense kernel.
+    shared_kind = max(set(used), key=used.count)
+    shared_names = [
+        name if name == shared_kind else dense[i] if name in PACKED_KINDS else name
+        for i, name in enumerate(best)
+    ]
     layouts: list[str] = []
     for site in group.sites:
-        if site.exclusive and not packed_only:
+        kind = only if site.exclusive else shared_kind
+        if kind is None:
             layouts.append("dense")
             continue  # the shape plan serves it
+        pack, fn = PACKED_KINDS[kind]
         try:
-            packed = pack_onednn_weight(site.weight)
+            packed = pack(site.weight)
         except Exception as exc:
-            logger.debug("cannot pack %s: %s", site.name, exc)
+            logger.debug("cannot pack %s as %s: %s", site.name, kind, exc)
             layouts.append("dense")
             continue
-        call = functools.partial(_packed_call, packed)
+        call = functools.partial(_packed_call, fn, packed)
         if site.exclusive:
             # The packed copy now holds the values: keep shape and dtype, drop the bytes.
             site.weight.data = torch.zeros((), dtype=site.weight.dtype).expand(group.shape)
             linear.set_weight_plan(site.weight, [call] * len(group.buckets))
             layouts.append("packed")
         else:
-            fns = [call if name == PACKED else DENSE_FNS[name] for name in best]
+            fns = [call if name == kind else DENSE_FNS[name] for name in shared_names]
             linear.set_weight_plan(site.weight, fns)
             report.extra_bytes += site.weight.numel() * site.weight.element_size()
             layouts.append("packed + dense (shared weight)")
-    chosen = [PACKED] * len(best) if packed_only else dense
+    chosen = [only] * len(best) if only is not None and "packed" in layouts else dense
     if any(layout.startswith("packed +") for layout in layouts):
-        chosen = best
+        chosen = shared_names
     kinds = sorted(set(layouts))
     return f"{_ranges(group.buckets, chosen)} [{', '.join(kinds)}]"
 

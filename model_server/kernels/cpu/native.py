@@ -1,6 +1,7 @@
 """Native CPU kernels: the C files in SOURCES (paged attention with the KV-cache store; the
 decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
-kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py), compiled together into one
+kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the bf16 matmul on panel-packed
+weights, wrapped in panel_gemm.py), compiled together into one
 library on first use with the system's C compiler for the best vector ISA this CPU runs
 (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build takes a few
 seconds). `NativeKernels.lib` binds every file's entry points (`_bind`).
@@ -39,6 +40,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "paged_attention.c",
     _HERE / "layer_ops.c",
     _HERE / "gemm.c",
+    _HERE / "panel_gemm.c",
 )
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h")
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
@@ -200,6 +202,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wick_gemm_has_dpbf16.restype = i32
     fn = lib.wick_gemm_packed
     fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_gemm as packed int64s
+    fn.restype = i32
+    # panel_gemm.c
+    lib.wick_panel_gemm_available.restype = i32
+    lib.wick_panel_elements.argtypes = [i64, i64]
+    lib.wick_panel_elements.restype = i64
+    lib.wick_panel_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.wick_panel_pack.restype = None
+    fn = lib.wick_panel_gemm
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
     fn.restype = i32
     return lib
 
