@@ -65,9 +65,12 @@ void wick_panel_pack(const bf16_t *w, int64_t n, int64_t k, bf16_t *panels) {
 #if defined(__AVX512BF16__)
 /* The pair (x[0], x[1]) in every 32-bit lane; `last`: only x[0], the other half zero. */
 static inline __m512bh broadcast_pair(const bf16_t *x, const int last) {
-  uint32_t pair = x[0];
-  if (!last) pair |= (uint32_t)x[1] << 16;
-  return (__m512bh)_mm512_set1_epi32((int32_t)pair);
+  int32_t pair; /* one 32-bit load, so that the broadcast reads memory (vpbroadcastd zmm, m32) */
+  if (last)
+    pair = x[0];
+  else
+    memcpy(&pair, x, sizeof pair);
+  return (__m512bh)_mm512_set1_epi32(pair);
 }
 
 /* tile[i][j * 16 + l] = sum over k of x[i][k] * W[16 (p0 + j) + l][k], for mr rows of x and np
