@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from model_server.openmp_env import set_openmp_wait_defaults
+
+# Before any test imports torch (see model_server/openmp_env.py): the suite runs on shared CI
+# machines too.
+set_openmp_wait_defaults()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need CUDA: on machines without one they are deselected (reported as such),
