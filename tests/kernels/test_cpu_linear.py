@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from model_server.kernels.cpu import dtype_choice, isa, linear_tuning
 from model_server.kernels.cpu.dtype_choice import AUTO_DTYPE_ENV, DtypeFigures
+from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear_tuning import (
     BMM_SPLIT,
     DEQUANT,
@@ -33,7 +34,6 @@ from model_server.kernels.cpu.linear_tuning import (
     row_buckets,
     tune_cpu_linears,
 )
-from model_server.kernels.cpu.panel_gemm import panels_available
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.portable import int8_linear_dequant
@@ -163,8 +163,8 @@ def test_packed_exclusive_weight_is_relaid_out_in_place(
     monkeypatch: pytest.MonkeyPatch, cache: TuningCache, kind: str, dtype: torch.dtype
 ) -> None:
     """A packed kind winning everywhere: an exclusive weight's dense bytes go (shape and dtype
-    stay), a shared one keeps them and the extra bytes are reported. Where the kind cannot pack
-    (the panels without AVX512-BF16) both stay dense."""
+    stay), a shared one keeps them and the extra bytes are reported. Without the native build
+    the panels cannot pack, and both stay dense."""
     force(monkeypatch, kind)
     w = torch.nn.Parameter(torch.randn(64, 32).to(dtype), requires_grad=False)
     shared = torch.randn(64, 32).to(dtype)
@@ -172,7 +172,7 @@ def test_packed_exclusive_weight_is_relaid_out_in_place(
     linear = CpuLinear()
     sites = [LinearSite(w, 16, exclusive=True), LinearSite(shared, 16, exclusive=False)]
     report = tune_cpu_linears(sites, dtype, linear, CpuInt8Linear(), cache)
-    packs = kind == PACKED or panels_available()
+    packs = kind == PACKED or default_kernels() is not None
     assert w.shape == (64, 32) and w.dtype == dtype
     assert (w.stride() == (0, 0)) == packs
     assert torch.equal(shared, ref_shared)

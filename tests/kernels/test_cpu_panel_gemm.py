@@ -1,9 +1,10 @@
-"""The bf16 matmul on panel-packed weights (kernels/cpu/panel_gemm.c, panel_gemm.py) against
-F.linear, on this machine's best build: with AVX512-BF16 every register-tile shape (few, some
-and many rows of x, a short last group of panels, odd K, N not a multiple of 16), bias, strided x
-and both thread counts; without it, the kernel refuses (and the tuner leaves it out, see
-test_cpu_linear.py). Also the tuner's cold timing: candidates sharing weight copies never read a
-copy another one just brought into cache."""
+"""The matmuls on panel-packed weights (kernels/cpu/panel_gemm.c, panel_gemm_f32.c,
+panel_gemm.py) against F.linear, on every ISA build this machine runs (AVX2 forced on AVX-512
+machines), fp32 and bf16: every register-tile shape (few, some and many rows of x, a short last
+group of panels, odd K, N not a multiple of the panel width), bias, strided x and both thread
+counts. bf16 takes the vdpbf16ps pair layout where the build has AVX512-BF16, the fp32 lanes
+elsewhere. Also the tuner's cold timing: candidates sharing weight copies never read a copy
+another one just brought into cache."""
 
 from __future__ import annotations
 
@@ -11,61 +12,82 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_server.kernels.cpu import linear_tuning
-from model_server.kernels.cpu.panel_gemm import pack_panels, panel_linear, panels_available
+from model_server.kernels.cpu import isa as isa_mod
+from model_server.kernels.cpu import linear_tuning, native
+from model_server.kernels.cpu.panel_gemm import pack_panels, panel_linear
 
-AVAILABLE = panels_available()
-# (M, N, K): 1-3 rows (four panels, two accumulator sets), 4-6 (four panels), 7+ (two panels, up
-# to 12 rows per tile, several row tiles); N = 37: three panels, a short last group; K odd.
+RUNNABLE = [i.name for i in isa_mod.supported_isas(isa_mod.cpu_flags())]
+# (M, N, K): 1-3 rows, 4-6, 7+ (several row tiles); N = 37: a short last group of panels; K odd.
 SHAPES = [(1, 576, 576), (2, 37, 33), (3, 100, 577), (5, 64, 64), (6, 200, 15), (7, 48, 1),
           (13, 37, 130), (40, 96, 577), (300, 17, 64)]  # fmt: skip
+# fp32: sums in another order; bf16: one output rounding apart.
+TOLERANCE = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
+}
+
+
+@pytest.fixture(scope="module", params=RUNNABLE)
+def kernels(request: pytest.FixtureRequest) -> native.NativeKernels:
+    built = native.load_kernels(request.param)
+    assert built is not None and built.lib.wick_isa().decode() == request.param
+    return built
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """fp32 products and sums, rounded once to bf16 (the kernel's contract)."""
-    return F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    """fp32 products and sums, rounded once to the dtype (the kernels' contract)."""
+    out = F.linear(x.float(), w.float(), None if b is None else b.float())
+    return out.to(x.dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("min_work", [0, 1 << 40], ids=["all-threads", "one-thread"])
-def test_panel_matmul_equals_f_linear(m: int, n: int, k: int, bias: bool, min_work: int) -> None:
+def test_panel_matmul_equals_f_linear(
+    kernels: native.NativeKernels,
+    dtype: torch.dtype,
+    m: int,
+    n: int,
+    k: int,
+    bias: bool,
+    min_work: int,
+) -> None:
     torch.manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k).bfloat16()
-    b = torch.randn(n).bfloat16() if bias else None
-    # A slice of wider rows: the kernel reads x with its row stride.
-    x = torch.randn(m, k + 5).bfloat16()[:, 2 : 2 + k]
-    if not AVAILABLE:
-        with pytest.raises(ValueError, match="AVX512-BF16"):
-            pack_panels(w)
-        return
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    # A slice of wider rows: the kernels read x with its row stride.
+    x = torch.randn(m, k + 5).to(dtype)[:, 2 : 2 + k]
     before = w.clone()
-    got = panel_linear(x, pack_panels(w), b, min_work_per_thread=min_work)
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    panels = pack_panels(w, kernels)
+    assert panels.pairs == (dtype == torch.bfloat16 and kernels.isa == "avx512_bf16")
+    got = panel_linear(x, panels, b, kernels, min_work_per_thread=min_work)
+    assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(w, before)
-    want = _reference(x, w, b)
-    # fp32 sums in another order: at most one bf16 step apart.
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got.float(), _reference(x, w, b).float(), **TOLERANCE[dtype])
 
 
-def test_panel_matmul_takes_3d_inputs_and_refuses_what_it_cannot_run() -> None:
+def test_panel_matmul_takes_3d_inputs_and_refuses_what_it_cannot_run(
+    kernels: native.NativeKernels,
+) -> None:
     w = torch.randn(40, 24).bfloat16()
-    if not AVAILABLE:
-        with pytest.raises(ValueError):
-            pack_panels(w)
-        return
-    panels = pack_panels(w)
+    panels = pack_panels(w, kernels)
     x = torch.randn(2, 3, 24).bfloat16()
     torch.testing.assert_close(
-        panel_linear(x, panels).float(), _reference(x, w, None).float(), atol=1e-2, rtol=8e-3
+        panel_linear(x, panels, None, kernels).float(),
+        _reference(x, w, None).float(),
+        **TOLERANCE[torch.bfloat16],
     )
-    with pytest.raises(ValueError, match="bf16"):
-        pack_panels(w.float())
-    with pytest.raises(ValueError, match=r"x must be bf16 \[M, 24\]"):
-        panel_linear(torch.randn(2, 24), panels)
-    with pytest.raises(ValueError, match=r"x must be bf16 \[M, 24\]"):
-        panel_linear(torch.randn(2, 23).bfloat16(), panels)
-    assert panel_linear(torch.empty(0, 24, dtype=torch.bfloat16), panels).shape == (0, 40)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        pack_panels(w.half(), kernels)
+    with pytest.raises(ValueError, match=r"x must be torch.bfloat16 \[M, 24\]"):
+        panel_linear(torch.randn(2, 24), panels, None, kernels)
+    with pytest.raises(ValueError, match=r"x must be torch.bfloat16 \[M, 24\]"):
+        panel_linear(torch.randn(2, 23).bfloat16(), panels, None, kernels)
+    with pytest.raises(ValueError, match="bias must be"):
+        panel_linear(torch.randn(2, 24).bfloat16(), panels, torch.randn(40), kernels)
+    empty = panel_linear(torch.empty(0, 24, dtype=torch.bfloat16), panels, None, kernels)
+    assert empty.shape == (0, 40)
 
 
 @pytest.mark.parametrize(("readers", "copies"), [(4, 19), (5, 32), (2, 2), (6, 4)])

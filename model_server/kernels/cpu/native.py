@@ -1,8 +1,8 @@
 """Native CPU kernels: the C files in SOURCES (paged attention with the KV-cache store; the
 decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
-kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the bf16 matmul on panel-packed
-weights, wrapped in panel_gemm.py), compiled together into one
-library on first use with the system's C compiler for the best vector ISA this CPU runs
+kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on panel-packed
+weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py), compiled together into
+one library on first use with the system's C compiler for the best vector ISA this CPU runs
 (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build takes a few
 seconds). `NativeKernels.lib` binds every file's entry points (`_bind`).
 
@@ -41,6 +41,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "layer_ops.c",
     _HERE / "gemm.c",
     _HERE / "panel_gemm.c",
+    _HERE / "panel_gemm_f32.c",
 )
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h")
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
@@ -211,6 +212,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wick_panel_pack.restype = None
     fn = lib.wick_panel_gemm
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
+    fn.restype = i32
+    # panel_gemm_f32.c
+    lib.wick_panel_f32_lanes.restype = i32
+    lib.wick_panel_f32_elements.argtypes = [i64, i64]
+    lib.wick_panel_f32_elements.restype = i64
+    lib.wick_panel_f32_pack.argtypes = [i32, ptr, i64, i64, ptr]
+    lib.wick_panel_f32_pack.restype = None
+    fn = lib.wick_panel_f32_gemm
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
     fn.restype = i32
     return lib
 

@@ -1,9 +1,12 @@
-"""The bf16 matmul on panel-packed weights (kernels/cpu/panel_gemm.c): a candidate of the CPU
-linear tuner (kernels/cpu/linear_tuning.py) at every row count, on builds with AVX512-BF16.
+"""The matmuls on panel-packed weights: a candidate of the CPU linear tuner
+(kernels/cpu/linear_tuning.py) at every row count.
 
-`pack_panels(weight)` re-lays a bf16 weight [N, K] out once (the same bytes, rounded up to whole
-panels of 16 outputs and pairs of K); `panel_linear(x, panels, bias)` is F.linear's contract on
-it: x [M, K] bf16 @ W^T + bias -> a new [M, N] bf16, fp32 accumulation, inputs never written.
+`pack_panels(weight)` re-lays a weight [N, K] out once, in one of two layouts (the same values,
+rounded up to whole panels): bf16 weights on builds with AVX512-BF16 take the k-pair panels that
+vdpbf16ps reads (kernels/cpu/panel_gemm.c); fp32 weights, and bf16 ones elsewhere, take panels of
+one vector of outputs per k, multiplied in fp32 (kernels/cpu/panel_gemm_f32.c).
+`panel_linear(x, panels, bias)` is F.linear's contract on them: x [M, K] @ W^T + bias -> a new
+[M, N] in the weight's dtype (x and bias of that dtype), fp32 accumulation, inputs never written.
 """
 
 from __future__ import annotations
@@ -15,37 +18,53 @@ import torch
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD, default_kernels
 
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
 
 @dataclass(slots=True, frozen=True)
 class Panels:
-    """A weight [n, k] in the panel layout (see panel_gemm.c): `data` holds the values."""
+    """A weight [n, k] in a panel layout: `data` holds its values in `dtype`."""
 
-    data: torch.Tensor  # 1-D bf16, wick_panel_elements(n, k) values
+    data: torch.Tensor  # 1-D
     n: int
     k: int
+    pairs: bool  # the vdpbf16ps layout (panel_gemm.c), else lanes (panel_gemm_f32.c)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
 
 
-def panels_available(kernels: native.NativeKernels | None = None) -> bool:
-    """Whether this CPU's build has the kernel (AVX512-BF16); builds the library on first call."""
+def pairs_available(kernels: native.NativeKernels | None = None) -> bool:
+    """Whether this CPU's build has the bf16 pair kernel (AVX512-BF16); builds the library on
+    first call."""
     kernels = kernels or default_kernels()
     return kernels is not None and bool(kernels.lib.wick_panel_gemm_available())
 
 
 def pack_panels(weight: torch.Tensor, kernels: native.NativeKernels | None = None) -> Panels:
-    """weight [N, K] bf16 -> its panels. Raises ValueError where the kernel cannot run it (another
-    dtype, not a CPU matrix, a build without AVX512-BF16)."""
+    """weight [N, K] fp32 or bf16 -> its panels. Raises ValueError where no kernel can run it
+    (another dtype, not a CPU matrix, no native build)."""
     kernels = kernels or default_kernels()
-    if kernels is None or not kernels.lib.wick_panel_gemm_available():
-        raise ValueError("the panel matmul needs a native build with AVX512-BF16")
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_cpu:
+    if kernels is None:
+        raise ValueError("the panel matmul needs the native kernels")
+    code = _DTYPE_CODES.get(weight.dtype)
+    if code is None or weight.dim() != 2 or not weight.is_cpu:
         raise ValueError(
-            f"the panel matmul takes a 2-D bf16 CPU weight, not {weight.dtype} {weight.shape}"
+            f"the panel matmul takes a 2-D fp32 or bf16 CPU weight, not {weight.dtype} "
+            f"{tuple(weight.shape)}"
         )
     weight = weight.detach().contiguous()
     n, k = weight.shape
-    data = torch.empty(kernels.lib.wick_panel_elements(n, k), dtype=torch.bfloat16)
-    kernels.lib.wick_panel_pack(weight.data_ptr(), n, k, data.data_ptr())
-    return Panels(data, int(n), int(k))
+    lib = kernels.lib
+    pairs = weight.dtype == torch.bfloat16 and bool(lib.wick_panel_gemm_available())
+    if pairs:
+        data = torch.empty(lib.wick_panel_elements(n, k), dtype=weight.dtype)
+        lib.wick_panel_pack(weight.data_ptr(), n, k, data.data_ptr())
+    else:
+        data = torch.empty(lib.wick_panel_f32_elements(n, k), dtype=weight.dtype)
+        lib.wick_panel_f32_pack(code, weight.data_ptr(), n, k, data.data_ptr())
+    return Panels(data, int(n), int(k), pairs)
 
 
 def panel_linear(
@@ -55,19 +74,20 @@ def panel_linear(
     kernels: native.NativeKernels | None = None,
     min_work_per_thread: int = MIN_WORK_PER_THREAD,
 ) -> torch.Tensor:
-    """x [..., K] bf16 @ W^T + bias [N] bf16 -> [..., N] bf16, W given by its panels; on up to
-    torch's thread count (fewer for small matmuls; 0 `min_work_per_thread`: all)."""
+    """x [..., K] @ W^T + bias [N] -> [..., N], all in the panels' dtype, W given by its panels;
+    on up to torch's thread count (fewer for small matmuls; 0 `min_work_per_thread`: all)."""
     if x.dim() != 2:
         out = panel_linear(x.reshape(-1, x.shape[-1]), panels, bias, kernels, min_work_per_thread)
         return out.view(*x.shape[:-1], panels.n)
     m, k = x.shape
-    if x.dtype != torch.bfloat16 or k != panels.k or not x.is_cpu:
+    dtype = panels.dtype
+    if x.dtype != dtype or k != panels.k or not x.is_cpu:
         raise ValueError(
-            f"panel matmul: x must be bf16 [M, {panels.k}] on the CPU, not {x.dtype} "
+            f"panel matmul: x must be {dtype} [M, {panels.k}] on the CPU, not {x.dtype} "
             f"{tuple(x.shape)}"
         )
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (panels.n,)):
-        raise ValueError(f"panel matmul: bias must be bf16 [{panels.n}]")
+    if bias is not None and (bias.dtype != dtype or bias.shape != (panels.n,)):
+        raise ValueError(f"panel matmul: bias must be {dtype} [{panels.n}]")
     kernels = kernels or default_kernels()
     if kernels is None:
         raise ValueError("the panel matmul needs the native kernels")
@@ -80,19 +100,21 @@ def panel_linear(
     out = x.new_empty((m, panels.n))
     if m == 0:
         return out
+    bias_ptr = None if bias is None else bias.data_ptr()
+    threads = torch.get_num_threads()
     # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
-    status = kernels.lib.wick_panel_gemm(
-        x.data_ptr(),
-        row_stride,
-        panels.data.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        panels.n,
-        k,
-        torch.get_num_threads(),
-        min_work_per_thread,
-    )
+    if panels.pairs:
+        status = kernels.lib.wick_panel_gemm(
+            x.data_ptr(), row_stride, panels.data.data_ptr(), bias_ptr, out.data_ptr(),
+            m, panels.n, k, threads, min_work_per_thread,
+        )  # fmt: skip
+    else:
+        status = kernels.lib.wick_panel_f32_gemm(
+            _DTYPE_CODES[dtype], x.data_ptr(), row_stride, panels.data.data_ptr(), bias_ptr,
+            out.data_ptr(), m, panels.n, k, threads, min_work_per_thread,
+        )  # fmt: skip
+    if status == -2:
+        raise ValueError("the panel matmul's pair layout is not in this build (no AVX512-BF16)")
     if status != 0:
-        raise ValueError("the panel matmul is not in this build (no AVX512-BF16)")
+        raise MemoryError("the panel matmul could not allocate its scratch buffer")
     return out

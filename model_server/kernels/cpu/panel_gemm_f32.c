@@ -1,0 +1,211 @@
+/* fp32 matmul on a weight re-laid out once into panels of VW outputs: y[M, N] = x[M, K] @ W^T
+ * (+ bias), any M, on every ISA build (VW = 16 on AVX-512, 8 on AVX2, 4 otherwise). The
+ * panel_gemm.c idea without vdpbf16ps: outputs across the vector's lanes, x broadcast, no
+ * horizontal sums.
+ *
+ * Layout (`wick_panel_f32_pack`): W [N, K] -> [ceil(N / VW)][K][VW] in W's dtype (fp32, or bf16
+ * widened to fp32 as it is read, a 16-bit shift): panel p's row k holds W[VW p + l][k] in lane l;
+ * lanes past N are zero.
+ *
+ * Shapes: x [M, K] rows `x_stride` elements apart, bias [N] or NULL, y [M, N] contiguous; x,
+ * bias and y in `dtype` (0 fp32, 1 bf16), W's panels too. fp32 products and sums; bf16 outputs
+ * rounded once to nearest even (bias added first), as torch does. bf16 rows of x are widened
+ * into a per-thread buffer, one register tile's rows at a time. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "wick_cpu.h"
+#include "wick_vec.h"
+
+/* Register tiles by the rows of x a call has (accumulators: MR_F32 x NP_F32 vectors at most),
+ * sized for the ISA's registers: 32 on AVX-512, 16 on AVX2 and SSE. */
+#if VW == 16
+#define MR_F32 12
+#define NP_F32 4
+#else
+#define MR_F32 6
+#define NP_F32 4
+#endif
+#define PREFETCH_ROWS 32 /* W rows (k) each panel stream is prefetched ahead into L2 */
+
+int64_t wick_panel_f32_elements(int64_t n, int64_t k) { return (n + VW - 1) / VW * k * VW; }
+
+int wick_panel_f32_lanes(void) { return VW; }
+
+/* W [N, K] (rows K apart, `dtype` 0 fp32 / 1 bf16) -> panels of the same dtype. */
+void wick_panel_f32_pack(int dtype, const void *w, int64_t n, int64_t k, void *panels) {
+  const size_t elem = dtype == 1 ? sizeof(bf16_t) : sizeof(float);
+  const int64_t num_panels = (n + VW - 1) / VW;
+  for (int64_t p = 0; p < num_panels; p++)
+    for (int64_t kk = 0; kk < k; kk++)
+      for (int l = 0; l < VW; l++) {
+        const int64_t row = p * VW + l;
+        char *dst = (char *)panels + ((p * k + kk) * VW + l) * (int64_t)elem;
+        if (row < n)
+          memcpy(dst, (const char *)w + (row * k + kk) * (int64_t)elem, elem);
+        else
+          memset(dst, 0, elem);
+      }
+}
+
+/* tile[i][j * VW + l] = sum over k of xf[i][k] * W[VW (p0 + j) + l][k]: mr rows of x (fp32,
+ * `xs` apart) by np panels, compile-time constants after inlining. */
+static inline __attribute__((always_inline)) void tile_f32(
+    const int mr, const int np, const int w_bf16, const float *restrict xf, const int64_t xs,
+    const int64_t k, const void *restrict w, const int64_t panel_stride,
+    float tile[MR_F32][NP_F32 * VW]) {
+  vf acc[MR_F32][NP_F32];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < np; j++) acc[i][j] = (vf){0};
+  const size_t elem = w_bf16 ? sizeof(bf16_t) : sizeof(float);
+  for (int64_t kk = 0; kk < k; kk++) {
+    vf wv[NP_F32];
+    for (int j = 0; j < np; j++) {
+      const int64_t at = j * panel_stride + kk * VW;
+      __builtin_prefetch((const char *)w + (at + PREFETCH_ROWS * VW) * (int64_t)elem, 0, 2);
+      wv[j] = w_bf16 ? vload_bf16((const bf16_t *)w + at) : vload((const float *)w + at);
+    }
+    for (int i = 0; i < mr; i++) {
+      const vf xb = xf[i * xs + kk] - (vf){0};
+      for (int j = 0; j < np; j++) acc[i][j] = vfma(xb, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < np; j++) memcpy(&tile[i][j * VW], &acc[i][j], sizeof(vf));
+}
+
+static void tile_f32_any(const int mr, const int np, const int w_bf16, const float *xf,
+                         const int64_t xs, const int64_t k, const void *w,
+                         const int64_t panel_stride, float tile[MR_F32][NP_F32 * VW]) {
+  /* Few rows take four panels (enough independent chains), more rows two, wider tiles. */
+#define T(R, P)                                                   \
+  if (w_bf16)                                                     \
+    tile_f32(R, P, 1, xf, xs, k, w, panel_stride, tile);          \
+  else                                                            \
+    tile_f32(R, P, 0, xf, xs, k, w, panel_stride, tile);          \
+  return;
+#define ROWS(R)        \
+  case R:              \
+    if (np == 4) {     \
+      T(R, 4)          \
+    } else if (np == 2) { \
+      T(R, 2)          \
+    } else {           \
+      T(R, 1)          \
+    }
+  switch (mr) {
+    ROWS(1)
+    ROWS(2)
+    ROWS(3)
+    ROWS(4)
+    ROWS(5)
+#if MR_F32 > 6
+    ROWS(6)
+    ROWS(7)
+    ROWS(8)
+    ROWS(9)
+    ROWS(10)
+    ROWS(11)
+#endif
+    default:
+      if (np == 4) {
+        T(MR_F32, 4)
+      } else if (np == 2) {
+        T(MR_F32, 2)
+      } else {
+        T(MR_F32, 1)
+      }
+  }
+#undef ROWS
+#undef T
+}
+
+/* Tile shape for a call's row count: (rows per tile, panels per tile) with their product of
+ * accumulators within the registers. */
+static inline void tile_shape_f32(const int64_t m, int *rows, int *panels) {
+#if VW == 16
+  if (m <= 6) {
+    *rows = 6;
+    *panels = 4; /* 1-6 rows: 4-24 accumulators */
+  } else {
+    *rows = MR_F32;
+    *panels = 2; /* 24 */
+  }
+#else
+  if (m <= 3) {
+    *rows = 3;
+    *panels = 4; /* 4-12 */
+  } else {
+    *rows = MR_F32;
+    *panels = 2; /* 12 */
+  }
+#endif
+}
+
+/* Returns 0; -1 when a thread's x buffer could not be allocated (y then partial). */
+int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *panels,
+                        const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+                        int num_threads, int64_t min_work_per_thread) {
+  const int is_bf16 = dtype == 1;
+  const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+  const int64_t num_panels = (n + VW - 1) / VW, panel_stride = k * VW;
+  int rows, per_group;
+  tile_shape_f32(m, &rows, &per_group);
+  const int64_t groups = (num_panels + per_group - 1) / per_group;
+  const int threads = threads_for(m * n * k, min_work_per_thread, num_threads);
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    /* bf16 rows of x widened for one tile (fp32 x is read in place). */
+    float *xbuf = is_bf16 ? (float *)malloc(sizeof(float) * (size_t)(rows * k)) : NULL;
+    if (is_bf16 && xbuf == NULL) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+      if (is_bf16 && xbuf == NULL) continue;
+      const int64_t first = g * per_group;
+      const int in_group =
+          num_panels - first < per_group ? (int)(num_panels - first) : per_group;
+      const int np = in_group == per_group ? per_group : 1; /* a short last group: one by one */
+      float tile[MR_F32][NP_F32 * VW];
+      for (int64_t m0 = 0; m0 < m; m0 += rows) {
+        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+        const float *xf;
+        int64_t xs;
+        if (is_bf16) {
+          for (int i = 0; i < mr; i++)
+            bf16_to_f32_row((const bf16_t *)x + (m0 + i) * x_stride, xbuf + i * k, 1.f, (int)k);
+          xf = xbuf;
+          xs = k;
+        } else {
+          xf = (const float *)x + m0 * x_stride;
+          xs = x_stride;
+        }
+        for (int64_t p0 = first; p0 < first + in_group; p0 += np) {
+          tile_f32_any(mr, np, is_bf16, xf, xs, k,
+                       (const char *)panels + p0 * panel_stride * (int64_t)elem, panel_stride,
+                       tile);
+          const int64_t n0 = p0 * VW;
+          const int cols = n - n0 < np * VW ? (int)(n - n0) : np * VW;
+          for (int i = 0; i < mr; i++)
+            for (int c = 0; c < cols; c++) {
+              float v = tile[i][c];
+              if (bias != NULL)
+                v += is_bf16 ? bf16_to_f32(((const bf16_t *)bias)[n0 + c])
+                             : ((const float *)bias)[n0 + c];
+              const int64_t at = (m0 + i) * n + n0 + c;
+              if (is_bf16)
+                ((bf16_t *)y)[at] = f32_to_bf16(v);
+              else
+                ((float *)y)[at] = v;
+            }
+        }
+      }
+    }
+    free(xbuf);
+  }
+  return failed ? -1 : 0;
+}
