@@ -19,16 +19,15 @@ from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
-from model_server.layers.attention.layer import Attention
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import (
     ColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
 )
 from model_server.layers.rotary import get_rope
-from model_server.models.llama import LlamaForCausalLM, get_head_dim, get_num_kv_heads
+from model_server.models.decoder_parts import QKVAttention, get_head_dim
+from model_server.models.llama import LlamaForCausalLM
 
 
 class ParallelLMHeadWithBias(ParallelLMHead):
@@ -49,69 +48,6 @@ class ParallelLMHeadWithBias(ParallelLMHead):
 def _check_no_qk_layernorm(config: Any) -> None:
     if getattr(config, "qk_layernorm", False):
         raise ValueError(f"{config.model_type} with qk_layernorm=True is not supported")
-
-
-class PartialRotaryAttention(nn.Module):
-    """q/k/v fused (with the config's bias), rotary on the first dims of each head, the output
-    projection named `out_name` (Phi: dense, StableLM: o_proj)."""
-
-    def __init__(
-        self,
-        config: Any,
-        rotary_emb: nn.Module,
-        attn_backend: type[AttentionBackend],
-        kernels: KernelTable,
-        *,
-        qkv_bias: bool,
-        o_bias: bool,
-        out_name: str,
-    ) -> None:
-        super().__init__()
-        self.head_dim = get_head_dim(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            get_num_kv_heads(config),
-            bias=qkv_bias,
-            kernels=kernels,
-        )
-        shard = self.qkv_proj.shard
-        self.num_heads = shard.num_heads
-        self.num_kv_heads = shard.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.out_name = out_name
-        setattr(
-            self,
-            out_name,
-            RowParallelLinear(
-                config.num_attention_heads * self.head_dim,
-                config.hidden_size,
-                bias=o_bias,
-                input_partition=(shard.q_start * self.head_dim, self.q_size),
-                kernels=kernels,
-            ),
-        )
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attn_backend
-        )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)
-        return getattr(self, self.out_name)(out)
 
 
 class PhiMLP(nn.Module):
@@ -216,7 +152,8 @@ class PhiForCausalLM(LlamaForCausalLM):
         layers = [
             LayerNormDecoderLayer(
                 config,
-                PartialRotaryAttention(
+                # The rotary rotates the first dims of each head only (partial_rotary_factor).
+                QKVAttention(
                     config,
                     rotary,
                     attn_backend,

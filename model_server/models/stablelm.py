@@ -3,7 +3,8 @@ partial rotary (`partial_rotary_factor`, 0.25), optional q/k/v bias (`use_qkv_bi
 MLP, and either the sequential residual or Phi's parallel one (`use_parallel_residual`).
 `qk_layernorm` (StableLM 2 12B's per-head norms) is refused.
 
-Tensor parallelism as Llama's; the layers are Phi's (models/phi.py) with this MLP.
+Tensor parallelism as Llama's; the layers are Phi's (models/phi.py) with this MLP, the attention
+the shared QKVAttention (models/decoder_parts.py).
 """
 
 from __future__ import annotations
@@ -14,15 +15,10 @@ from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
-from model_server.layers.embedding import ParallelLMHead
 from model_server.layers.rotary import get_rope
-from model_server.models.llama import LlamaForCausalLM, LlamaMLP, get_head_dim
-from model_server.models.phi import (
-    LayerNormDecoderLayer,
-    LayerNormModel,
-    PartialRotaryAttention,
-    _check_no_qk_layernorm,
-)
+from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head
+from model_server.models.llama import LlamaForCausalLM, LlamaMLP
+from model_server.models.phi import LayerNormDecoderLayer, LayerNormModel, _check_no_qk_layernorm
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
@@ -42,14 +38,13 @@ class StableLmForCausalLM(LlamaForCausalLM):
         layers = [
             LayerNormDecoderLayer(
                 config,
-                PartialRotaryAttention(
+                QKVAttention(
                     config,
                     rotary,
                     attn_backend,
                     kernels,
                     qkv_bias=bool(getattr(config, "use_qkv_bias", False)),
                     o_bias=False,
-                    out_name="o_proj",
                 ),
                 LlamaMLP(
                     config.hidden_size,
@@ -63,7 +58,6 @@ class StableLmForCausalLM(LlamaForCausalLM):
             for _ in range(config.num_hidden_layers)
         ]
         self.model = LayerNormModel(config, layers, rotary, "norm")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.tie_word_embeddings, self.lm_head = make_lm_head(
+            config, self.model.embed_tokens, kernels, tie_default=False
+        )
