@@ -26,7 +26,7 @@ from model_server.layers.linear import (
     default_weight_loader,
 )
 from model_server.layers.rotary import get_rope
-from model_server.models.decoder_parts import QKVAttention, get_head_dim
+from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head
 from model_server.models.llama import LlamaForCausalLM
 
 
@@ -133,8 +133,12 @@ class LayerNormModel(nn.Module):
         return getattr(self, self.final_norm_name)(hidden)
 
 
-class PhiForCausalLM(LlamaForCausalLM):
-    """Phi-2 (see the module docstring); the runner interface and loading are Llama's."""
+class LayerNormCausalLM(LlamaForCausalLM):
+    """The runner interface and loading of Llama over LayerNorm decoder layers (Phi-2,
+    StableLM): subclasses say which attention, MLP, residual order, final norm name and LM
+    head (`make_attention`, `make_mlp`, `parallel_residual`, FINAL_NORM, `make_head`)."""
+
+    FINAL_NORM = "norm"
 
     def __init__(
         self,
@@ -148,29 +152,62 @@ class PhiForCausalLM(LlamaForCausalLM):
         self.config = config
         self.max_position = max_model_len or config.max_position_embeddings
         self.sliding_window = None
+        # The rotary rotates the first dims of each head only (partial_rotary_factor).
         rotary = get_rope(get_head_dim(config), self.max_position, config, kernels)
         layers = [
             LayerNormDecoderLayer(
                 config,
-                # The rotary rotates the first dims of each head only (partial_rotary_factor).
-                QKVAttention(
-                    config,
-                    rotary,
-                    attn_backend,
-                    kernels,
-                    qkv_bias=True,
-                    o_bias=True,
-                    out_name="dense",
-                ),
-                PhiMLP(config, kernels),
-                parallel=True,
+                self.make_attention(config, rotary, attn_backend, kernels),
+                self.make_mlp(config, kernels),
+                parallel=self.parallel_residual(config),
             )
             for _ in range(config.num_hidden_layers)
         ]
-        self.model = LayerNormModel(config, layers, rotary, "final_layernorm")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            raise ValueError("phi with tie_word_embeddings=True is not supported")
-        self.lm_head = ParallelLMHeadWithBias(
-            config.vocab_size, config.hidden_size, kernels=kernels
+        self.model = LayerNormModel(config, layers, rotary, self.FINAL_NORM)
+        self.tie_word_embeddings, self.lm_head = self.make_head(config, kernels)
+
+    def make_attention(
+        self,
+        config: Any,
+        rotary: nn.Module,
+        attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
+    ) -> nn.Module:
+        raise NotImplementedError
+
+    def make_mlp(self, config: Any, kernels: KernelTable) -> nn.Module:
+        raise NotImplementedError
+
+    def parallel_residual(self, config: Any) -> bool:
+        raise NotImplementedError
+
+    def make_head(self, config: Any, kernels: KernelTable) -> tuple[bool, ParallelLMHead]:
+        return make_lm_head(config, self.model.embed_tokens, kernels, tie_default=False)
+
+
+class PhiForCausalLM(LayerNormCausalLM):
+    """Phi-2 (see the module docstring)."""
+
+    FINAL_NORM = "final_layernorm"
+
+    def make_attention(
+        self,
+        config: Any,
+        rotary: nn.Module,
+        attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
+    ) -> nn.Module:
+        return QKVAttention(
+            config, rotary, attn_backend, kernels, qkv_bias=True, o_bias=True, out_name="dense"
         )
+
+    def make_mlp(self, config: Any, kernels: KernelTable) -> nn.Module:
+        return PhiMLP(config, kernels)
+
+    def parallel_residual(self, config: Any) -> bool:
+        return True
+
+    def make_head(self, config: Any, kernels: KernelTable) -> tuple[bool, ParallelLMHead]:
+        if getattr(config, "tie_word_embeddings", False):
+            raise ValueError("phi with tie_word_embeddings=True is not supported")
+        return False, ParallelLMHeadWithBias(config.vocab_size, config.hidden_size, kernels=kernels)
