@@ -42,12 +42,17 @@ def paged_attention_reference(
     block_tables: list[list[int]],
     scale: float,
     requests: range | None = None,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, one request and one head at a time, in fp32.
 
     query: [T, H, D]; request i's queries are rows `[query_start_loc[i], query_start_loc[i+1])`
     at positions ending at `seq_lens[i] - 1`, and see every earlier position of its context
     (all read from the cache). Returns fp32 [T, H, D]; rows of requests outside `requests` are 0.
+    With `sliding_window` W a query at position p sees positions (p - W, p] only (blocks before
+    that are never read); with `logits_soft_cap` c the scaled scores s become c * tanh(s / c).
     """
     num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
@@ -58,12 +63,21 @@ def paged_attention_reference(
     for i in requests:
         start, end = query_start_loc[i], query_start_loc[i + 1]
         query_len, seq_len = end - start, seq_lens[i]
-        keys = gather_context(key_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
-        values = gather_context(value_cache, block_tables[i], seq_len).float()
+        first = 0  # the first position any query of the request sees
+        if sliding_window is not None:
+            first = max(0, seq_len - query_len - sliding_window + 1)
+        table = block_tables[i]
+        keys = torch.zeros((seq_len, *key_cache.shape[2:]))  # [L, Hkv, D], 0 before `first`
+        values = torch.zeros((seq_len, *value_cache.shape[2:]))
+        keys[first:] = gather_context(key_cache, table, seq_len)[first:].float()
+        values[first:] = gather_context(value_cache, table, seq_len)[first:].float()
         for j in range(query_len):
-            visible = seq_len - query_len + j + 1  # positions [0, visible)
+            visible = seq_len - query_len + j + 1  # positions [lo, visible)
+            lo = 0 if sliding_window is None else max(0, visible - sliding_window)
             for h in range(num_heads):
                 kv = h // group
-                scores = keys[:visible, kv] @ query[start + j, h].float() * scale  # [visible]
-                out[start + j, h] = torch.softmax(scores, dim=0) @ values[:visible, kv]
+                scores = keys[lo:visible, kv] @ query[start + j, h].float() * scale
+                if logits_soft_cap is not None:
+                    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+                out[start + j, h] = torch.softmax(scores, dim=0) @ values[lo:visible, kv]
     return out

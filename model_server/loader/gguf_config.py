@@ -19,7 +19,23 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    # The families beyond Llama (models/): llama.cpp's names, the config keys each needs added
+    # by _FAMILY_CONFIG below, tensor names by gguf_loader's per-architecture maps.
+    "phi2": ("phi", "PhiForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "stablelm": ("stablelm", "StableLmForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# Architectures whose files hold experts (stacked `ffn_*_exps` tensors) that we load.
+_MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
+# llama.cpp's Gemma 3 converter keeps neither the local layers' rope base nor their pattern in
+# the file (its runtime hard-codes both): HF's values for every released Gemma 3.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_SLIDING_PATTERN = 6
 
 
 def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
@@ -45,7 +61,8 @@ def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
             raise ModelLoadError(f"{gf.path}: GGUF metadata has no {full}")
         return default
 
-    if key("expert_count", 0):  # Mixtral GGUFs are arch "llama" with stacked expert tensors
+    # Mixtral GGUFs are arch "llama" with stacked expert tensors
+    if key("expert_count", 0) and arch not in _MOE_ARCHITECTURES:
         raise ModelLoadError(
             f"{gf.path}: mixture-of-experts GGUF files ({key('expert_count')} experts) are not "
             "supported: load the model's Hugging Face safetensors folder"
@@ -83,6 +100,8 @@ def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
     rope_scaling = _rope_scaling(gf, arch, head_dim, kwargs["rope_theta"], tensors)
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
+    if arch in _FAMILY_CONFIG:
+        _FAMILY_CONFIG[arch](gf, key, tensors, kwargs)
 
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._name_or_path = gf.path
@@ -186,3 +205,142 @@ def _checkpoint_dtype(tensors: list[GGUFTensorInfo]) -> torch.dtype | None:
         return None
     dtypes = {stored_dtype(t) for t in matrices}
     return dtypes.pop() if len(dtypes) == 1 else None
+
+
+# ---- the families beyond Llama: config keys from each architecture's llama.cpp metadata --------
+
+_Key = Any  # gguf_hf_config's `key(name, default)` reader
+
+
+def _partial_rotary(key: _Key, kwargs: dict[str, Any]) -> None:
+    """llama.cpp stores the rotated dims per head (rope.dimension_count), HF their fraction."""
+    rotary = key("rope.dimension_count", kwargs["head_dim"])
+    kwargs["partial_rotary_factor"] = int(rotary) / kwargs["head_dim"]
+
+
+def _layer_norm(key: _Key, kwargs: dict[str, Any]) -> None:
+    kwargs["layer_norm_eps"] = float(key("attention.layer_norm_epsilon", 1e-5))
+    kwargs.pop("rms_norm_eps")
+
+
+def _phi2(gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]) -> None:
+    _partial_rotary(key, kw)
+    _layer_norm(key, kw)
+
+
+def _phi3(gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]) -> None:
+    _partial_rotary(key, kw)
+    kw["sliding_window"] = key("attention.sliding_window", None) or None
+    if "rope_factors_long.weight" in tensors:  # LongRoPE: both factor sets stored as tensors
+        from model_server.loader.dequant import dequantize
+
+        factors = {}
+        for kind in ("long", "short"):
+            info = tensors.get(f"rope_factors_{kind}.weight")
+            if info is None:
+                raise ModelLoadError(f"{gf.path}: GGUF file has no rope_factors_{kind}.weight")
+            data = dequantize(gf.tensor_data(info), info.ggml_type, info.shape)
+            factors[f"{kind}_factor"] = data.float().tolist()
+        original = int(key("rope.scaling.original_context_length", kw["max_position_embeddings"]))
+        kw["original_max_position_embeddings"] = original
+        kw["rope_scaling"] = {
+            "rope_type": "longrope",
+            **factors,
+            "original_max_position_embeddings": original,
+        }
+
+
+def _gemma(gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]) -> None:
+    kw["hidden_activation"] = "gelu_pytorch_tanh"
+
+
+def _query_pre_attn_scalar(key: _Key, kw: dict[str, Any], layers_27b: int) -> int:
+    """`attention.scale` (the softmax scale, scalar^-1/2) where the file has it; llama.cpp's
+    converter does not write it, and its runtime scales by hidden / heads for the 27B models
+    (known by their layer count), by head_dim otherwise, as HF's released configs do."""
+    scale = key("attention.scale", None)
+    if scale:
+        return round(float(scale) ** -2)
+    if kw["num_hidden_layers"] == layers_27b:
+        return kw["hidden_size"] // kw["num_attention_heads"]
+    return kw["head_dim"]
+
+
+def _gemma2(
+    gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]
+) -> None:
+    _gemma(gf, key, tensors, kw)
+    kw["sliding_window"] = int(key("attention.sliding_window"))
+    kw["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
+    kw["final_logit_softcapping"] = key("final_logit_softcapping", None)
+    kw["query_pre_attn_scalar"] = _query_pre_attn_scalar(key, kw, layers_27b=46)
+
+
+def _gemma3(
+    gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]
+) -> None:
+    _gemma(gf, key, tensors, kw)
+    kw["sliding_window"] = int(key("attention.sliding_window"))
+    kw["query_pre_attn_scalar"] = _query_pre_attn_scalar(key, kw, layers_27b=62)
+    # Every 6th layer global; files that say otherwise give a per-layer list of booleans.
+    pattern = key("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    layers = kw["num_hidden_layers"]
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern][:layers]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    kw["layer_types"] = ["sliding_attention" if x else "full_attention" for x in sliding]
+    full = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+    scaling = kw.pop("rope_scaling", None)
+    if scaling is not None:  # llama.cpp applies it to the global layers only, as HF does
+        full.update(scaling)
+    local = float(key("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))
+    kw["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": local},
+    }
+
+
+def _stablelm(
+    gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]
+) -> None:
+    if "blk.0.attn_q_norm.weight" in tensors:
+        raise ModelLoadError(
+            f"{gf.path}: StableLM with per-head q/k layer norms (qk_layernorm) is not supported "
+            "from GGUF: load the model's Hugging Face safetensors folder"
+        )
+    _partial_rotary(key, kw)
+    _layer_norm(key, kw)
+    kw["use_parallel_residual"] = bool(key("use_parallel_residual", False))
+    kw["use_qkv_bias"] = "blk.0.attn_q.bias" in tensors
+
+
+def _qwen_moe(
+    gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]
+) -> None:
+    kw["num_experts"] = int(key("expert_count"))
+    kw["num_experts_per_tok"] = int(key("expert_used_count"))
+    kw["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    kw["decoder_sparse_step"] = 1
+    kw["mlp_only_layers"] = []
+    kw["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    if gf.architecture == "qwen2moe":
+        kw["attention_bias"] = "blk.0.attn_output.bias" in tensors  # q/k/v biases only
+        kw["norm_topk_prob"] = False  # Qwen1.5/2-MoE route on the unnormalised top-k
+        shared = tensors.get("blk.0.ffn_gate_shexp.weight")
+        size = key("expert_shared_feed_forward_length", shared.shape[0] if shared else 0)
+        kw["shared_expert_intermediate_size"] = int(size)
+    else:
+        kw["norm_topk_prob"] = bool(key("expert_weights_norm", True))
+
+
+_FAMILY_CONFIG: dict[str, Any] = {
+    "phi2": _phi2,
+    "phi3": _phi3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "stablelm": _stablelm,
+    "qwen2moe": _qwen_moe,
+    "qwen3moe": _qwen_moe,
+}

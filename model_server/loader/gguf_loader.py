@@ -38,10 +38,45 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture: where its HF names differ from the Llama ones above (llama.cpp's converter
+# maps several HF names onto one GGUF name: gguf-py's TensorNameMap).
+_ARCH_TOP_LEVEL: dict[str, dict[str, str]] = {
+    "phi2": {"output_norm": "model.final_layernorm"},
+}
+_MOE_LAYER = {
+    "ffn_gate_inp": "mlp.gate",
+    # Stacked [num_experts, ...] per projection: MoECausalLM.load_weights splits them.
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_GEMMA2_LAYER = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_PER_LAYER: dict[str, dict[str, str]] = {
+    "phi2": {"attn_output": "self_attn.dense", "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"},
+    # Phi-3's fused projections keep their HF names; ffn_up holds gate and up stacked.
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA2_LAYER,
+    "gemma3": _GEMMA2_LAYER,
+    "qwen2moe": _MOE_LAYER,
+    "qwen3moe": _MOE_LAYER,
+}
+# llama.cpp's Gemma converters store every RMSNorm weight w as 1 + w (the scale it multiplies
+# by); HF's Gemma norms hold w: subtracted back at load.
+_NORM_SHIFTED = frozenset({"gemma", "gemma2", "gemma3"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 # Consumed by the config (llama3 rope scaling), not model weights.
-_NOT_WEIGHTS = frozenset({"rope_freqs.weight"})
+_NOT_WEIGHTS = frozenset(
+    {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,17 +87,26 @@ class _Planned:
     permuted_heads: int | None
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None when unknown."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None when unknown.
+    `arch` (general.architecture) picks the family's names where they differ from Llama's."""
     if m := _LAYER_RE.match(gguf_name):
         layer, part, kind = m.groups()
-        mapped = _PER_LAYER.get(part)
+        mapped = _ARCH_PER_LAYER.get(arch, {}).get(part) or _PER_LAYER.get(part)
         return f"model.layers.{layer}.{mapped}.{kind}" if mapped else None
     if m := _TOP_RE.match(gguf_name):
         part, kind = m.groups()
-        mapped = _TOP_LEVEL.get(part)
+        mapped = _ARCH_TOP_LEVEL.get(arch, {}).get(part) or _TOP_LEVEL.get(part)
         return f"{mapped}.{kind}" if mapped else None
     return None
+
+
+def _unshift_norms(
+    weights: Iterator[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Gemma files: every `...norm.weight` back from llama.cpp's 1 + w to HF's w."""
+    for name, tensor in weights:
+        yield name, (tensor - 1 if name.endswith("norm.weight") else tensor)
 
 
 def unpermute_rope(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -106,6 +150,9 @@ def load_gguf(path: str, *, dummy: bool = False) -> ModelSource:
 
     specs = [TensorSpec(p.hf_name, stored_dtype(p.info.ggml_type), p.info.shape) for p in plan]
     weights = cached_weights(path, specs, produce)
+    if gf.architecture in _NORM_SHIFTED:
+        stored = weights
+        weights = lambda: _unshift_norms(stored())  # noqa: E731
     return ModelSource(config, tokenizer, path, weights, len(plan), format="gguf")
 
 
@@ -116,7 +163,7 @@ def _plan(gf: GGUFFile, config: transformers.PretrainedConfig) -> list[_Planned]
     for info in gf.tensors:
         if info.name in _NOT_WEIGHTS:
             continue
-        name = hf_name(info.name)
+        name = hf_name(info.name, gf.architecture)
         if name is None:
             raise ModelLoadError(
                 f"{gf.path}: tensor {info.name} has no HF equivalent for architecture "

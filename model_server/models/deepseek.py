@@ -18,7 +18,8 @@ checkpoints (past `num_hidden_layers`) are skipped.
 Tensor parallelism: attention heads split evenly (q_b_proj / kv_b_proj rows, o_proj columns;
 the latent projections and the latent cache are replicated on every rank), experts by their
 intermediate dim, shared experts and dense MLPs evenly. Attention backends: `torch` and `cpu`
-run the PyTorch MLA; `triton` is refused at startup (no Triton MLA kernel).
+run the PyTorch MLA; `triton` stores latents and decodes with Triton kernels (prefills on the
+PyTorch path), see layers/attention/mla.py.
 """
 
 from __future__ import annotations
@@ -87,7 +88,13 @@ class KVBProj(nn.Module):
 
 
 class DeepseekAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: nn.Module, kernels: KernelTable) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rotary_emb: nn.Module,
+        kernels: KernelTable,
+        decode_kernel: str = "torch",
+    ) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.q_lora_rank = config.q_lora_rank
@@ -122,6 +129,7 @@ class DeepseekAttention(nn.Module):
             self.v_head_dim,
             self.kv_lora_rank,
             yarn_softmax_scale(params, qk_head_dim**-0.5),
+            decode_kernel=decode_kernel,
         )
         # What the runner's generic KV accounting reads: one "head" holding the latent entry.
         self.num_kv_heads = 1
@@ -223,11 +231,6 @@ class DeepseekForCausalLM(MoECausalLM):
         max_model_len: int | None = None,
         kernels: KernelTable | None = None,
     ) -> None:
-        if attn_backend.name == "triton":
-            raise ValueError(
-                "DeepSeek's multi-head latent attention has no Triton kernel: start with "
-                "--attention-backend torch"
-            )
         quant = getattr(config, "quantization_config", None)
         if quant:
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -254,7 +257,8 @@ class DeepseekForCausalLM(MoECausalLM):
         attn_backend: type[AttentionBackend],
         kernels: KernelTable,
     ) -> tuple[nn.Module, nn.Module]:
-        attn = DeepseekAttention(config, rotary_emb, kernels)
+        decode_kernel = "triton" if attn_backend.name == "triton" else "torch"
+        attn = DeepseekAttention(config, rotary_emb, kernels, decode_kernel)
         if layer_idx >= (config.first_k_dense_replace or 0):
             return attn, DeepseekMoE(config, kernels)
         dense = LlamaMLP(

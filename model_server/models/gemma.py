@@ -22,24 +22,19 @@ import torch
 from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
-from model_server.layers.activation import get_act_and_mul_fn
-from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
-from model_server.layers.attention.layer import Attention
-from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from model_server.layers.linear import (
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-    default_weight_loader,
-)
+from model_server.layers.attention.backend import AttentionBackend
+from model_server.layers.linear import default_weight_loader
 from model_server.layers.norm import RMSNorm
 from model_server.layers.rotary import get_rope, rope_parameters_from_config
-from model_server.models.llama import (
-    LlamaForCausalLM,
+from model_server.models.decoder_parts import (
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
+    QKVAttention,
     get_head_dim,
-    get_num_kv_heads,
-    layer_sliding_windows,
+    make_lm_head,
 )
+from model_server.models.llama import LlamaForCausalLM, layer_sliding_windows
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -61,25 +56,17 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(GatedMLP):
+    """GeGLU (`hidden_activation`, else `hidden_act`) over the config's sizes."""
+
     def __init__(self, config: Any, kernels: KernelTable, bias: bool = False) -> None:
-        super().__init__()
         act = getattr(config, "hidden_activation", None) or config.hidden_act
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias, kernels=kernels
-        )
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=bias, kernels=kernels
-        )
-        self.act_fn = get_act_and_mul_fn(act, kernels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        super().__init__(config.hidden_size, config.intermediate_size, act, bias, kernels)
 
 
-class GemmaAttention(nn.Module):
-    """q/k/v fused, this rank's heads only; optional per-head q/k norm (Gemma 3), soft cap and
-    sliding window, and the scale the config asks for."""
+class GemmaAttention(QKVAttention):
+    """QKVAttention with Gemma's (1 + w) norms for Gemma 3's per-head q/k norm; the scale, soft
+    cap and window as the config asks."""
 
     def __init__(
         self,
@@ -95,120 +82,22 @@ class GemmaAttention(nn.Module):
         qk_norm: bool = False,
         logits_soft_cap: float | None = None,
     ) -> None:
-        super().__init__()
-        self.head_dim = get_head_dim(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            get_num_kv_heads(config),
-            bias=qkv_bias,
-            kernels=kernels,
-        )
-        shard = self.qkv_proj.shard
-        self.num_heads = shard.num_heads
-        self.num_kv_heads = shard.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=o_bias,
-            input_partition=(shard.q_start * self.head_dim, self.q_size),
-            kernels=kernels,
-        )
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, kernels=kernels)
-            self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, kernels=kernels)
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            scale,
-            self.num_kv_heads,
+        super().__init__(
+            config,
+            rotary_emb,
             attn_backend,
+            kernels,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            scale=scale,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            qk_norm=qk_norm,
+            norm_cls=GemmaRMSNorm,
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [T, (H + 2 Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
-
-class SandwichDecoderLayer(nn.Module):
-    """Pre-norm decoder layer with optional norms after attention and after the MLP (Gemma 2/3,
-    GLM-4). Returns (MLP output, residual before it): the next layer's input norm adds them."""
-
-    def __init__(
-        self,
-        self_attn: GemmaAttention,
-        mlp: nn.Module,
-        make_norm: Any,
-        post_norms: bool,
-        names: tuple[str, str, str, str] = (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ),
-    ) -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.post_norms = post_norms
-        # Checkpoint names of: the input norm, the norm on the attention output, the norm
-        # before the MLP, the norm on the MLP output. Without post norms (Gemma 1) HF calls the
-        # norm before the MLP `post_attention_layernorm`.
-        if post_norms:
-            self._norm_names = names
-        else:
-            self._norm_names = (names[0], "", "post_attention_layernorm", "")
-        for name in self._norm_names:
-            if name:
-                setattr(self, name, make_norm())
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        input_norm, post_attn, pre_mlp, post_mlp = (
-            getattr(self, n) if n else None for n in self._norm_names
-        )
-        if residual is None:
-            residual = hidden_states
-            hidden_states = input_norm(hidden_states)
-        else:
-            hidden_states, residual = input_norm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
-        if post_attn is not None:
-            hidden_states = post_attn(hidden_states)
-        hidden_states, residual = pre_mlp(hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
-        if post_mlp is not None:
-            hidden_states = post_mlp(hidden_states)
-        return hidden_states, residual
-
-
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderModel):
     def __init__(
         self,
         config: Any,
@@ -216,11 +105,10 @@ class GemmaModel(nn.Module):
         max_position: int,
         kernels: KernelTable,
     ) -> None:
-        super().__init__()
+        super().__init__(config)
         model_type = config.model_type
         gemma2_or_3 = model_type != "gemma"
         head_dim = get_head_dim(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         rope_params = getattr(config, "rope_parameters", None) or {}
         if "sliding_attention" in rope_params:
@@ -257,25 +145,14 @@ class GemmaModel(nn.Module):
                 logits_soft_cap=soft_cap_attn,
             )
             self.layers.append(
-                SandwichDecoderLayer(attn, GemmaMLP(config, kernels), make_norm, gemma2_or_3)
+                DecoderLayer(attn, GemmaMLP(config, kernels), make_norm, gemma2_or_3)
             )
         self.norm = make_norm()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # HF multiplies by the scale cast to the activations' dtype.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
 
 
 def _flat(params: dict[str, Any]) -> dict[str, Any]:
@@ -304,10 +181,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.sliding_window = windows[0] if windows else None
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.model = GemmaModel(config, attn_backend, max_position, kernels)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.tie_word_embeddings, self.lm_head = make_lm_head(
+            config, self.model.embed_tokens, kernels, tie_default=True
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head(hidden_states)

@@ -17,12 +17,18 @@ import torch
 from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
-from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
-from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.norm import RMSNorm
 from model_server.layers.rotary import get_rope, rope_parameters_from_config
-from model_server.models.gemma import GemmaAttention, GemmaMLP, SandwichDecoderLayer
-from model_server.models.llama import LlamaForCausalLM, get_head_dim
+from model_server.models.decoder_parts import (
+    DecoderLayer,
+    DecoderModel,
+    GatedMLP,
+    QKVAttention,
+    get_head_dim,
+    make_lm_head,
+)
+from model_server.models.llama import LlamaForCausalLM
 
 _NORM_NAMES = (
     "input_layernorm",
@@ -47,7 +53,7 @@ def interleaved_to_neox(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> t
     return shaped[:, perm].reshape(rows.shape)
 
 
-class Glm4Model(nn.Module):
+class Glm4Model(DecoderModel):
     def __init__(
         self,
         config: Any,
@@ -55,9 +61,8 @@ class Glm4Model(nn.Module):
         max_position: int,
         kernels: KernelTable,
     ) -> None:
-        super().__init__()
+        super().__init__(config)
         head_dim = get_head_dim(config)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = get_rope(head_dim, max_position, config, kernels)
         eps = config.rms_norm_eps
 
@@ -66,17 +71,13 @@ class Glm4Model(nn.Module):
 
         bias = bool(getattr(config, "attention_bias", False))
         self.layers = nn.ModuleList(
-            SandwichDecoderLayer(
-                GemmaAttention(
-                    config,
-                    self.rotary_emb,
-                    attn_backend,
-                    kernels,
-                    scale=head_dim**-0.5,
-                    sliding_window=None,
-                    qkv_bias=bias,
+            DecoderLayer(
+                QKVAttention(
+                    config, self.rotary_emb, attn_backend, kernels, qkv_bias=bias, o_bias=False
                 ),
-                GemmaMLP(config, kernels),
+                GatedMLP(
+                    config.hidden_size, config.intermediate_size, config.hidden_act, False, kernels
+                ),
                 make_norm,
                 post_norms=True,
                 names=_NORM_NAMES,
@@ -84,20 +85,6 @@ class Glm4Model(nn.Module):
             for _ in range(config.num_hidden_layers)
         )
         self.norm = make_norm()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class Glm4ForCausalLM(LlamaForCausalLM):
@@ -113,10 +100,9 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         self.max_position = max_model_len or config.max_position_embeddings
         self.sliding_window = None
         self.model = Glm4Model(config, attn_backend, self.max_position, kernels)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.tie_word_embeddings, self.lm_head = make_lm_head(
+            config, self.model.embed_tokens, kernels, tie_default=False
+        )
         head_dim = get_head_dim(config)
         factor = float(rope_parameters_from_config(config).get("partial_rotary_factor") or 1.0)
         self._rotary = (head_dim, int(head_dim * factor))

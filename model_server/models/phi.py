@@ -19,16 +19,15 @@ from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
-from model_server.layers.attention.layer import Attention
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import (
     ColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
 )
 from model_server.layers.rotary import get_rope
-from model_server.models.llama import LlamaForCausalLM, get_head_dim, get_num_kv_heads
+from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head
+from model_server.models.llama import LlamaForCausalLM
 
 
 class ParallelLMHeadWithBias(ParallelLMHead):
@@ -49,69 +48,6 @@ class ParallelLMHeadWithBias(ParallelLMHead):
 def _check_no_qk_layernorm(config: Any) -> None:
     if getattr(config, "qk_layernorm", False):
         raise ValueError(f"{config.model_type} with qk_layernorm=True is not supported")
-
-
-class PartialRotaryAttention(nn.Module):
-    """q/k/v fused (with the config's bias), rotary on the first dims of each head, the output
-    projection named `out_name` (Phi: dense, StableLM: o_proj)."""
-
-    def __init__(
-        self,
-        config: Any,
-        rotary_emb: nn.Module,
-        attn_backend: type[AttentionBackend],
-        kernels: KernelTable,
-        *,
-        qkv_bias: bool,
-        o_bias: bool,
-        out_name: str,
-    ) -> None:
-        super().__init__()
-        self.head_dim = get_head_dim(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            get_num_kv_heads(config),
-            bias=qkv_bias,
-            kernels=kernels,
-        )
-        shard = self.qkv_proj.shard
-        self.num_heads = shard.num_heads
-        self.num_kv_heads = shard.num_kv_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.out_name = out_name
-        setattr(
-            self,
-            out_name,
-            RowParallelLinear(
-                config.num_attention_heads * self.head_dim,
-                config.hidden_size,
-                bias=o_bias,
-                input_partition=(shard.q_start * self.head_dim, self.q_size),
-                kernels=kernels,
-            ),
-        )
-        self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, attn_backend
-        )
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)
-        return getattr(self, self.out_name)(out)
 
 
 class PhiMLP(nn.Module):
@@ -197,8 +133,12 @@ class LayerNormModel(nn.Module):
         return getattr(self, self.final_norm_name)(hidden)
 
 
-class PhiForCausalLM(LlamaForCausalLM):
-    """Phi-2 (see the module docstring); the runner interface and loading are Llama's."""
+class LayerNormCausalLM(LlamaForCausalLM):
+    """The runner interface and loading of Llama over LayerNorm decoder layers (Phi-2,
+    StableLM): subclasses say which attention, MLP, residual order, final norm name and LM
+    head (`make_attention`, `make_mlp`, `parallel_residual`, FINAL_NORM, `make_head`)."""
+
+    FINAL_NORM = "norm"
 
     def __init__(
         self,
@@ -212,28 +152,62 @@ class PhiForCausalLM(LlamaForCausalLM):
         self.config = config
         self.max_position = max_model_len or config.max_position_embeddings
         self.sliding_window = None
+        # The rotary rotates the first dims of each head only (partial_rotary_factor).
         rotary = get_rope(get_head_dim(config), self.max_position, config, kernels)
         layers = [
             LayerNormDecoderLayer(
                 config,
-                PartialRotaryAttention(
-                    config,
-                    rotary,
-                    attn_backend,
-                    kernels,
-                    qkv_bias=True,
-                    o_bias=True,
-                    out_name="dense",
-                ),
-                PhiMLP(config, kernels),
-                parallel=True,
+                self.make_attention(config, rotary, attn_backend, kernels),
+                self.make_mlp(config, kernels),
+                parallel=self.parallel_residual(config),
             )
             for _ in range(config.num_hidden_layers)
         ]
-        self.model = LayerNormModel(config, layers, rotary, "final_layernorm")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            raise ValueError("phi with tie_word_embeddings=True is not supported")
-        self.lm_head = ParallelLMHeadWithBias(
-            config.vocab_size, config.hidden_size, kernels=kernels
+        self.model = LayerNormModel(config, layers, rotary, self.FINAL_NORM)
+        self.tie_word_embeddings, self.lm_head = self.make_head(config, kernels)
+
+    def make_attention(
+        self,
+        config: Any,
+        rotary: nn.Module,
+        attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
+    ) -> nn.Module:
+        raise NotImplementedError
+
+    def make_mlp(self, config: Any, kernels: KernelTable) -> nn.Module:
+        raise NotImplementedError
+
+    def parallel_residual(self, config: Any) -> bool:
+        raise NotImplementedError
+
+    def make_head(self, config: Any, kernels: KernelTable) -> tuple[bool, ParallelLMHead]:
+        return make_lm_head(config, self.model.embed_tokens, kernels, tie_default=False)
+
+
+class PhiForCausalLM(LayerNormCausalLM):
+    """Phi-2 (see the module docstring)."""
+
+    FINAL_NORM = "final_layernorm"
+
+    def make_attention(
+        self,
+        config: Any,
+        rotary: nn.Module,
+        attn_backend: type[AttentionBackend],
+        kernels: KernelTable,
+    ) -> nn.Module:
+        return QKVAttention(
+            config, rotary, attn_backend, kernels, qkv_bias=True, o_bias=True, out_name="dense"
         )
+
+    def make_mlp(self, config: Any, kernels: KernelTable) -> nn.Module:
+        return PhiMLP(config, kernels)
+
+    def parallel_residual(self, config: Any) -> bool:
+        return True
+
+    def make_head(self, config: Any, kernels: KernelTable) -> tuple[bool, ParallelLMHead]:
+        if getattr(config, "tie_word_embeddings", False):
+            raise ValueError("phi with tie_word_embeddings=True is not supported")
+        return False, ParallelLMHeadWithBias(config.vocab_size, config.hidden_size, kernels=kernels)

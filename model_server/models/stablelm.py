@@ -3,7 +3,8 @@ partial rotary (`partial_rotary_factor`, 0.25), optional q/k/v bias (`use_qkv_bi
 MLP, and either the sequential residual or Phi's parallel one (`use_parallel_residual`).
 `qk_layernorm` (StableLM 2 12B's per-head norms) is refused.
 
-Tensor parallelism as Llama's; the layers are Phi's (models/phi.py) with this MLP.
+Tensor parallelism as Llama's; the model is Phi's LayerNormCausalLM (models/phi.py) with this
+attention (no output bias), MLP and residual order.
 """
 
 from __future__ import annotations
@@ -12,58 +13,28 @@ from typing import Any
 
 from torch import nn
 
-from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionBackend
-from model_server.layers.embedding import ParallelLMHead
-from model_server.layers.rotary import get_rope
-from model_server.models.llama import LlamaForCausalLM, LlamaMLP, get_head_dim
-from model_server.models.phi import (
-    LayerNormDecoderLayer,
-    LayerNormModel,
-    PartialRotaryAttention,
-    _check_no_qk_layernorm,
-)
+from model_server.models.decoder_parts import QKVAttention
+from model_server.models.llama import LlamaMLP
+from model_server.models.phi import LayerNormCausalLM
 
 
-class StableLmForCausalLM(LlamaForCausalLM):
-    def __init__(
+class StableLmForCausalLM(LayerNormCausalLM):
+    def make_attention(
         self,
         config: Any,
+        rotary: nn.Module,
         attn_backend: type[AttentionBackend],
-        max_model_len: int | None = None,
-        kernels: KernelTable = TORCH_KERNELS,
-    ) -> None:
-        nn.Module.__init__(self)
-        _check_no_qk_layernorm(config)
-        self.config = config
-        self.max_position = max_model_len or config.max_position_embeddings
-        self.sliding_window = None
-        rotary = get_rope(get_head_dim(config), self.max_position, config, kernels)
-        layers = [
-            LayerNormDecoderLayer(
-                config,
-                PartialRotaryAttention(
-                    config,
-                    rotary,
-                    attn_backend,
-                    kernels,
-                    qkv_bias=bool(getattr(config, "use_qkv_bias", False)),
-                    o_bias=False,
-                    out_name="o_proj",
-                ),
-                LlamaMLP(
-                    config.hidden_size,
-                    config.intermediate_size,
-                    config.hidden_act,
-                    bias=False,
-                    kernels=kernels,
-                ),
-                parallel=bool(getattr(config, "use_parallel_residual", False)),
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
-        self.model = LayerNormModel(config, layers, rotary, "norm")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, kernels=kernels)
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        kernels: KernelTable,
+    ) -> nn.Module:
+        qkv_bias = bool(getattr(config, "use_qkv_bias", False))
+        return QKVAttention(config, rotary, attn_backend, kernels, qkv_bias=qkv_bias, o_bias=False)
+
+    def make_mlp(self, config: Any, kernels: KernelTable) -> nn.Module:
+        return LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act, False, kernels
+        )
+
+    def parallel_residual(self, config: Any) -> bool:
+        return bool(getattr(config, "use_parallel_residual", False))

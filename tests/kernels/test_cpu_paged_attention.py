@@ -1,7 +1,8 @@
 """The native CPU paged attention (kernels/cpu/paged_attention.c) against the per-request PyTorch
 reference, on every ISA path this machine runs (AVX2 forced on AVX-512 machines), fp32 and bf16,
-decodes and prefills over cached prefixes, GQA, odd head dims, block boundaries; its KV-cache
-store (strided k/v views, padding slots) against the reference store."""
+decodes and prefills over cached prefixes, GQA, odd head dims, block boundaries, sliding windows
+and logit soft caps (Gemma 2/3); its KV-cache store (strided k/v views, padding slots) against the
+reference store."""
 
 from __future__ import annotations
 
@@ -160,6 +161,98 @@ def test_prefill_tiles_of_one_query(isa, dtype) -> None:
     """A prefill's last tile of one query (17 and 33 queries: tiles of 16 + 1) runs on the
     decode path next to the tiles of 16 on the general one."""
     _check(isa, [(0, 17), (5, 33), (20, 1)], 8, 2, 64, 8, dtype)
+
+
+# Gemma 2/3 layers: decodes of contexts inside, at and far past the window (tokens before it in
+# whole blocks then), prefill chunks starting before / after the window's edge, tiles of 16 + 1.
+WINDOWED = [(0, 1), (4, 1), (12, 1), (13, 1), (40, 1), (150, 1), (0, 13), (9, 30), (3, 2)]
+WINDOWED += [(40, 17), (0, 33), (60, 1)]
+
+
+def _poison_before_windows(b, window: int, block_size: int) -> None:
+    """Every block wholly before the first query's window of each request becomes a spare
+    NaN-filled block in the tables (what the KV manager's null block may hold): any read of it
+    poisons the output."""
+    used = {block for table in b.block_tables for block in table}
+    nan_block = next(i for i in range(b.k_cache.shape[0]) if i not in used)
+    b.k_cache[nan_block] = float("nan")
+    b.v_cache[nan_block] = float("nan")
+    md = b.metadata
+    tables = md.block_tables.clone()
+    for row, seq_len in enumerate(md.seq_lens_cpu):
+        q0 = seq_len - (md.query_start_loc_cpu[row + 1] - md.query_start_loc_cpu[row])
+        dead = max(0, q0 - window + 1) // block_size
+        tables[row, :dead] = nan_block
+        b.block_tables[row][:dead] = [nan_block] * dead
+    md.block_tables = tables
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("window", "soft_cap"), [(5, None), (None, 0.8), (13, 1.5), (1, 30.0)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 64), (4, 1, 72)])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_sliding_window_and_soft_cap_match_reference(
+    isa, dtype, window, soft_cap, num_heads, num_kv_heads, head_dim, num_threads
+) -> None:
+    """The windowed entry point, decode and prefill paths, fused KV store included: equal to the
+    reference with the same window and cap, blocks before each window never read, and really
+    different from plain attention."""
+    block_size = 4
+    b = make_batch(
+        WINDOWED,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        fill=float("nan"),
+        seed=7,
+    )
+    if window is not None:
+        _poison_before_windows(b, window, block_size)
+    md = b.metadata
+    scale = head_dim**-0.5 * 3  # scores of a few units: the soft caps bite
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = native.paged_attention(
+            _kernels(isa),
+            b.q,
+            b.k_cache,
+            b.v_cache,
+            md.block_tables,
+            md.query_start_loc,
+            md.seq_lens,
+            scale,
+            min_work_per_thread=0,
+            k=b.k,
+            v=b.v,
+            slot_mapping=md.slot_mapping,
+            sliding_window=window,
+            logits_soft_cap=soft_cap,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    args = (b.q, b.k_cache, b.v_cache, md.query_start_loc_cpu, md.seq_lens_cpu, b.block_tables)
+    expected = paged_attention_reference(
+        *args, scale, sliding_window=window, logits_soft_cap=soft_cap
+    )
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    if window is None:  # the plain reference over the same cache differs
+        plain = paged_attention_reference(*args, scale)
+        assert not torch.allclose(plain, expected, atol=1e-2)
+
+
+def test_windowed_entry_point_refuses_bad_values() -> None:
+    b = make_batch([(3, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=4)
+    md = b.metadata
+    args = (b.q, b.k_cache, b.v_cache, md.block_tables, md.query_start_loc, md.seq_lens, 0.25)
+    kernels = native.load_kernels()
+    with pytest.raises(ValueError, match="sliding_window 0"):
+        native.paged_attention(kernels, *args, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap -1"):
+        native.paged_attention(kernels, *args, logits_soft_cap=-1.0)
 
 
 def _bits(cache: torch.Tensor) -> torch.Tensor:

@@ -183,6 +183,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]  # dtype .. num_slots
     fn.argtypes += [ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i64]
     fn.restype = i32
+    fn = lib.wick_paged_attention_windowed  # the same + sliding window, logit soft cap
+    fn.argtypes = [*lib.wick_paged_attention.argtypes, i32, f32]
+    fn.restype = i32
     lib.wick_isa.restype = ctypes.c_char_p
     # layer_ops.c
     fn = lib.wick_rms_norm
@@ -273,6 +276,8 @@ def paged_attention(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for decodes and prefills alike, K/V read from the cache.
 
@@ -283,6 +288,8 @@ def paged_attention(
     written into the caches at those slots (slots < 0 skipped); without, the caches must already
     hold them. See paged_attention.c for the contract; `unsupported_reason` must have said None.
     Up to torch's thread count run it, fewer for small steps (0 `min_work_per_thread`: all).
+    With `sliding_window` W a query at position p sees keys in (p - W, p] (blocks wholly before
+    that are never read); with `logits_soft_cap` c scaled scores s become c * tanh(s / c).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -301,8 +308,18 @@ def paged_attention(
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
             slot_mapping = slot_mapping.to(torch.int64).contiguous()
         store = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slot_mapping.data_ptr())
+    # Gemma 2/3 layers take the entry point with the window and the soft cap (0: off).
+    windowed: tuple[int, float] | tuple[()] = ()
+    entry = kernels.lib.wick_paged_attention
+    if sliding_window is not None or logits_soft_cap is not None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"paged attention: sliding_window {sliding_window} must be >= 1")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"paged attention: logits_soft_cap {logits_soft_cap} must be > 0")
+        windowed = (sliding_window or 0, float(logits_soft_cap or 0.0))
+        entry = kernels.lib.wick_paged_attention_windowed
     # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
-    status = kernels.lib.wick_paged_attention(
+    status = entry(
         _DTYPE_CODES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -322,6 +339,7 @@ def paged_attention(
         scale,
         torch.get_num_threads(),
         min_work_per_thread,
+        *windowed,
     )
     if status == -2:
         raise ValueError("paged attention: a request has more query tokens than context")

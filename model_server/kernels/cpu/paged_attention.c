@@ -19,6 +19,9 @@
  * positions [0, ctx + j] (causal; its own K/V must already be in the cache). Query head h uses
  * KV head h / (num_heads / num_kv_heads). Accumulation is fp32 throughout; bf16 outputs are
  * rounded to nearest even, as torch does.
+ * wick_paged_attention_windowed adds a sliding window W (query at position p sees (p - W, p];
+ * blocks wholly before it are never read) and a logit soft cap c (scaled scores s become
+ * c * tanh(s / c)): Gemma 2/3 (see "Sliding windows and logit soft-capping").
  *
  * Work items are (sequence, tile of <= QUERY_TILE queries, range of kv heads): all of a
  * sequence's kv heads when there are enough tiles to keep every thread busy, so each token's
@@ -205,7 +208,19 @@ typedef struct {
   int64_t token_stride; /* between consecutive tokens of a block: num_kv_heads * head_dim */
   int64_t block_stride; /* between blocks: block_size * token_stride */
   float scale;
+  int window;     /* sliding window W (0: none): position p sees keys in (p - W, p] */
+  float soft_cap; /* logit soft cap c (0: none): scaled scores s become c * tanh(s / c) */
 } Geometry;
+
+/* ---- Sliding windows and logit soft-capping (Gemma 2/3, Mistral-style windows) -------------
+ * The window only moves the first key a query reads: keys before it, and the blocks holding
+ * only such keys (the KV manager may have freed them: the null block), are never read. The
+ * soft cap applies to the scaled score before the max and the softmax, as HF's eager path. */
+
+/* The first position a query at position `pos` sees. */
+static inline int window_start(const Geometry *geo, const int pos) {
+  return geo->window > 0 && pos - geo->window + 1 > 0 ? pos - geo->window + 1 : 0;
+}
 
 /* Per-thread buffers, grown as needed. Rows are the item's query rows, ordered
  * (kv head, query, head in group): row r = (kk * nq + jj) * group + g. */
@@ -454,10 +469,11 @@ static inline void store_head(const float *restrict acc, const float inv, const 
 typedef struct {
   const Geometry *geo;
   const int32_t *table; /* the sequence's block table */
-  int len;              /* tokens the query sees: [0, len) */
+  int lo;               /* the first token the query sees (> 0 only with a sliding window) */
+  int len;              /* tokens the query sees: [lo, len); scores and probs index t - lo */
   int kh0, nkh;         /* the item's kv heads */
   int dp;               /* head_dim rounded up to whole vectors: the rows of q and acc */
-  int64_t stride;       /* len rounded up to whole vectors: the rows of scores */
+  int64_t stride;       /* len - lo rounded up to whole vectors: the rows of scores */
   size_t elem;          /* bytes per cache value */
 } DecodeItem;
 
@@ -469,14 +485,14 @@ static inline void prefetch_item(const DecodeItem *it, const int head_dim, const
                   (int64_t)it->kh0 * head_dim, (int64_t)it->nkh * head_dim * (int64_t)it->elem);
 }
 
-/* scores[r][0, len) = row r's query (qf + r * dp) . each key, chunk by chunk; the first
- * PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
+/* scores[r][0, len - lo) = row r's query (qf + r * dp) . each key from lo on, chunk by chunk;
+ * the first PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
 static inline __attribute__((always_inline)) void decode_scores(
     const int head_dim, const int is_bf16, const DecodeItem *it, const float *restrict qf,
     const void *restrict k_cache, float *restrict scores) {
   const int group = it->geo->group;
   int64_t off[VW]; /* of the chunk's tokens, for kv head kh0 */
-  for (int t0 = 0; t0 < it->len; t0 += VW) {
+  for (int t0 = it->lo; t0 < it->len; t0 += VW) {
     const int n = it->len - t0 < VW ? it->len - t0 : VW;
     prefetch_item(it, head_dim, k_cache, t0 + PREFETCH_AHEAD, t0 + PREFETCH_AHEAD + n);
     token_offsets(it->geo, it->table, t0, n, (int64_t)it->kh0 * head_dim, off);
@@ -485,20 +501,20 @@ static inline __attribute__((always_inline)) void decode_scores(
         const int r = kk * group + g0;
         const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
         score_pass(head_dim, is_bf16, nh, qf + (int64_t)r * it->dp, it->dp, k_cache, off, n,
-                   kk * head_dim, scores + r * it->stride + t0, it->stride);
+                   kk * head_dim, scores + r * it->stride + (t0 - it->lo), it->stride);
       }
   }
 }
 
-/* acc[r] = sum over t < len of probs[r][t] * V[t] (acc zeroed here), chunk by chunk; the first
- * PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
+/* acc[r] = sum over lo <= t < len of probs[r][t - lo] * V[t] (acc zeroed here), chunk by chunk;
+ * the first PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
 static inline __attribute__((always_inline)) void decode_values(
     const int head_dim, const int is_bf16, const DecodeItem *it, const float *restrict probs,
     const void *restrict v_cache, float *restrict acc) {
   const int group = it->geo->group;
   int64_t off[PV_TOKENS]; /* of the chunk's tokens, for kv head kh0 */
   memset(acc, 0, sizeof(float) * (size_t)it->nkh * group * it->dp);
-  for (int t0 = 0; t0 < it->len; t0 += PV_TOKENS) {
+  for (int t0 = it->lo; t0 < it->len; t0 += PV_TOKENS) {
     const int n = it->len - t0 < PV_TOKENS ? it->len - t0 : PV_TOKENS;
     prefetch_item(it, head_dim, v_cache, t0 + PREFETCH_AHEAD, t0 + PREFETCH_AHEAD + n);
     token_offsets(it->geo, it->table, t0, n, (int64_t)it->kh0 * head_dim, off);
@@ -506,40 +522,58 @@ static inline __attribute__((always_inline)) void decode_values(
       for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
         const int r = kk * group + g0;
         const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
-        pv_pass(head_dim, is_bf16, nh, probs + r * it->stride + t0, it->stride, v_cache, off, n,
-                kk * head_dim, it->dp, acc + (int64_t)r * it->dp);
+        pv_pass(head_dim, is_bf16, nh, probs + r * it->stride + (t0 - it->lo), it->stride, v_cache,
+                off, n, kk * head_dim, it->dp, acc + (int64_t)r * it->dp);
       }
   }
 }
 
-/* A work item of one query, which sees tokens [0, len), for kv heads [kh0, kh0 + nkh): q and out
- * point at the query's row of num_heads heads. Scratch (see reserve): q and acc [rows, dp],
- * scores [rows, stride], stats [rows] (1 / softmax sums). */
+/* Row s[0, n) soft-capped in place, whole vectors (the padding lanes are 0 and stay 0):
+ * c * tanh(x / c) with tanh(a) = (1 - e) / (1 + e), e = exp(-2 |a|) <= 1, the sign of x
+ * restored. Decodes cap their score rows, prefill tiles their whole [tokens][rows] block. */
+static inline void soft_cap_row(float *restrict s, const int64_t n, const float cap) {
+  const vi sign = (vi)((vu){0} + 0x80000000u); /* the sign bit of each lane */
+  for (int64_t t = 0; t < n; t += VW) {
+    const vf x = vload(s + t);
+    const vf e = vexp_nonpositive((vf)((vi)x & ~sign) * (-2.f / cap));
+    vstore(s + t, (vf)((vi)((1.f - e) / (1.f + e) * cap) | ((vi)x & sign)));
+  }
+}
+
+/* A work item of one query, which sees tokens [0, len) (with a window, its last W), for kv heads
+ * [kh0, kh0 + nkh): q and out point at the query's row of num_heads heads. Scratch (see
+ * reserve): q and acc [rows, dp], scores [rows, stride], stats [rows] (1 / softmax sums). */
 static inline __attribute__((always_inline)) void attend_decode(
     const int head_dim, const int is_bf16, const Geometry *geo, const int len, const int kh0,
     const int nkh, const void *restrict q, const void *restrict k_cache,
     const void *restrict v_cache, const int32_t *restrict table, void *restrict out,
     Scratch *scratch) {
+  const int lo = window_start(geo, len - 1);
   const DecodeItem it = {
       .geo = geo,
       .table = table,
+      .lo = lo,
       .len = len,
       .kh0 = kh0,
       .nkh = nkh,
       .dp = (int)round_up(head_dim, VW),
-      .stride = round_up(len, VW),
+      .stride = round_up(len - lo, VW),
       .elem = is_bf16 ? sizeof(bf16_t) : sizeof(float),
   };
   const int rows = nkh * geo->group;
   const int64_t first = (int64_t)kh0 * geo->group * head_dim; /* row 0's head, in q and out */
   float *restrict inv_sum = scratch->stats;
 
-  prefetch_item(&it, head_dim, k_cache, 0, PREFETCH_AHEAD);
+  prefetch_item(&it, head_dim, k_cache, lo, lo + PREFETCH_AHEAD);
   load_queries(head_dim, is_bf16, (const char *)q + first * it.elem, rows, geo->scale, it.dp,
                scratch->q);
   decode_scores(head_dim, is_bf16, &it, scratch->q, k_cache, scratch->scores);
-  prefetch_item(&it, head_dim, v_cache, 0, PREFETCH_AHEAD); /* under the softmax */
-  for (int r = 0; r < rows; r++) inv_sum[r] = softmax_row(scratch->scores + r * it.stride, len);
+  prefetch_item(&it, head_dim, v_cache, lo, lo + PREFETCH_AHEAD); /* under the softmax */
+  if (geo->soft_cap > 0.f)
+    for (int r = 0; r < rows; r++)
+      soft_cap_row(scratch->scores + r * it.stride, it.stride, geo->soft_cap);
+  for (int r = 0; r < rows; r++)
+    inv_sum[r] = softmax_row(scratch->scores + r * it.stride, len - lo);
   decode_values(head_dim, is_bf16, &it, scratch->scores, v_cache, scratch->acc);
   for (int r = 0; r < rows; r++)
     store_head(scratch->acc + (int64_t)r * it.dp, inv_sum[r], head_dim, is_bf16,
@@ -620,29 +654,34 @@ static inline __attribute__((always_inline)) void tile_scores(
 }
 
 /* Lanes of row vector r0 / VW that token t may not be seen by: rows r < u * group, where u is
- * t's index among the tile's queries (t = first + u); none for tokens before the tile. */
-static inline vi tile_hidden(const int t, const int first, const int group, const int r0) {
+ * t's index among the tile's queries (t = first + u); none for tokens before the tile. With a
+ * window W also the rows whose window starts after t: r >= (u + W) * group. */
+static inline vi tile_hidden(const int t, const int first, const int group, const int r0,
+                             const int window) {
   vi lane;
   for (int i = 0; i < VW; i++) lane[i] = r0 + i;
   const int u = t - first;
-  return u > 0 ? lane < u * group : (vi){0};
+  const vi causal = u > 0 ? lane < u * group : (vi){0};
+  return window > 0 ? causal | (lane >= (u + window) * group) : causal;
 }
 
 /* Causal softmax of every row vector, across rows: st becomes exp(s - row max), 0 where the row
- * does not see the token; inv[r] = 1 / row r's sum. `first`: the tile's first query position. */
+ * does not see the token; inv[r] = 1 / row r's sum. `first`: the tile's first query position
+ * (in st's token numbering); `window`: the sliding window (0: none). */
 static inline void tile_softmax(float *restrict st, const int64_t rp, const int len,
-                                const int first, const int group, float *restrict inv) {
+                                const int first, const int group, const int window,
+                                float *restrict inv) {
   for (int r0 = 0; r0 < rp; r0 += VW) {
     vf m = vsplat(-FLT_MAX);
     for (int t = 0; t < len; t++) {
       const vf s = vload(st + t * rp + r0);
-      const vi hidden = tile_hidden(t, first, group, r0);
+      const vi hidden = tile_hidden(t, first, group, r0, window);
       m = vmax(m, (vf)(((vi)s & ~hidden) | ((vi)vsplat(-FLT_MAX) & hidden)));
     }
     vf sum = vsplat(0.f);
     for (int t = 0; t < len; t++) {
       const vf e = (vf)((vi)vexp_nonpositive(vload(st + t * rp + r0) - m) &
-                        ~tile_hidden(t, first, group, r0));
+                        ~tile_hidden(t, first, group, r0, window));
       vstore(st + t * rp + r0, e);
       sum += e;
     }
@@ -698,15 +737,16 @@ static inline __attribute__((always_inline)) void tile_values(
   }
 }
 
-/* The kv head's rows (element offset `head_off` in a token) of tokens [0, len) as fp32 rows of
- * dp values (zero past head_dim), then zero rows up to a whole QK_TB group. */
+/* The kv head's rows (element offset `head_off` in a token) of tokens [t0, len) (t0 > 0: a
+ * window's first token) as fp32 rows of dp values (zero past head_dim), row t - t0 for token t,
+ * then zero rows up to a whole QK_TB group. */
 static inline __attribute__((always_inline)) void load_context(
     const int head_dim, const int is_bf16, const Geometry *geo, const int32_t *restrict table,
-    const void *restrict cache, const int64_t head_off, const int len, const int dp,
-    float *restrict buf) {
-  const int nv = dp / VW;
-  int b = 0, o = 0;
-  for (int t = 0; t < len; t++) {
+    const void *restrict cache, const int64_t head_off, const int t0, const int len,
+    const int dp, float *restrict buf) {
+  const int nv = dp / VW, n = len - t0;
+  int b = t0 / geo->block_size, o = t0 - b * geo->block_size;
+  for (int t = 0; t < n; t++) {
     const int64_t at =
         (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
     for (int c = 0; c < nv; c++)
@@ -717,7 +757,7 @@ static inline __attribute__((always_inline)) void load_context(
       b++;
     }
   }
-  memset(buf + (int64_t)len * dp, 0, sizeof(float) * (size_t)(round_up(len, QK_TB) - len) * dp);
+  memset(buf + (int64_t)n * dp, 0, sizeof(float) * (size_t)(round_up(n, QK_TB) - n) * dp);
 }
 
 /* Scratch of a prefill tile item (see above); returns 0, or -1 when out of memory. */
@@ -743,6 +783,9 @@ static inline __attribute__((always_inline)) void attend(
   const int64_t rp = round_up(rows, VW);
   const int dp = (int)round_up(head_dim, VW);
   const int len = ctx + j0 + nq; /* tokens the last query of the tile sees */
+  /* With a window the tile works on tokens [t_first, len) only (t_first: the first query's
+   * window start; the blocks before it are never read), numbered from t_first in its buffers. */
+  const int t_first = window_start(geo, ctx + j0), n = len - t_first;
   const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
   float *restrict qt = scratch->q;
   float *restrict st = scratch->scores;
@@ -762,13 +805,14 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (int d = 0; d < head_dim; d++)
       for (int r = rows; r < rp; r++) qt[d * rp + r] = 0.f;
-    load_context(head_dim, is_bf16, geo, table, k_cache, (int64_t)kh * head_dim, len, dp,
-                 scratch->kbuf);
-    load_context(head_dim, is_bf16, geo, table, v_cache, (int64_t)kh * head_dim, len, dp,
-                 scratch->vbuf);
-    tile_scores(head_dim, qt, rp, scratch->kbuf, dp, len, st);
-    tile_softmax(st, rp, len, ctx + j0, group, inv);
-    tile_values(head_dim, rows, st, rp, scratch->vbuf, dp, len, scratch->acc);
+    load_context(head_dim, is_bf16, geo, table, k_cache, (int64_t)kh * head_dim, t_first, len,
+                 dp, scratch->kbuf);
+    load_context(head_dim, is_bf16, geo, table, v_cache, (int64_t)kh * head_dim, t_first, len,
+                 dp, scratch->vbuf);
+    tile_scores(head_dim, qt, rp, scratch->kbuf, dp, n, st);
+    if (geo->soft_cap > 0.f) soft_cap_row(st, (int64_t)n * rp, geo->soft_cap);
+    tile_softmax(st, rp, n, ctx + j0 - t_first, group, geo->window, inv);
+    tile_values(head_dim, rows, st, rp, scratch->vbuf, dp, n, scratch->acc);
     for (int r = 0; r < rows; r++) {
       const int64_t dst =
           ((int64_t)(j0 + r / group) * geo->num_heads + kh * group + r % group) * head_dim;
@@ -852,14 +896,14 @@ static void store_token(const int64_t t, const size_t row_bytes, const char *k, 
  * (0: use all of them). Returns 0; -1 when a scratch buffer could not be allocated (the output
  * is then partial); -2 on inconsistent lengths (a sequence with more queries than context) and
  * -3 on a slot past the caches, both before any work. */
-int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
-                         const void *v, int64_t k_stride, int64_t v_stride,
-                         const int64_t *slot_mapping, int64_t num_slots,
-                         const int32_t *block_tables, int64_t bt_stride,
-                         const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
-                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int num_threads,
-                         int64_t min_work_per_thread) {
+static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
+                           const void *v, int64_t k_stride, int64_t v_stride,
+                           const int64_t *slot_mapping, int64_t num_slots,
+                           const int32_t *block_tables, int64_t bt_stride,
+                           const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, float scale, int num_threads,
+                           int64_t min_work_per_thread, int window, float soft_cap) {
   const Geometry geo = {
       .num_heads = num_heads,
       .group = num_heads / num_kv_heads,
@@ -867,6 +911,8 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
       .token_stride = (int64_t)num_kv_heads * head_dim,
       .block_stride = (int64_t)block_size * num_kv_heads * head_dim,
       .scale = scale,
+      .window = window > 0 ? window : 0,
+      .soft_cap = soft_cap > 0.f ? soft_cap : 0.f,
   };
   const int is_bf16 = dtype == 1;
   const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
@@ -905,7 +951,8 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
   int64_t work = 0;
   for (int s = 0; s < num_seqs; s++) {
     const int64_t qlen = query_start_loc[s + 1] - query_start_loc[s];
-    work += qlen * (seq_lens[s] - qlen / 2);
+    const int64_t seen = seq_lens[s] - qlen / 2; /* keys per query, on average */
+    work += qlen * (geo.window > 0 && geo.window < seen ? geo.window : seen);
   }
   work *= 2 * (int64_t)num_heads * head_dim;
   num_threads = threads_for(work, min_work_per_thread, num_threads);
@@ -960,4 +1007,36 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
   free(tile_seq);
   free(tile_j0);
   return failed ? -1 : 0;
+}
+
+int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
+                         const void *v, int64_t k_stride, int64_t v_stride,
+                         const int64_t *slot_mapping, int64_t num_slots,
+                         const int32_t *block_tables, int64_t bt_stride,
+                         const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
+                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, float scale, int num_threads,
+                         int64_t min_work_per_thread) {
+  return paged_attention(dtype, q, k_cache, v_cache, k, v, k_stride, v_stride, slot_mapping,
+                         num_slots, block_tables, bt_stride, query_start_loc, seq_lens, out,
+                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                         num_threads, min_work_per_thread, 0, 0.f);
+}
+
+/* wick_paged_attention with a sliding window (`window` > 0: position p sees keys in (p - W, p];
+ * the blocks wholly before every query's window are never read) and a logit soft cap
+ * (`soft_cap` > 0: scaled scores s become c * tanh(s / c)); 0 turns either off. */
+int wick_paged_attention_windowed(int dtype, const void *q, void *k_cache, void *v_cache,
+                                  const void *k, const void *v, int64_t k_stride,
+                                  int64_t v_stride, const int64_t *slot_mapping,
+                                  int64_t num_slots, const int32_t *block_tables,
+                                  int64_t bt_stride, const int32_t *query_start_loc,
+                                  const int32_t *seq_lens, void *out, int num_seqs,
+                                  int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                  float scale, int num_threads, int64_t min_work_per_thread,
+                                  int window, float soft_cap) {
+  return paged_attention(dtype, q, k_cache, v_cache, k, v, k_stride, v_stride, slot_mapping,
+                         num_slots, block_tables, bt_stride, query_start_loc, seq_lens, out,
+                         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                         num_threads, min_work_per_thread, window, soft_cap);
 }

@@ -8,8 +8,9 @@ SDPA for decodes (3-5x less time at batch 16), and its per-request Python loop o
 for prefills (2-5x less for chunks after a cached prefix and for batches of prompts; about even
 for a lone prompt of 1024 tokens, where SDPA's flash kernel is matmul-bound).
 
-Layers with a sliding window or attention soft-capping (Gemma 2/3, Phi-3) run the portable path,
-which honours both.
+Layers with a sliding window (Gemma 2/3, Mistral-style configs) or attention logit soft-capping
+(Gemma 2) run the same kernel's windowed entry point: keys before a query's window, and the
+blocks holding only such keys (the KV manager's null block once freed), are never read.
 
 When the kernel cannot run (no C compiler, a dtype or head_dim it does not support) the step
 goes to the portable backend, after ONE warning per reason saying which kernel and why.
@@ -61,9 +62,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             logits_soft_cap=logits_soft_cap,
         )
         self.kernels = native.load_kernels()  # built once per process and ISA, then cached
-        # The C kernel attends to the whole context without capping: layers with a window or
-        # a soft cap run the portable path (which honours both) with no warning, by design.
-        self.portable_only = sliding_window is not None or logits_soft_cap is not None
 
     def forward(
         self,
@@ -74,8 +72,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if self.portable_only:
-            return super().forward(q, k, v, k_cache, v_cache, metadata)
         if self.kernels is None:
             reason = "the kernels could not be built (see the warning above)"
         else:
@@ -97,4 +93,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             k=k,
             v=v,
             slot_mapping=metadata.slot_mapping,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
         )

@@ -16,8 +16,12 @@ value (rows Dv):
     of the context, the cache read once for all heads.
 
 The arithmetic is PyTorch's, so it runs on every device and is what the `torch` and `cpu`
-attention backends get for MLA models (the native C kernel and the Triton kernels do not
-implement it).
+attention backends get for MLA models (the native C kernel does not implement it). With the
+`triton` backend (`decode_kernel="triton"`) the latents are stored by the Triton KV store (slots
+< 0 skipped: CUDA-graph padding) and decodes read the latent cache in place with
+kernels/mla_decode.py (no gather of the context into a padded copy), which only reads device
+tensors, so a captured decode graph replays; prefills keep the expanded PyTorch path above (SDPA
+runs its flash kernels on CUDA; prefills are never captured).
 """
 
 from __future__ import annotations
@@ -39,8 +43,12 @@ class MLAAttention(nn.Module):
         v_head_dim: int,
         kv_lora_rank: int,
         scale: float,
+        decode_kernel: str = "torch",
     ) -> None:
         super().__init__()
+        if decode_kernel not in ("torch", "triton"):
+            raise ValueError(f"MLA decode kernel {decode_kernel!r}: choose torch or triton")
+        self.decode_kernel = decode_kernel
         self.num_heads = num_heads  # this rank's
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -67,9 +75,16 @@ class MLAAttention(nn.Module):
         (rotated), w_kv_b [H * (Dn + Dv), L], kv_cache [blocks, block_size, L + R]
         -> [T, H * Dv]. Writes this step's latents into the cache first."""
         entries = torch.cat((latent, k_pe), dim=-1)  # [T, L + R]
-        kv_cache.view(-1, self.cache_entry_size).index_copy_(
-            0, md.slot_mapping, entries.to(kv_cache.dtype)
-        )
+        if self.decode_kernel == "triton":
+            from model_server.kernels.store_kv import store_kv_cache
+
+            # One "KV head" of L + R values; key and value are the same row, written twice.
+            rows, cache = entries[:, None], kv_cache.unsqueeze(2)
+            store_kv_cache(rows, rows, cache, cache, md.slot_mapping)
+        else:
+            kv_cache.view(-1, self.cache_entry_size).index_copy_(
+                0, md.slot_mapping, entries.to(kv_cache.dtype)
+            )
         num_tokens = q_nope.shape[0]
         out = q_nope.new_empty(num_tokens, self.num_heads, self.v_head_dim)
         w = w_kv_b.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
@@ -95,6 +110,13 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]  # [H, Dn|Dv, L]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [nd, H, L]
         query = torch.cat((q_lat, q_pe), dim=-1)  # [nd, H, L + R]
+        if self.decode_kernel == "triton":
+            from model_server.kernels.mla_decode import mla_decode_attention
+
+            o_lat = mla_decode_attention(
+                query, kv_cache, md.seq_lens[:nd], md.block_tables[:nd], lora, self.scale
+            ).to(q_nope.dtype)  # [nd, H, L]
+            return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         block_size = kv_cache.shape[1]
         num_blocks = -(-max(md.seq_lens_cpu[:nd]) // block_size)
         ctx = gather_paged_context(kv_cache, md.block_tables[:nd], num_blocks).to(q_nope.dtype)
@@ -145,5 +167,6 @@ class MLAAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
-            f"rope={self.qk_rope_head_dim}, nope={self.qk_nope_head_dim}, v={self.v_head_dim}"
+            f"rope={self.qk_rope_head_dim}, nope={self.qk_nope_head_dim}, v={self.v_head_dim}, "
+            f"decode={self.decode_kernel}"
         )
