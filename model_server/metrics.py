@@ -90,6 +90,14 @@ class EngineMetrics:
         def histogram(name: str, doc: str, buckets: Any) -> Any:
             return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
 
+        # What is served: 1 on the series of the weights' quantization ("none" for float).
+        self.model_info = Gauge(
+            "wick:model_info",
+            "The served model; the quantization label is the weights' format "
+            "(e.g. 'gptq w4 g128', 'awq w4 g128', 'int8', 'none').",
+            ["model_name", "quantization"],
+            registry=reg,
+        )
         # Scheduler state.
         self.num_requests_running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
@@ -266,6 +274,11 @@ class EngineMetrics:
             self.request_n.observe(req.n)
             if req.max_tokens_param:
                 self.request_max_tokens.observe(req.max_tokens_param)
+
+    def set_model_info(self, quantization: str | None) -> None:
+        """Called once the model is loaded (async_engine.py)."""
+        self.model_info.clear()
+        self.model_info.labels(self.model_name, quantization or "none").set(1)
 
     def count_http(self, handler: str, method: str, status: int) -> None:
         self.http_requests.labels(handler, method, str(status)).inc()

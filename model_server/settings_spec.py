@@ -255,7 +255,9 @@ SETTINGS: tuple[Setting, ...] = (
         "int8: weight-only int8 quantization at load (per output channel; activations, norms, "
         "embeddings and the KV cache stay in --dtype): 4x less weight memory than float32 and "
         "faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel (cpu and cuda only). "
-        "GGUF files are always read in their own format and dequantized.",
+        "GGUF files are always read in their own format and dequantized. GPTQ and AWQ checkpoints "
+        "(an HF folder whose config.json has a quantization_config) are served kept quantized "
+        "without this flag, which must then stay none.",
         "engine",
         default_text="none",
         aliases=("-q",),

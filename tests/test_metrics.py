@@ -254,3 +254,14 @@ def test_mount_metrics_explicit() -> None:
     mount_metrics(app, m)
     r = TestClient(app).get("/metrics")
     assert 'vllm:num_requests_running{model_name="smol"} 0.0' in r.text
+
+
+def test_model_info_names_the_weights_quantization() -> None:
+    m = EngineMetrics(MODEL, include_process_metrics=False)
+    assert _value(m, "wick:model_info", quantization="none") is None  # not loaded yet
+    m.set_model_info("gptq w4 g128")
+    assert _value(m, "wick:model_info", quantization="gptq w4 g128") == 1
+    m.set_model_info(None)  # a reload with float weights replaces the series
+    assert _value(m, "wick:model_info", quantization="gptq w4 g128") is None
+    assert _value(m, "wick:model_info", quantization="none") == 1
+    assert promtool_check_metrics(m.render()[0]) == []

@@ -225,11 +225,12 @@ def attention_calls(
 def fused_op_calls(
     shape: ModelShape, dtype: torch.dtype, num_tokens: int = 8
 ) -> Iterator[tuple[str, Callable[[], object]]]:
-    """The fused ops (and the int8 matmul) at the model's widths, in the layouts the decoder
-    layers pass."""
+    """The fused ops (and the int8 and wNa16 matmuls) at the model's widths, in the layouts the
+    decoder layers pass."""
     from model_server.kernels.activation import silu_and_mul
     from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from model_server.kernels.wna16_linear import wna16_linear
 
     t, hidden, eps = num_tokens, shape.hidden_size, 1e-6
     x = torch.randn(t, hidden, dtype=dtype)
@@ -252,6 +253,21 @@ def fused_op_calls(
     for rows in (t, 64):
         xs = torch.randn(rows, hidden, dtype=dtype)
         yield f"int8 linear, {rows} rows", lambda xs=xs: int8_linear(xs, qweight, scale)
+    # GPTQ / AWQ kept quantized: w4 g128 and w8 per-channel (the layout of kernels/portable.py).
+    for bits, group in ((4, 128), (8, hidden)):
+        if hidden % group or group % 32:
+            continue
+        codes = torch.zeros(256, hidden * bits // 8, dtype=torch.uint8)
+        scales = torch.ones(256, hidden // group)
+        offsets = torch.zeros(256, hidden // group)
+        for rows in (t, 64):
+            xs = torch.randn(rows, hidden, dtype=dtype)
+            yield (
+                f"w{bits}a16 linear g{group}, {rows} rows",
+                lambda xs=xs, c=codes, s=scales, o=offsets, b=bits, g=group: wna16_linear(
+                    xs, c, s, o, b, g
+                ),
+            )
 
 
 def check(

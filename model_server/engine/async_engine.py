@@ -99,6 +99,12 @@ class EngineClient(ABC):
         """The context length once the model is loaded; None before."""
 
     @property
+    def quantization(self) -> str | None:
+        """The weights' quantization once the model is loaded ("gptq w4 g128", "int8"); None
+        for float weights or before."""
+        return None
+
+    @property
     def is_ready(self) -> bool:
         return self.phase is EnginePhase.READY
 
@@ -244,6 +250,7 @@ class AsyncLLM(EngineClient):
         self._engine: Any = None  # LLMEngine, set by the engine thread once loaded
         self._tokenizer: Any = None
         self._max_model_len: int | None = None
+        self._quantization: str | None = None
         self._phase = EnginePhase.LOADING
         self._error: str | None = None
         self._accepting = True
@@ -279,6 +286,10 @@ class AsyncLLM(EngineClient):
     @property
     def max_model_len(self) -> int | None:
         return self._max_model_len
+
+    @property
+    def quantization(self) -> str | None:
+        return self._quantization
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -497,6 +508,11 @@ class AsyncLLM(EngineClient):
         self._tracker = StatsTracker(engine.scheduler)
         self._tokenizer = engine.tokenizer
         self._max_model_len = engine.max_model_len
+        self._quantization = getattr(engine, "quantization", None)  # test doubles may have none
+        for stat_logger in self.stat_loggers:
+            set_model_info = getattr(stat_logger, "set_model_info", None)
+            if set_model_info is not None:
+                set_model_info(self._quantization)
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
 
     def _warmup(self) -> None:

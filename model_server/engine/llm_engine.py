@@ -39,6 +39,11 @@ class LLMEngine:
         return self.core.config.max_model_len
 
     @property
+    def quantization(self) -> str | None:
+        """What the model's linear layers run, e.g. "gptq w4 g128" or "int8"; None: float."""
+        return self.core.model_runner.quantization_description
+
+    @property
     def vocab_size(self) -> int:
         return self.core.vocab_size
 

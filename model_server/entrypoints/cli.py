@@ -1,5 +1,5 @@
-"""Command line: `generate`, `serve`, `bench throughput`, `bench latency`, `bench structured`,
-`bench serve`, `bench soak`. Logs go to stderr."""
+"""Command line: `generate`, `serve`, `quantize`, `bench throughput`, `bench latency`,
+`bench structured`, `bench serve`, `bench soak`. Logs go to stderr."""
 
 from __future__ import annotations
 
@@ -83,13 +83,25 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(settings)
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from model_server.loader.load import load_model_source
+    from model_server.loader.write_quantized import write_quantized_folder
+
+    source = load_model_source(args.model, revision=args.revision)
+    folder = write_quantized_folder(
+        source, args.output, args.method, args.bits, args.group_size, not args.asym
+    )
+    sys.stdout.write(f"{folder}\n")
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     from model_server.engine.execution.worker import run_worker_node
 
     return run_worker_node(EngineConfig.from_attrs(args))
 
 
-_COMMANDS = ("generate", "serve", "worker", "bench")
+_COMMANDS = ("generate", "serve", "quantize", "worker", "bench")
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -148,6 +160,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     else:
         serve = sub.add_parser("serve", help=serve_help, description=serve_description)
     serve.set_defaults(func=_serve)
+
+    quant = sub.add_parser(
+        "quantize",
+        help="Write a GPTQ- or AWQ-format HF folder of a model (round-to-nearest, no "
+        "calibration), which `serve --model FOLDER` serves kept quantized.",
+        description="Quantize the decoder layers' projections of --model (default: the "
+        "embedded SmolLM2-135M) per group of input features, round-to-nearest, and write them "
+        "as AutoGPTQ (checkpoint_format gptq) or AutoAWQ (GEMM) store them, with the other "
+        "tensors in float16, config.json's quantization_config and the tokenizer. No "
+        "calibration data: quality is below the real tools'; meant for benchmarks and tests.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    quant.add_argument("--model", default=None, help="What to quantize (any --model value).")
+    quant.add_argument("--revision", default=None, help="Hub revision of --model.")
+    quant.add_argument("--output", required=True, help="The folder to write.")
+    quant.add_argument("--method", choices=("gptq", "awq"), default="gptq")
+    quant.add_argument("--bits", type=int, choices=(4, 8), default=4, help="awq: 4 only.")
+    quant.add_argument(
+        "--group-size", type=int, default=128, help="Input features per scale; -1: per channel."
+    )
+    quant.add_argument(
+        "--asym", action="store_true", help="gptq: zero points per group (awq always has them)."
+    )
+    quant.set_defaults(func=_quantize)
 
     worker = sub.add_parser(
         "worker",

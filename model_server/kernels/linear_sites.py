@@ -11,13 +11,14 @@ import torch
 @dataclass(slots=True, frozen=True)
 class LinearSite:
     """One linear layer's weight as the layer hands it to `KernelTable.linear` (or, quantized,
-    to `.int8_linear`).
+    to `.int8_linear` / `.wna16_linear`).
 
     `weight`: the float weight [N, K] (the parameter itself), or the int8 codes [N, K] with
-    `scale` [N] bf16. `max_rows`: the most rows of x per call (the step's token budget; the
-    number of sampled rows for the LM head). `exclusive`: no other module reads the weight (a
-    tied embedding does), so a platform may move its values into another layout and keep only
-    that.
+    `scale` [N] bf16, or a GPTQ/AWQ weight's wNa16 codes (uint8, kernels/portable.py) with
+    `scale` its scales [N, G], `offsets`, `bits` and `group_size`. `max_rows`: the most rows
+    of x per call (the step's token budget; the number of sampled rows for the LM head).
+    `exclusive`: no other module reads the weight (a tied embedding does), so a platform may
+    move its values into another layout and keep only that.
     """
 
     weight: torch.Tensor
@@ -25,3 +26,6 @@ class LinearSite:
     exclusive: bool
     scale: torch.Tensor | None = None
     name: str = ""
+    offsets: torch.Tensor | None = None  # wNa16 only
+    bits: int = 0  # wNa16 only: 4 or 8
+    group_size: int = 0  # wNa16 only

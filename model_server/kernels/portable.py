@@ -65,3 +65,63 @@ def _apply_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """x [T, H, D]; cos, sin [T, 1, D/2] -> [T, H, D] (contiguous)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# ---- wNa16: 4- and 8-bit weights with per-group scales and offsets (GPTQ, AWQ) ----------------
+#
+# The one layout every wNa16 kernel reads (layers/quantization/wna16.py fills it from either
+# checkpoint format). W [N, K] is cut along K into groups of `group_size` (K itself for
+# per-channel); group g of row n dequantizes as
+#     W[n, k] = scales[n, g] * q[n, k] + offsets[n, g]          (float32; g = k // group_size)
+# where q is the unsigned code (0..15 or 0..255) and offsets = -scale * zero folds the zero point
+# in. Codes are uint8: [N, K] for 8 bits; for 4 bits [N, K / 2], K cut into blocks of 32, byte j
+# (0..15) of a block holding k = 32 b + j in its low nibble and k = 32 b + 16 + j in its high one,
+# so that one 16-byte load yields 32 consecutive k as two runs of 16 (a zmm each, or 2 ymm).
+WNA16_BLOCK = 32
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integer codes 0..15, K a multiple of 32 -> [N, K / 2] uint8 in the wNa16 layout."""
+    n, k = q.shape
+    if k % WNA16_BLOCK:
+        raise ValueError(f"4-bit codes need K a multiple of {WNA16_BLOCK}, got {k}")
+    blocks = q.to(torch.uint8).view(n, k // WNA16_BLOCK, 2, WNA16_BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K / 2] uint8 (wNa16 layout) -> q [N, K] uint8 codes 0..15."""
+    n, half = codes.shape
+    blocks = codes.view(n, half // (WNA16_BLOCK // 2), WNA16_BLOCK // 2)
+    return torch.stack((blocks & 0xF, blocks >> 4), dim=2).reshape(n, half * 2)
+
+
+def dequantize_wna16(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """codes (see above), scales and offsets [N, G] float32, G = ceil(K / group_size) -> W [N, K]
+    in `dtype` (computed in float32, then cast)."""
+    q = unpack_int4(codes) if bits == 4 else codes
+    k = q.shape[1]
+    g = torch.arange(k, device=q.device) // group_size  # the group of each k
+    return (q.float() * scales[:, g] + offsets[:, g]).to(dtype)
+
+
+def wna16_linear_dequant(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [M, K] @ dequantized W^T + bias -> [M, N] in x's dtype: dequantize the whole matrix, then
+    the float matmul (the reference every wNa16 kernel is compared with; slow)."""
+    w = dequantize_wna16(codes, scales, offsets, bits, group_size, x.dtype)
+    return F.linear(x, w, bias)

@@ -24,6 +24,7 @@ from model_server.kernels.portable import (
     rms_norm_torch,
     rotary_embedding_torch,
     silu_and_mul_torch,
+    wna16_linear_dequant,
 )
 
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
@@ -31,6 +32,12 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Ten
 # (x [M, K], qweight [N, K] int8, scale [N] bf16, bias [N] | None) -> [M, N] in x's dtype
 Int8LinearFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
+# (x [M, K], codes uint8, scales [N, G] f32, offsets [N, G] f32, bits, group_size, bias [N] | None)
+# -> [M, N] in x's dtype: a GPTQ/AWQ weight in the wNa16 layout (kernels/portable.py)
+WNA16LinearFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor | None],
+    torch.Tensor,
 ]
 # (x [..., N], weight [N], eps) -> weight * normalised x
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -61,6 +68,8 @@ class KernelTable:
 
     linear: LinearFn = F.linear  # every float linear layer and the LM head
     int8_linear: Int8LinearFn = int8_linear_dequant  # the same once `--quantization int8` ran
+    # 4/8-bit group-quantized checkpoints (GPTQ, AWQ) kept quantized (layers/quantization/wna16.py)
+    wna16_linear: WNA16LinearFn = wna16_linear_dequant
     rms_norm: RMSNormFn = rms_norm_torch
     fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch
@@ -74,7 +83,8 @@ TORCH_KERNELS = KernelTable()
 
 def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
     """`base` with the one-pass Triton RMSNorm (+ residual add) and SiluAndMul (kernels/
-    rms_norm.py, activation.py), the w8a16 int8 matmul (kernels/int8_linear.py) and the
+    rms_norm.py, activation.py), the w8a16 int8 matmul (kernels/int8_linear.py), the GPTQ/AWQ
+    w4a16/w8a16 matmul (kernels/wna16_linear.py) and the
     grouped-GEMM fused MoE (kernels/fused_moe.py).
 
     Imports triton: call it where compiled Triton supports the model's device (CUDA) or under
@@ -85,10 +95,12 @@ def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
     from model_server.kernels.fused_moe import fused_experts_triton
     from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from model_server.kernels.wna16_linear import wna16_linear
 
     return replace(
         base,
         int8_linear=int8_linear,
+        wna16_linear=wna16_linear,
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
         silu_and_mul=silu_and_mul,

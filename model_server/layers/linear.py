@@ -33,6 +33,7 @@ from model_server.distributed.parallel_state import (
 from model_server.distributed.partition import HeadShard, divide, shard_heads
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.quantization import QuantizedWeight
+from model_server.layers.quantization.base import LinearQuantMethod, linear_quant_method
 
 
 def dense(
@@ -97,8 +98,14 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # A checkpoint kept quantized (GPTQ, AWQ): its tensors instead of a float weight, until
+        # `quant_method.process_weights_after_loading` sets `weight` to a QuantizedWeight.
+        self.quant_method: LinearQuantMethod | None = linear_quant_method()
+        if self.quant_method is not None:
+            self.quant_method.create_weights(self)
+        else:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.empty(output_size), requires_grad=False
@@ -109,6 +116,17 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
+
+    def output_shard(self, shard_id: int | str | None = None) -> tuple[int, int, int, int]:
+        """Where a checkpoint matrix's output rows go on this rank: (offset in this layer's
+        output, rows, first row taken from the checkpoint tensor, its total rows), for the
+        part `shard_id` of a fused layer (None: the whole matrix). Quantized checkpoints'
+        loaders (layers/quantization/) slice their packed tensors with it."""
+        return 0, self.output_size, 0, self.output_size
+
+    def input_shard(self) -> tuple[int, int, int]:
+        """This rank's input features: (first, count, total of the checkpoint matrix)."""
+        return 0, self.input_size, self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense(x, self.weight, self.bias, kernels=self.kernels)
@@ -157,6 +175,9 @@ class RowParallelLinear(LinearBase):
                 param.data, loaded_weight, self.input_start, self.total_input_size, "weight", 1
             )
 
+    def input_shard(self) -> tuple[int, int, int]:
+        return self.input_start, self.input_size, self.total_input_size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return dense(x, self.weight, self.bias, kernels=self.kernels)
@@ -186,6 +207,10 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         local = param.shape[0]
         _copy_rows(param.data, loaded_weight, self.tp_rank * local, self.tp_size * local, "weight")
+
+    def output_shard(self, shard_id: int | str | None = None) -> tuple[int, int, int, int]:
+        local = self.output_size
+        return 0, local, self.tp_rank * local, self.tp_size * local
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -226,6 +251,16 @@ class MergedColumnParallelLinear(LinearBase):
         target = param.data.narrow(0, sum(self.local_sizes[:shard_id]), size)
         total = self.output_sizes[shard_id]
         _copy_rows(target, loaded_weight, self.tp_rank * size, total, f"shard {shard_id}")
+
+    def output_shard(self, shard_id: int | str | None = None) -> tuple[int, int, int, int]:
+        if shard_id is None:
+            if self.tp_size > 1:
+                raise ValueError("a fused gate_up checkpoint tensor cannot be split over ranks")
+            return super().output_shard()
+        assert isinstance(shard_id, int)
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        return offset, size, self.tp_rank * size, self.output_sizes[shard_id]
 
 
 class QKVParallelLinear(LinearBase):
@@ -286,3 +321,15 @@ class QKVParallelLinear(LinearBase):
         else:
             start, total = self.shard.kv_start * d, self.total_num_kv_heads * d
         _copy_rows(target, loaded_weight, start, total, f"{shard_id}_proj")
+
+    def output_shard(self, shard_id: int | str | None = None) -> tuple[int, int, int, int]:
+        if shard_id is None:
+            if self.tp_size > 1:
+                raise ValueError("a fused qkv checkpoint tensor cannot be split over ranks")
+            return super().output_shard()
+        assert isinstance(shard_id, str)
+        offset, size = self.shard_range(shard_id)
+        d = self.head_size
+        if shard_id == "q":
+            return offset, size, self.shard.q_start * d, self.total_num_heads * d
+        return offset, size, self.shard.kv_start * d, self.total_num_kv_heads * d

@@ -18,6 +18,8 @@ from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
+from model_server.layers.quantization.base import building_quantized_linears
+from model_server.layers.quantization.wna16 import checkpoint_quantization
 
 # architecture -> (module under model_server.models, class name); imported on first use.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -82,15 +84,23 @@ def build_model(
     `kernels` is what every layer computes with, kept by reference (the platform's
     `kernel_table()`; the portable PyTorch table by default): nothing process-wide is switched, so
     models built with different tables coexist.
+
+    A checkpoint kept quantized (`config.quantization_config`: GPTQ, AWQ) gets its linear
+    layers built with the checkpoint's tensors instead of float weights (layers/quantization/
+    wna16.py): after `load_weights`, call `models.quantization.process_weights_after_loading`.
     """
     cls = get_model_class(getattr(config, "architectures", None))
+    quant = checkpoint_quantization(config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building_quantized_linears(quant):
             model = cls(config, attn_backend, max_model_len=max_model_len, kernels=kernels)
     finally:
         torch.set_default_dtype(previous)
+    if quant is not None:
+        for name, param in model.named_parameters():
+            param.checkpoint_name = name  # type: ignore[attr-defined]  # for load errors
     return model.eval().requires_grad_(False)
 
 

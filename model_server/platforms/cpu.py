@@ -19,10 +19,12 @@ from model_server.kernels.cpu.linear import int8_linear, skinny_linear
 from model_server.kernels.cpu.linear_tuning import (
     CpuInt8Linear,
     CpuLinear,
+    CpuWNA16Linear,
     tune_cpu_linears,
     tuning_enabled,
 )
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
+from model_server.kernels.cpu.wna16 import wna16_linear
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import KernelTable
 from model_server.platforms.interface import Platform
@@ -33,7 +35,9 @@ _DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
 # With tuning off (WICK_CPU_LINEAR_TUNING=0): the fixed MKL-friendly matmuls for decode's few
 # rows and PyTorch's int8 weight-only kernel (kernels/cpu/linear.py). Norms, SiLU-and-mul and
 # rotary run on the native C kernels either way (`_with_layer_ops`).
-_FIXED_CPU_KERNELS = KernelTable(linear=skinny_linear, int8_linear=int8_linear)
+_FIXED_CPU_KERNELS = KernelTable(
+    linear=skinny_linear, int8_linear=int8_linear, wna16_linear=wna16_linear
+)
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -42,7 +46,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     dist_backend = "gloo"
     default_attention_backend = "cpu"
-    quantization_methods = ("int8",)
+    quantization_methods = ("int8", "gptq", "awq")
     shares_host_memory = True
 
     @classmethod
@@ -118,7 +122,10 @@ class CpuPlatform(Platform):
         if not tuning_enabled():
             return _fixed_table(kernels)
         return _with_layer_ops(
-            KernelTable(linear=CpuLinear(), int8_linear=CpuInt8Linear()), kernels
+            KernelTable(
+                linear=CpuLinear(), int8_linear=CpuInt8Linear(), wna16_linear=CpuWNA16Linear()
+            ),
+            kernels,
         )
 
     def tune_kernels(
@@ -131,8 +138,14 @@ class CpuPlatform(Platform):
             kernels.int8_linear, CpuInt8Linear
         ):
             return  # the fixed table (tuning off) or a table from elsewhere
+        wna16 = kernels.wna16_linear
         report = tune_cpu_linears(
-            sites, dtype, kernels.linear, kernels.int8_linear, self._tuning_cache()
+            sites,
+            dtype,
+            kernels.linear,
+            kernels.int8_linear,
+            self._tuning_cache(),
+            wna16=wna16 if isinstance(wna16, CpuWNA16Linear) else None,
         )
         logger.info(
             "cpu linear kernels for %d shapes: %d timed in %.2fs, %d cached%s",

@@ -17,7 +17,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     default_attention_backend = "triton"
     supports_graphs = True
-    quantization_methods = ("int8",)
+    quantization_methods = ("int8", "gptq", "awq")
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     @classmethod

@@ -59,6 +59,7 @@ def test_health_version_models(api: AppClient) -> None:
     (card,) = models["data"]
     assert card["id"] == MODEL_NAME and card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
+    assert card["quantization"] is None  # float weights
 
 
 def test_models_root_is_the_model_path(api: AppClient, tiny_config: Path) -> None:

@@ -29,6 +29,7 @@ KERNELS = (
     "_rms_norm_kernel",
     "_silu_and_mul_kernel",
     "_int8_linear_kernel",
+    "_wna16_linear_kernel",
 )
 
 

@@ -13,6 +13,7 @@ from model_server.kernels.linear_sites import LinearSite
 from model_server.layers.embedding import ParallelLMHead
 from model_server.layers.linear import LinearBase
 from model_server.layers.quantization import Int8Weight
+from model_server.layers.quantization.wna16 import WNA16Weight
 from model_server.models.llama import get_head_dim, get_num_kv_heads
 
 
@@ -52,6 +53,19 @@ def linear_sites(model: nn.Module, max_rows: int, max_head_rows: int) -> list[Li
         weight = module.weight
         if isinstance(weight, Int8Weight):
             sites.append(LinearSite(weight.qweight, rows, True, weight.scale, name))
+        elif isinstance(weight, WNA16Weight):
+            sites.append(
+                LinearSite(
+                    weight.codes,
+                    rows,
+                    True,
+                    weight.scales,
+                    name,
+                    offsets=weight.offsets,
+                    bits=weight.bits,
+                    group_size=weight.group_size,
+                )
+            )
         elif isinstance(weight, torch.Tensor):
             sites.append(LinearSite(weight, rows, uses.get(id(weight), 0) == 1, None, name))
     return sites

@@ -36,9 +36,14 @@ from model_server.engine.execution.step_input import StepInput
 from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.attention.layer import Attention
+from model_server.layers.quantization.wna16 import checkpoint_quantization
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
-from model_server.models.quantization import quantize_model
+from model_server.models.quantization import (
+    model_quantization,
+    process_weights_after_loading,
+    quantize_model,
+)
 from model_server.models.registry import build_model, init_dummy_weights
 from model_server.platforms import Platform
 from model_server.structured_output.bitmask import fill_grammar_bitmask
@@ -79,6 +84,15 @@ class ModelRunner:
         self.memory_profile: MemoryProfile | None = None
         self.quantization = parse_quantization(config.quantization)
         platform.check_quantization(self.quantization)  # before minutes of loading
+        # A checkpoint kept quantized (GPTQ, AWQ: its config's quantization_config).
+        self.checkpoint_quant = checkpoint_quantization(self.hf_config)
+        if self.checkpoint_quant is not None:
+            platform.check_quantization(self.checkpoint_quant.method)
+            if self.quantization is not None:
+                raise ValueError(
+                    f"--quantization {self.quantization} cannot re-quantize a "
+                    f"{self.checkpoint_quant.method} checkpoint (it is served as it is quantized)"
+                )
         backend_name = config.attention_backend or platform.default_attention_backend
         self.attn_backend = get_attention_backend(backend_name)
         start = time.perf_counter()
@@ -92,12 +106,20 @@ class ModelRunner:
             kernels=kernels,
         )
         if source.weights is None:
+            if self.checkpoint_quant is not None:
+                raise ValueError(
+                    f"load_format dummy cannot make {self.checkpoint_quant.method} weights: "
+                    "load the checkpoint, or drop quantization_config from the config"
+                )
             init_dummy_weights(self.model, seed=config.seed)
         else:
             self.model.load_weights(_with_progress(source.weights(), source.num_weights))
+        process_weights_after_loading(self.model)
         if self.quantization is not None:
             quantize_model(self.model, self.quantization)
         self.model.eval()
+        # What the linear layers run, for the log, /v1/models and the metrics: "gptq w4 g128".
+        self.quantization_description: str | None = model_quantization(self.model)
         self.kv_groups = self._group_layers()
         # Once the weights are final, before anything runs: the platform fits the table's
         # matmuls to them (CPU: times kernels per shape and row bucket, cached on disk).
@@ -109,7 +131,7 @@ class ModelRunner:
             source.path,
             self.hf_config.architectures[0],
             str(self.dtype).removeprefix("torch."),
-            f", {self.quantization} weights" if self.quantization else "",
+            f", {self.quantization_description} weights" if self.quantization_description else "",
             time.perf_counter() - start,
             backend_name,
         )

@@ -142,7 +142,12 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(id=name, root=root, max_model_len=engine_client.max_model_len)
+        card = ModelCard(
+            id=name,
+            root=root,
+            max_model_len=engine_client.max_model_len,
+            quantization=engine_client.quantization,
+        )
         return ModelList(data=[card])
 
     @app.post("/v1/completions", response_model=None)

@@ -93,6 +93,9 @@ class ModelCard(OpenAIBaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    # Wick's addition: the weights' quantization ("gptq w4 g128", "awq w4 g64", "int8"), None
+    # for float weights.
+    quantization: str | None = None
 
 
 class ModelList(OpenAIBaseModel):

@@ -11,7 +11,9 @@ one-row bmm split, `W @ x^T` in blocks of rows, up to NATIVE_MAX_ROWS rows the n
 matmul (kernels/cpu/gemm.py, where its library builds), and two kernels on a weight re-laid out
 once (PACKED_KINDS): oneDNN with a prepacked weight, and in bf16 on AVX512-BF16 builds the
 native panel matmul (kernels/cpu/panel_gemm.py); for int8 weights PyTorch's int8 kernel and
-dequantize-then-matmul. A candidate that raises is dropped (debug log).
+dequantize-then-matmul; for GPTQ/AWQ (wNa16) weights the native kernel that dequantizes in
+registers (kernels/cpu/wna16_gemm.c) and blocked dequantize-then-matmul. A candidate that
+raises is dropped (debug log).
 
 Memory: a packed weight holds the same bytes in another layout. Where only the layer reads the
 weight (`LinearSite.exclusive`) and one packed kind at every bucket beats the best dense kernel
@@ -51,8 +53,13 @@ from model_server.kernels.cpu.linear import (
 )
 from model_server.kernels.cpu.panel_gemm import pack_panels, panel_linear
 from model_server.kernels.cpu.tuning_cache import TuningCache
+from model_server.kernels.cpu.wna16 import (
+    wna16_dequantized_linear,
+    wna16_linear,
+    wna16_native_linear,
+)
 from model_server.kernels.linear_sites import LinearSite
-from model_server.kernels.table import Int8LinearFn, LinearFn
+from model_server.kernels.table import Int8LinearFn, LinearFn, WNA16LinearFn
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +117,13 @@ INT8_FNS: dict[str, Int8LinearFn] = {INT8_KERNEL: int8_kernel_linear, DEQUANT: d
 PACKED_KINDS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[..., torch.Tensor]]] = {
     PACKED: (pack_onednn_weight, onednn_packed_linear),
     PANELS: (pack_panels, panel_linear),
+}
+# GPTQ / AWQ weights (wNa16): the native kernel dequantizing in registers (kernels/cpu/
+# wna16_gemm.c) and dequantize-then-matmul in cache-sized blocks (big prefills).
+WNA16_NATIVE = "wna16_native"
+WNA16_FNS: dict[str, WNA16LinearFn] = {
+    WNA16_NATIVE: wna16_native_linear,
+    DEQUANT: wna16_dequantized_linear,
 }
 
 # Timings of one shape: per bucket, candidate name -> best seconds.
@@ -218,6 +232,38 @@ class CpuInt8Linear:
         return fns[bucket_index(x.shape[0], len(fns))](x, qweight, scale, bias)
 
 
+class CpuWNA16Linear:
+    """`KernelTable.wna16_linear` on CPUs: per (N, stored K, bits, group size, activation dtype)
+    one function per row bucket; untuned shapes run the fixed `wna16_linear`."""
+
+    __slots__ = ("_by_shape",)
+
+    def __init__(self) -> None:
+        self._by_shape: dict[tuple[int, int, int, int, torch.dtype], tuple[WNA16LinearFn, ...]] = {}
+
+    def set_shape_plan(
+        self, key: tuple[int, int, int, int], dtype: torch.dtype, fns: Sequence[WNA16LinearFn]
+    ) -> None:
+        self._by_shape[(*key, dtype)] = tuple(fns)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor,
+        bits: int,
+        group_size: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        fns = self._by_shape.get((codes.shape[0], codes.shape[1], bits, group_size, x.dtype))
+        if fns is None or x.shape[0] == 0:
+            return wna16_linear(x, codes, scales, offsets, bits, group_size, bias)
+        return fns[bucket_index(x.shape[0], len(fns))](
+            x, codes, scales, offsets, bits, group_size, bias
+        )
+
+
 # ---- timing -------------------------------------------------------------------------------
 
 
@@ -285,8 +331,15 @@ class _Group:
         return self.sites[0].weight.dtype == torch.int8
 
     @property
+    def wna16(self) -> bool:
+        return self.sites[0].bits > 0
+
+    @property
     def shape(self) -> tuple[int, int]:
+        """(N, K) of the float matrix the weight stands for."""
         n, k = self.sites[0].weight.shape
+        if self.wna16:
+            k = k * 8 // self.sites[0].bits
         return int(n), int(k)
 
 
@@ -333,9 +386,9 @@ def _time_group(group: _Group, deadline: float) -> None:
     site = group.sites[0]
     weight = site.weight
     n, k = group.shape
-    copies = [weight] if group.int8 else _cold_copies(weight)
+    copies = [weight] if group.int8 or group.wna16 else _cold_copies(weight)
     packed: dict[str, list[Any]] = {}
-    if not group.int8:
+    if not (group.int8 or group.wna16):
         for kind, (pack, _) in PACKED_KINDS.items():
             try:
                 packed[kind] = [pack(w) for w in copies]
@@ -350,7 +403,14 @@ def _time_group(group: _Group, deadline: float) -> None:
             break
         x = torch.randn(rows, k, generator=gen).to(group.act_dtype)
         calls: dict[str, Callable[[], object]]
-        if group.int8:
+        if group.wna16:
+            calls = {
+                name: functools.partial(
+                    fn, x, weight, site.scale, site.offsets, site.bits, site.group_size, None
+                )
+                for name, fn in WNA16_FNS.items()
+            }
+        elif group.int8:
             scale = site.scale
             assert scale is not None
             calls = {
@@ -453,7 +513,7 @@ def _runnable_times(group: _Group) -> BucketTimes:
     smaller bucket's times (the budget ran out) holds kernels timed at fewer rows, and one of
     them may be valid there only: `bmm_split` runs exactly one row, and chosen for a 16-row
     bucket it failed every step that had 16 rows."""
-    if group.int8:
+    if group.int8 or group.wna16:
         return group.times
     weight = group.sites[0].weight
     runnable: BucketTimes = []
@@ -467,6 +527,15 @@ def _runnable_times(group: _Group) -> BucketTimes:
 def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
     names = [_best(t) for t in group.times]
     int8.set_shape_plan(group.shape, group.act_dtype, [INT8_FNS[name] for name in names])
+    return _ranges(group.buckets, names)
+
+
+def _plan_wna16(group: _Group, wna16: CpuWNA16Linear) -> str:
+    names = [_best(t) for t in group.times]
+    site = group.sites[0]
+    n, stored_k = site.weight.shape
+    key = (int(n), int(stored_k), site.bits, site.group_size)
+    wna16.set_shape_plan(key, group.act_dtype, [WNA16_FNS[name] for name in names])
     return _ranges(group.buckets, names)
 
 
@@ -526,6 +595,7 @@ def tune_cpu_linears(
     int8: CpuInt8Linear,
     cache: TuningCache,
     budget_s: float | None = None,
+    wna16: CpuWNA16Linear | None = None,
 ) -> TuningReport:
     """Time the candidates for every distinct (kind, shape) of `sites` in `act_dtype` (or read
     their timings from `cache`), then set `linear`'s and `int8`'s plans. Exclusive weights for
@@ -535,11 +605,18 @@ def tune_cpu_linears(
     groups: dict[str, _Group] = {}
     for site in sites:
         is_int8 = site.weight.dtype == torch.int8
-        if site.weight.dim() != 2 or (not is_int8 and site.weight.dtype != act_dtype):
+        is_wna16 = site.bits > 0
+        if is_wna16 and wna16 is None:
+            continue  # no plan to set: the fixed choice serves it
+        if site.weight.dim() != 2 or (not (is_int8 or is_wna16) and site.weight.dtype != act_dtype):
             continue  # not a matmul weight of this model's dtype: the fallback serves it
         act = str(act_dtype).removeprefix("torch.")
         n, k = site.weight.shape
-        kind = f"int8-{act}" if is_int8 else act
+        if is_wna16:
+            k = k * 8 // site.bits
+            kind = f"w{site.bits}g{site.group_size}-{act}"
+        else:
+            kind = f"int8-{act}" if is_int8 else act
         key = f"linear/{kind}/{n}x{k}"
         group = groups.setdefault(key, _Group(key, [], act_dtype))
         group.sites.append(site)
@@ -568,7 +645,10 @@ def tune_cpu_linears(
         cache.save()
     for group in groups.values():
         group.times = _runnable_times(group)
-        if group.int8:
+        if group.wna16:
+            assert wna16 is not None
+            text = _plan_wna16(group, wna16)
+        elif group.int8:
             text = _plan_int8(group, int8)
         else:
             text = _plan_float(group, linear, report)

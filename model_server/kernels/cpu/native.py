@@ -1,10 +1,11 @@
 """Native CPU kernels: the C files in SOURCES (paged attention with the KV-cache store; the
 decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
 kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on panel-packed
-weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py), compiled together into
-one library on first use with the system's C compiler for the best vector ISA this CPU runs
-(kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build takes a few
-seconds). `NativeKernels.lib` binds every file's entry points (`_bind`).
+weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py; the wNa16 matmul of
+GPTQ/AWQ weights, wrapped in wna16.py), compiled together into one library on first use with the
+system's C compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded
+through ctypes (no torch headers, so a build takes a few seconds). `NativeKernels.lib` binds
+every file's entry points (`_bind`).
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -42,6 +43,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "gemm.c",
     _HERE / "panel_gemm.c",
     _HERE / "panel_gemm_f32.c",
+    _HERE / "wna16_gemm.c",
 )
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h")
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
@@ -224,6 +226,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wick_panel_f32_pack.restype = None
     fn = lib.wick_panel_f32_gemm
     fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
+    fn.restype = i32
+    # wna16_gemm.c
+    fn = lib.wick_wna16_gemm
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i64]
+    fn.restype = i32
+    fn = lib.wick_wna16_gemm_packed
+    fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_wna16_gemm as packed int64s
+    fn.restype = i32
+    fn = lib.wick_wna16_dequantize
+    fn.argtypes = [i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
     fn.restype = i32
     return lib
 

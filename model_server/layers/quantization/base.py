@@ -9,6 +9,11 @@ subclass it and say how a matmul runs on their layout, through a slot of the mod
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -39,3 +44,37 @@ class QuantizedWeight(nn.Module):
     ) -> torch.Tensor:
         """x [..., K] @ W^T + bias -> [..., N] in x's dtype."""
         raise NotImplementedError
+
+
+class LinearQuantMethod(Protocol):
+    """How a checkpoint's quantized linear layers are built and loaded (vLLM's "quant method"):
+    `create_weights` registers the checkpoint's tensors on a layer in place of its float
+    `weight` (this rank's shard, each with a `weight_loader`), and once every tensor is loaded
+    `process_weights_after_loading` turns them into the layer's `QuantizedWeight`."""
+
+    method: str
+
+    def create_weights(self, layer: nn.Module) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None: ...
+
+
+# The method linear layers built right now take (`models.build_model` sets it for a model whose
+# checkpoint is quantized, for the time of the construction only, as it sets torch's default
+# dtype and device); None: float weights.
+_BUILDING_QUANT: ContextVar[LinearQuantMethod | None] = ContextVar("linear_quant", default=None)
+
+
+@contextmanager
+def building_quantized_linears(method: LinearQuantMethod | None) -> Iterator[None]:
+    """Linear layers constructed inside take `method` (None: float weights)."""
+    token = _BUILDING_QUANT.set(method)
+    try:
+        yield
+    finally:
+        _BUILDING_QUANT.reset(token)
+
+
+def linear_quant_method() -> LinearQuantMethod | None:
+    """The method a linear layer being constructed takes (see `building_quantized_linears`)."""
+    return _BUILDING_QUANT.get()
