@@ -255,7 +255,7 @@ def fused_op_calls(
         yield f"int8 linear, {rows} rows", lambda xs=xs: int8_linear(xs, qweight, scale)
     # GPTQ / AWQ kept quantized: w4 g128 and w8 per-channel (the layout of kernels/portable.py).
     for bits, group in ((4, 128), (8, hidden)):
-        if hidden % group or group % 32:
+        if hidden % 32:
             continue
         codes = torch.zeros(256, hidden * bits // 8, dtype=torch.uint8)
         scales = torch.ones(256, hidden // group)

@@ -115,8 +115,10 @@ def wna16_linear(
     decode = m <= 16
     block_m = block_m or (16 if decode else 64)
     block_n = block_n or (32 if decode else 128)
-    # A step of K lies in one group: the largest of 128, 64, 32 dividing the group size.
-    block_k = next(b for b in (128, 64, 32) if group_size % b == 0)
+    # A step of K lies in one group: the largest of 128 (decode), 64, 32 dividing the group
+    # size. Prefill tiles stop at 64: 64 x 128 fp32 tiles with 128 of K need 162 KiB of shared
+    # memory, more than sm_89's 99 (tools/compile_check.py).
+    block_k = next(b for b in ((128, 64, 32) if decode else (64, 32)) if group_size % b == 0)
     upcast_dot, dot_precision = dot_config(x.dtype)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _wna16_linear_kernel[grid](
