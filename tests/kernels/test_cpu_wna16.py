@@ -83,7 +83,12 @@ def test_native_matches_dequantize_then_matmul(
             assert got.dtype == dtype and got.shape == (m, n) and got.is_contiguous()
             w = dequantize_wna16(codes, scales, offsets, bits, gs)
             want = F.linear(x.float(), w, None if bias is None else bias.float())
-            torch.testing.assert_close(got.float(), want, **TOL[dtype])
+            tol = dict(TOL[dtype])
+            if dtype == torch.bfloat16:
+                # More rows than a tile on AVX512-BF16 run vdpbf16ps on W rounded to bf16
+                # (2^-9 per weight, summed over K): within 1 % of the output's scale.
+                tol["atol"] = max(tol["atol"], 1e-2 * float(want.abs().max()))
+            torch.testing.assert_close(got.float(), want, **tol)
             assert all(
                 torch.equal(t, c) for t, c in zip((x, codes, scales, offsets), copies, strict=True)
             )
