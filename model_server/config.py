@@ -40,6 +40,7 @@ class EngineConfig:
     load_format: str = _D["load_format"]  # auto | dummy
     dtype: str = _D["dtype"]  # auto | float32 | bfloat16 | float16
     quantization: str | None = _D["quantization"]  # None | int8 (layers/quantization/)
+    gguf_weights: str = _D["gguf_weights"]  # auto | quantized | dequantized (GGUF files)
     device: str = _D["device"]  # cpu | cuda | gcu | hpu | auto
     device_ids: list[int] | None = _D["device_ids"]  # rank i uses device_ids[i]; None: 0, 1, ...
     tensor_parallel_size: int = _D["tensor_parallel_size"]

@@ -143,6 +143,14 @@ def _check_tp(value: int) -> None:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {value}")
 
 
+GGUF_WEIGHTS_MODES = ("auto", "quantized", "dequantized")
+
+
+def _check_gguf_weights(value: str) -> None:
+    if value not in GGUF_WEIGHTS_MODES:
+        raise ValueError(f"gguf_weights {value!r} is not one of {', '.join(GGUF_WEIGHTS_MODES)}")
+
+
 def _check_kv_cache_dtype(value: str) -> None:
     if value.lower() != "auto":
         raise ValueError(f"kv_cache_dtype {value!r} is not supported yet; use auto")
@@ -255,13 +263,26 @@ SETTINGS: tuple[Setting, ...] = (
         "int8: weight-only int8 quantization at load (per output channel; activations, norms, "
         "embeddings and the KV cache stay in --dtype): 4x less weight memory than float32 and "
         "faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel (cpu and cuda only). "
-        "GGUF files are always read in their own format and dequantized. GPTQ and AWQ checkpoints "
+        "GGUF files are read in their own format (see --gguf-weights). GPTQ and AWQ checkpoints "
         "(an HF folder whose config.json has a quantization_config) are served kept quantized "
         "without this flag, which must then stay none.",
         "engine",
         default_text="none",
         aliases=("-q",),
         check=parse_quantization,  # which device supports it is checked when the engine starts
+    ),
+    Setting(
+        "gguf_weights",
+        str,
+        "auto",
+        "How a GGUF file's quantized matrices load: quantized (kept in their GGUF blocks, Q4_0 "
+        "to Q8_0 and Q2_K to Q6_K, decoded by the matmul as it reads them: weight memory about "
+        "the file's size; cpu only), dequantized (float weights in --dtype), or auto (quantized "
+        "on cpu, dequantized elsewhere). --dtype stays the activation dtype either way; other "
+        "checkpoint formats ignore it.",
+        "engine",
+        choices=GGUF_WEIGHTS_MODES,
+        check=_check_gguf_weights,
     ),
     Setting(
         "device",

@@ -79,6 +79,8 @@ def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
     except an input embedding table that is not shared with the LM head, of which the step only
     gathers `batch_size` rows. A tied table is read whole by the LM head. Under tensor
     parallelism `model` holds this rank's shards, so this is this rank's share."""
+    import torch
+
     from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
     head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
@@ -88,7 +90,11 @@ def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
             w = m.weight
             if id(w) not in head_weights:
                 rows = min(batch_size, w.shape[0])
-                gathered[id(w)] = rows * w[0].numel() * w.element_size()
+                if isinstance(w, torch.Tensor):
+                    gathered[id(w)] = rows * w[0].numel() * w.element_size()
+                else:  # a table kept quantized (GGUF): its rows' share of its bytes
+                    for p in w.parameters():
+                        gathered[id(p)] = rows * p.numel() * p.element_size() // w.shape[0]
     # parameters() yields a shared (tied) parameter once.
     return sum(gathered.get(id(p), p.numel() * p.element_size()) for p in model.parameters())
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model_server.kernels.fused_moe_torch import fused_experts_grouped
+from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequant
 from model_server.kernels.portable import (
     fused_add_rms_norm_torch,
     int8_linear_dequant,
@@ -39,6 +40,11 @@ WNA16LinearFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor | None],
     torch.Tensor,
 ]
+# (x [M, K], blocks [N, row_bytes] uint8 of one ggml type, ggml type id, bias [N] | None)
+# -> [M, N] in x's dtype: a GGUF matrix kept in its block layout (kernels/gguf_blocks.py)
+GGUFLinearFn = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+# (blocks [R, row_bytes] uint8, ggml type id, K, dtype) -> [R, K]: rows of a GGUF matrix
+GGUFDequantizeFn = Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor]
 # (x [..., N], weight [N], eps) -> weight * normalised x
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
@@ -70,6 +76,8 @@ class KernelTable:
     int8_linear: Int8LinearFn = int8_linear_dequant  # the same once `--quantization int8` ran
     # 4/8-bit group-quantized checkpoints (GPTQ, AWQ) kept quantized (layers/quantization/wna16.py)
     wna16_linear: WNA16LinearFn = wna16_linear_dequant
+    gguf_linear: GGUFLinearFn = gguf_linear_dequant  # GGUF weights kept quantized
+    gguf_dequantize: GGUFDequantizeFn = dequantize_rows  # their embedding lookups
     rms_norm: RMSNormFn = rms_norm_torch
     fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch

@@ -21,6 +21,7 @@ from model_server.distributed.parallel_state import (
 from model_server.distributed.partition import shard_vocab
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.linear import default_weight_loader, dense
+from model_server.layers.quantization import QuantizedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,7 +31,8 @@ class VocabParallelEmbedding(nn.Module):
         self, num_embeddings: int, embedding_dim: int, *, kernels: KernelTable = TORCH_KERNELS
     ) -> None:
         super().__init__()
-        self.kernels = kernels  # the LM head's matmul (lookups need none)
+        # the LM head's matmul (float lookups need none; a quantized table decodes its rows)
+        self.kernels = kernels
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_size = get_tensor_model_parallel_world_size()
@@ -54,13 +56,18 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:size].copy_(loaded_weight.narrow(0, start, size))
         param.data[size:].zero_()
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):  # a GGUF table kept quantized
+            return self.weight.lookup(ids, self.kernels)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         start, size = self.shard.start, self.shard.size
         local = input_ids - start
         owned = (local >= 0) & (local < size)  # [T]
-        out = F.embedding(local.masked_fill(~owned, 0), self.weight)  # [T, d]
+        out = self._lookup(local.masked_fill(~owned, 0))  # [T, d]
         out.masked_fill_(~owned.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
 

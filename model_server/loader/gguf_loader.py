@@ -1,5 +1,6 @@
-"""A `.gguf` file -> ModelSource: config and tokenizer from the metadata, tensors dequantized,
-renamed to HF names and, for llama, un-permuted."""
+"""A `.gguf` file -> ModelSource: config and tokenizer from the metadata, tensors dequantized
+(`weights`) or block-quantized matrices kept in their layout (`quantized_weights`), renamed to HF
+names and, for llama, q/k rows un-permuted."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model_server.kernels.gguf_blocks import row_bytes
+from model_server.layers.quantization.gguf import KEPT_TYPES, GGUFTensor
 from model_server.loader.dequant import dequantize, stored_dtype
 from model_server.loader.gguf_config import gguf_hf_config
 from model_server.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf
@@ -137,23 +140,46 @@ def load_gguf(path: str, *, dummy: bool = False) -> ModelSource:
 
     def produce() -> Iterator[tuple[str, torch.Tensor]]:
         for item in plan:
-            try:
-                tensor = dequantize(gf.tensor_data(item.info), item.info.ggml_type, item.info.shape)
-            except NotImplementedError as exc:  # a ggml type gguf-py cannot unpack
-                raise ModelLoadError(
-                    f"{path}: tensor {item.info.name} is {item.info.type_name}, which cannot be "
-                    f"dequantized: {exc}"
-                ) from exc
-            if item.permuted_heads is not None:
-                tensor = unpermute_rope(tensor, item.permuted_heads)
-            yield item.hf_name, tensor
+            yield item.hf_name, _dequantized(gf, item)
+
+    def produce_quantized() -> Iterator[tuple[str, torch.Tensor]]:
+        for item in plan:
+            info = item.info
+            if info.ggml_type not in KEPT_TYPES or len(info.shape) != 2:
+                yield item.hf_name, _dequantized(gf, item)  # floats, norms, other ggml types
+                continue
+            rows, cols = info.shape
+            raw = torch.from_numpy(gf.tensor_data(info))
+            data = raw.reshape(rows, row_bytes(info.ggml_type, cols))
+            tensor = GGUFTensor(info.name, info.ggml_type, (rows, cols), data)
+            if item.permuted_heads is not None:  # whole rows move: the blocks stay intact
+                order = unpermute_rope(torch.arange(rows), item.permuted_heads)
+                tensor = tensor.permute_rows(order)
+            yield item.hf_name, tensor  # type: ignore[misc]
 
     specs = [TensorSpec(p.hf_name, stored_dtype(p.info.ggml_type), p.info.shape) for p in plan]
     weights = cached_weights(path, specs, produce)
+    quantized = produce_quantized
     if gf.architecture in _NORM_SHIFTED:
         stored = weights
         weights = lambda: _unshift_norms(stored())  # noqa: E731
-    return ModelSource(config, tokenizer, path, weights, len(plan), format="gguf")
+        quantized = lambda: _unshift_norms(produce_quantized())  # noqa: E731
+    return ModelSource(
+        config, tokenizer, path, weights, len(plan), format="gguf", quantized_weights=quantized
+    )
+
+
+def _dequantized(gf: GGUFFile, item: _Planned) -> torch.Tensor:
+    info = item.info
+    try:
+        tensor = dequantize(gf.tensor_data(info), info.ggml_type, info.shape)
+    except NotImplementedError as exc:  # a ggml type gguf-py cannot unpack
+        raise ModelLoadError(
+            f"{gf.path}: tensor {info.name} is {info.type_name}, which cannot be dequantized: {exc}"
+        ) from exc
+    if item.permuted_heads is not None:
+        tensor = unpermute_rope(tensor, item.permuted_heads)
+    return tensor
 
 
 def _plan(gf: GGUFFile, config: transformers.PretrainedConfig) -> list[_Planned]:

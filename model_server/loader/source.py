@@ -36,6 +36,10 @@ class ModelSource:
     weights: Callable[[], WeightIterator] | None  # None for load_format="dummy"
     num_weights: int
     format: str = "hf"  # "hf" (safetensors folder) | "gguf" | "dummy"
+    # GGUF only: the same stream with block-quantized matrices yielded as
+    # `layers.quantization.gguf.GGUFTensor` (their blocks, nothing dequantized), for
+    # `models.gguf_weights.GGUFWeightCollector`; None for other formats.
+    quantized_weights: Callable[[], WeightIterator] | None = None
 
     @property
     def context_length(self) -> int:

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cache
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
+from model_server.kernels.cpu.gguf_linear import gguf_dequantize, gguf_linear
 from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
 from model_server.kernels.cpu.layer_ops import native_kernel_table
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
@@ -47,6 +49,7 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     default_attention_backend = "cpu"
     quantization_methods = ("int8", "gptq", "awq")
+    keeps_gguf_quantized = True  # kernels/cpu/gguf_gemm.c
     shares_host_memory = True
 
     @classmethod
@@ -182,6 +185,7 @@ def _with_layer_ops(base: KernelTable, kernels: native.NativeKernels | None) -> 
     if kernels is None:
         _warn_no_layer_ops()
         return base
+    base = replace(base, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize)
     return native_kernel_table(kernels, base)
 
 

@@ -63,6 +63,9 @@ class Platform(ABC):
     supports_graphs: bool = False
     # `--quantization` methods with a kernel here (layers/quantization/); others are refused.
     quantization_methods: tuple[str, ...] = ()
+    # GGUF matrices can stay in their block layout here (`--gguf-weights quantized`): the kernel
+    # table has a gguf_linear kernel worth running; elsewhere `auto` dequantizes at load.
+    keeps_gguf_quantized: bool = False
     # The vendor's variable that restricts which devices the runtime sees; None on CPU.
     visible_devices_env: str | None = None
     # Device memory is the host's RAM (CPU): sizes that assume accelerator memory shrink.
@@ -248,6 +251,16 @@ class Platform(ABC):
             raise ValueError(
                 f"quantization {method} is not supported on {self.name} (supported: {have})"
             )
+
+    def keep_gguf_quantized(self, mode: str) -> bool:
+        """Whether a GGUF's quantized matrices stay in their blocks for `--gguf-weights mode`
+        (auto | quantized | dequantized); ValueError for `quantized` where no kernel runs them."""
+        if mode == "quantized" and not self.keeps_gguf_quantized:
+            raise ValueError(
+                f"--gguf-weights quantized is not supported on {self.name} (cpu only); use "
+                "auto or dequantized to load the GGUF as float weights"
+            )
+        return mode == "quantized" or (mode == "auto" and self.keeps_gguf_quantized)
 
     def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
         """What `--dtype auto` means for a model whose linear weights are `linear_shapes`

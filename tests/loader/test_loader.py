@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -404,8 +405,10 @@ def _write_gguf(
     *,
     quantize: dict[str, int] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    pack: Callable[[np.ndarray, int], np.ndarray] | None = None,
 ) -> None:
-    """A GGUF laid out as llama.cpp's converter would write this HF state dict."""
+    """A GGUF laid out as llama.cpp's converter would write this HF state dict; `quantize` maps
+    HF names to ggml types, packed by `pack` (default: the gguf package's quantizer)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -437,7 +440,10 @@ def _write_gguf(
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
         qtype = (quantize or {}).get(name)
         if qtype is not None:
-            packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType(qtype))
+            if pack is None:
+                packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType(qtype))
+            else:
+                packed = pack(data, qtype)
             writer.add_tensor(_gguf_name(name), packed, raw_dtype=gguf.GGMLQuantizationType(qtype))
         else:
             writer.add_tensor(_gguf_name(name), np.ascontiguousarray(data))

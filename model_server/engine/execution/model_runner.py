@@ -39,6 +39,7 @@ from model_server.layers.attention.layer import Attention
 from model_server.layers.quantization.wna16 import checkpoint_quantization
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
+from model_server.models.gguf_weights import GGUFWeightCollector
 from model_server.models.quantization import (
     model_quantization,
     process_weights_after_loading,
@@ -93,6 +94,7 @@ class ModelRunner:
                     f"--quantization {self.quantization} cannot re-quantize a "
                     f"{self.checkpoint_quant.method} checkpoint (it is served as it is quantized)"
                 )
+        keep_gguf = platform.keep_gguf_quantized(config.gguf_weights)  # also checks it
         backend_name = config.attention_backend or platform.default_attention_backend
         self.attn_backend = get_attention_backend(backend_name)
         start = time.perf_counter()
@@ -105,6 +107,8 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             kernels=kernels,
         )
+        # GGUF matrices kept in their blocks (--gguf-weights): "Q4_1 x210, ..." for the log.
+        self.gguf_kept = ""
         if source.weights is None:
             if self.checkpoint_quant is not None:
                 raise ValueError(
@@ -112,6 +116,11 @@ class ModelRunner:
                     "load the checkpoint, or drop quantization_config from the config"
                 )
             init_dummy_weights(self.model, seed=config.seed)
+        elif source.quantized_weights is not None and keep_gguf:
+            collector = GGUFWeightCollector(self.model)
+            self.model.load_weights(_with_progress(source.quantized_weights(), source.num_weights))
+            counts = collector.finish()
+            self.gguf_kept = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
         else:
             self.model.load_weights(_with_progress(source.weights(), source.num_weights))
         process_weights_after_loading(self.model)
@@ -131,7 +140,8 @@ class ModelRunner:
             source.path,
             self.hf_config.architectures[0],
             str(self.dtype).removeprefix("torch."),
-            f", {self.quantization_description} weights" if self.quantization_description else "",
+            (f", {self.quantization_description} weights" if self.quantization_description else "")
+            + (f", GGUF matrices kept quantized ({self.gguf_kept})" if self.gguf_kept else ""),
             time.perf_counter() - start,
             backend_name,
         )

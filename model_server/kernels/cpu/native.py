@@ -2,7 +2,8 @@
 decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
 kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on panel-packed
 weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py; the wNa16 matmul of
-GPTQ/AWQ weights, wrapped in wna16.py), compiled together into one library on first use with the
+GPTQ/AWQ weights, wrapped in wna16.py; the GGUF block-quantized matmul, wrapped in
+gguf_linear.py), compiled together into one library on first use with the
 system's C compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded
 through ctypes (no torch headers, so a build takes a few seconds). `NativeKernels.lib` binds
 every file's entry points (`_bind`).
@@ -44,6 +45,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "panel_gemm.c",
     _HERE / "panel_gemm_f32.c",
     _HERE / "wna16_gemm.c",
+    _HERE / "gguf_gemm.c",
 )
 HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h")
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
@@ -236,6 +238,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn.restype = i32
     fn = lib.wick_wna16_dequantize
     fn.argtypes = [i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
+    fn.restype = i32
+    # gguf_gemm.c
+    fn = lib.wick_gguf_gemm
+    fn.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
+    fn.restype = i32
+    fn = lib.wick_gguf_dequant
+    fn.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
     fn.restype = i32
     return lib
 

@@ -45,6 +45,11 @@ class QuantizedWeight(nn.Module):
         """x [..., K] @ W^T + bias -> [..., N] in x's dtype."""
         raise NotImplementedError
 
+    def lookup(self, ids: torch.Tensor, kernels: KernelTable) -> torch.Tensor:
+        """Rows `ids` [...] of W -> [..., K], for a format that can stand in an embedding
+        table (only the gathered rows are decoded)."""
+        raise NotImplementedError(f"{self.method} weights cannot serve embedding lookups")
+
 
 class LinearQuantMethod(Protocol):
     """How a checkpoint's quantized linear layers are built and loaded (vLLM's "quant method"):

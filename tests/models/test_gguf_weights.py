@@ -1,0 +1,211 @@
+"""GGUF matrices kept in their block layout (`--gguf-weights quantized`): models/gguf_weights.py
+installs them, layers/quantization/gguf.py runs them. Tiny random Llamas written as GGUFs with
+every kept type (the gguf package's quantizers for the 32-value formats, tests/kernels/
+gguf_packing.py for the K-quants) against the same file loaded dequantized, malformed files, the
+tensor-parallel split rules, and the real embedded Q4_1 model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from model_server.engine.llm import LLM
+from model_server.kernels.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+from model_server.layers.embedding import ParallelLMHead
+from model_server.layers.linear import LinearBase
+from model_server.layers.quantization.gguf import GGUFTensor, GGUFWeight
+from model_server.loader import ModelLoadError
+from model_server.loader.embedded import embedded_model_path
+from model_server.loader.gguf_file import read_gguf
+from model_server.platforms.cpu import CpuPlatform
+from model_server.sampling_params import SamplingParams
+from tests.kernels.gguf_packing import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, quantize
+from tests.loader.test_loader import _random_state, _tiny_llama_config, _write_gguf
+
+_OPTS = {"kv_cache_memory": 16 * 1024**2, "max_model_len": 128, "seed": 0}
+# Layer 0 mixes three types in the fused qkv_proj and two in gate_up_proj.
+_TYPES = {
+    "model.layers.0.self_attn.q_proj.weight": Q4_K,
+    "model.layers.0.self_attn.k_proj.weight": Q5_K,
+    "model.layers.0.self_attn.v_proj.weight": Q6_K,
+    "model.layers.0.self_attn.o_proj.weight": Q4_0,
+    "model.layers.0.mlp.gate_proj.weight": Q4_1,
+    "model.layers.0.mlp.up_proj.weight": Q5_0,
+    "model.layers.0.mlp.down_proj.weight": Q5_1,
+    "model.layers.1.self_attn.q_proj.weight": Q8_0,
+    "model.layers.1.self_attn.k_proj.weight": Q8_0,
+    "model.layers.1.self_attn.v_proj.weight": Q8_0,
+    "model.layers.1.self_attn.o_proj.weight": Q2_K,
+    "model.layers.1.mlp.gate_proj.weight": Q3_K,
+    "model.layers.1.mlp.up_proj.weight": Q3_K,
+    # down_proj of layer 1 stays F32: a float matrix among quantized ones
+    "model.embed_tokens.weight": Q8_0,
+    "lm_head.weight": Q6_K,
+}
+
+
+def _config(tied: bool) -> transformers.LlamaConfig:
+    # hidden and intermediate sizes are multiples of 256 (the K-quants' super-block)
+    return _tiny_llama_config(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def tiny(request, tmp_path_factory) -> Path:
+    tied = request.param
+    cfg = _config(tied)
+    state = _random_state(transformers.LlamaForCausalLM, cfg)
+    with torch.no_grad():  # larger weights than HF's init, so that logits are not all ties
+        for name, tensor in state.items():
+            if name.endswith("proj.weight") or name in ("lm_head.weight",):
+                tensor.mul_(5.0)
+            if name == "model.embed_tokens.weight":
+                tensor.mul_(20.0)
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{'tied' if tied else 'untied'}.gguf"
+    _write_gguf(path, "llama", cfg, state, quantize=_TYPES, pack=quantize)
+    return path
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.core.model_runner.model
+
+
+def test_matrices_stay_in_their_blocks(tiny: Path) -> None:
+    llm = LLM(str(tiny), dtype="float32", gguf_weights="quantized", **_OPTS)
+    model = _model(llm)
+    tied = "tied" in tiny.name and "untied" not in tiny.name
+    qkv0 = model.model.layers[0].self_attn.qkv_proj.weight
+    assert isinstance(qkv0, GGUFWeight)
+    assert qkv0.types == (Q4_K, Q5_K, Q6_K) and qkv0.rows == (256, 128, 128)
+    gate_up0 = model.model.layers[0].mlp.gate_up_proj.weight
+    assert gate_up0.types == (Q4_1, Q5_0)
+    # a float matrix stays a float parameter
+    down1 = model.model.layers[1].mlp.down_proj.weight
+    assert isinstance(down1, torch.nn.Parameter) and down1.dtype == torch.float32
+    embed = model.model.embed_tokens.weight
+    assert isinstance(embed, GGUFWeight) and embed.types == (Q8_0,)
+    head = model.lm_head.weight
+    assert isinstance(head, GGUFWeight)
+    assert head is embed if tied else head.types == (Q6_K,)
+    # no float placeholder is left anywhere, and every block byte of the file is held once
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    gf = read_gguf(str(tiny))
+    file_blocks = sum(t.nbytes for t in gf.tensors if t.ggml_type not in (0, 1, 30))
+    held = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8)
+    assert held == file_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_and_greedy_tokens_match_the_dequantized_model(tiny: Path, dtype: str) -> None:
+    """Same weights, two layouts. fp32: only summation orders differ, so every greedy token and
+    its logprob (to 2e-3) agree. bf16: the dequantized model rounds every weight to bf16, the
+    kept one multiplies the exact block values, so a near-tie in this random model may flip a
+    token: most tokens agree, and logprobs agree to 0.1 until the first difference."""
+    kept = LLM(str(tiny), dtype=dtype, gguf_weights="quantized", **_OPTS)
+    ref = LLM(str(tiny), dtype=dtype, gguf_weights="dequantized", **_OPTS)
+    assert not any(isinstance(m, GGUFWeight) for m in _model(ref).modules())
+    prompts = [[5, 9, 14, 20, 33], [40, 41, 42], [7] * 12, list(range(3, 40))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    got = [o.outputs[0] for o in kept.generate(prompts, params)]
+    want = [o.outputs[0] for o in ref.generate(prompts, params)]
+    tol = 2e-3 if dtype == "float32" else 0.1
+    agree = 0
+    for g, w in zip(got, want, strict=True):
+        for step, (a, b) in enumerate(zip(g.token_ids, w.token_ids, strict=True)):
+            assert abs(g.logprobs[step].logprob - w.logprobs[step].logprob) < tol
+            if a != b:
+                break
+            agree += 1
+    assert agree == 32 if dtype == "float32" else agree >= 20, agree
+
+
+def test_platforms_without_a_kernel_dequantize_or_refuse() -> None:
+    class NoKernels(CpuPlatform):
+        name = "nokernels"
+        keeps_gguf_quantized = False
+
+    assert CpuPlatform().keep_gguf_quantized("auto")
+    assert CpuPlatform().keep_gguf_quantized("quantized")
+    assert not CpuPlatform().keep_gguf_quantized("dequantized")
+    assert not NoKernels().keep_gguf_quantized("auto")
+    with pytest.raises(ValueError, match="--gguf-weights quantized is not supported on nokernels"):
+        NoKernels().keep_gguf_quantized("quantized")
+
+
+def test_tensor_parallel_splits_whole_blocks() -> None:
+    raw = torch.from_numpy(quantize(np.ones((4, 512), dtype=np.float32), Q4_K))
+    t = GGUFTensor("blk.0.ffn_down.weight", Q4_K, (4, 512), raw)
+    half = t.columns(256, 256)
+    assert half.shape == (4, 256) and half.data.shape == (4, 144)
+    assert torch.equal(half.data, raw[:, 144:])
+    assert t.rows(1, 2).data.shape == (2, 288)
+    with pytest.raises(ValueError, match=r"blk.0.ffn_down.weight: .* cuts through Q4_K blocks"):
+        t.columns(128, 384)
+    with pytest.raises(ValueError, match=r"blk.0.ffn_down.weight: .* does not hold"):
+        GGUFWeight([GGUFTensor(t.name, Q4_K, (4, 512), raw[:, :-1])], torch.float32)
+
+
+def _tensor_entry(path: Path, name: str) -> int:
+    """Byte offset of tensor `name`'s type field in the header."""
+    data = path.read_bytes()
+    at = data.index(name.encode()) + len(name)
+    n_dims = int.from_bytes(data[at : at + 4], "little")
+    return at + 4 + 8 * n_dims
+
+
+def test_malformed_files_name_the_tensor(tiny: Path, tmp_path: Path) -> None:
+    data = tiny.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelLoadError, match=r"truncated GGUF file: tensor \S+ needs bytes"):
+        LLM(str(truncated), gguf_weights="quantized", **_OPTS)
+    unknown = tmp_path / "unknown.gguf"
+    at = _tensor_entry(tiny, "blk.0.attn_q.weight")
+    unknown.write_bytes(data[:at] + (99).to_bytes(4, "little") + data[at + 4 :])
+    with pytest.raises(
+        ModelLoadError, match=r"tensor blk\.0\.attn_q\.weight has unknown ggml type 99"
+    ):
+        LLM(str(unknown), gguf_weights="quantized", **_OPTS)
+
+
+# ---- the real embedded model ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded() -> tuple[LLM, LLM]:
+    opts = {"dtype": "float32", "kv_cache_memory": 64 * 1024**2}
+    return LLM(gguf_weights="quantized", **opts), LLM(gguf_weights="dequantized", **opts)
+
+
+def test_embedded_model_weight_memory_is_the_file_size(embedded) -> None:
+    kept, ref = (_model(m) for m in embedded)
+    linears = [m for m in kept.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    assert all(isinstance(m.weight, GGUFWeight) for m in linears)
+    gf = read_gguf(embedded_model_path())
+    file_bytes = sum(t.nbytes for t in gf.tensors)
+    held = sum(p.numel() * p.element_size() for p in kept.parameters())
+    assert abs(held - file_bytes) <= 0.1 * file_bytes, (held, file_bytes)
+    dequantized = sum(p.numel() * p.element_size() for p in ref.parameters())
+    assert dequantized > 4 * held
+
+
+def test_embedded_model_greedy_tokens_match(embedded, chat_prompts) -> None:
+    """16 chats, 16 greedy tokens each: kept quantized (fp32 activations) against the same
+    weights dequantized to fp32. Only summation order differs, so every token agrees unless two
+    candidates tie to ~1e-5."""
+    kept, ref = embedded
+    prompts = [ref.apply_chat_template(chat) for chat in chat_prompts]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in kept.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
+    agree = sum(
+        next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
+        for g, w in zip(got, want, strict=True)
+    )
+    assert agree >= 16 * 16 - 16, agree  # tokens before the first disagreement, of 256
