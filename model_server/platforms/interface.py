@@ -64,7 +64,7 @@ class Platform(ABC):
     # `--quantization` methods with a kernel here (layers/quantization/); others are refused.
     quantization_methods: tuple[str, ...] = ()
     # GGUF matrices can stay in their block layout here (`--gguf-weights quantized`): the kernel
-    # table has a gguf_linear kernel worth running; elsewhere `auto` dequantizes at load.
+    # table has a gguf_linear kernel worth running; elsewhere that choice is refused.
     keeps_gguf_quantized: bool = False
     # The vendor's variable that restricts which devices the runtime sees; None on CPU.
     visible_devices_env: str | None = None
@@ -254,13 +254,15 @@ class Platform(ABC):
 
     def keep_gguf_quantized(self, mode: str) -> bool:
         """Whether a GGUF's quantized matrices stay in their blocks for `--gguf-weights mode`
-        (auto | quantized | dequantized); ValueError for `quantized` where no kernel runs them."""
+        (auto | quantized | dequantized); ValueError for `quantized` where no kernel runs them.
+        `auto` dequantizes: measured on the embedded Q4_1 model (README, GGUF section), the kept
+        blocks were faster at batch 1 but slower from batch 8 than the float weights."""
         if mode == "quantized" and not self.keeps_gguf_quantized:
             raise ValueError(
                 f"--gguf-weights quantized is not supported on {self.name} (cpu only); use "
                 "auto or dequantized to load the GGUF as float weights"
             )
-        return mode == "quantized" or (mode == "auto" and self.keeps_gguf_quantized)
+        return mode == "quantized"
 
     def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
         """What `--dtype auto` means for a model whose linear weights are `linear_shapes`

@@ -130,7 +130,7 @@ def test_platforms_without_a_kernel_dequantize_or_refuse() -> None:
         name = "nokernels"
         keeps_gguf_quantized = False
 
-    assert CpuPlatform().keep_gguf_quantized("auto")
+    assert not CpuPlatform().keep_gguf_quantized("auto")  # measured: README, GGUF section
     assert CpuPlatform().keep_gguf_quantized("quantized")
     assert not CpuPlatform().keep_gguf_quantized("dequantized")
     assert not NoKernels().keep_gguf_quantized("auto")

@@ -7,21 +7,27 @@
  *        file (rows are independent: a row never shares a block with the next one)
  *   bias [N] or NULL;  y [M, N] contiguous in x's dtype
  *
- * How: each thread takes a contiguous range of W's rows; a row is decoded block by block into
- * fp32 in an L1-resident scratch row of K floats (the decoders below, plain loops that GCC
- * vectorizes at the build's width), then every row of x is multiplied with it (fp32 FMAs, four
- * rows of x at a time). So W is read once per call in its packed size (0.56 bytes per weight
- * for Q4_1, 1.06 for Q8_0) and decoded once whatever M is; the products are those of
- * dequantize-then-matmul in fp32 (only the summation order differs).
+ * How: each thread takes a contiguous range of W's rows, so W is read once per call in its
+ * packed size (0.56 bytes per weight for Q4_1, 1.06 for Q8_0) whatever M is.
+ *   - Up to FUSED_MAX_ROWS rows of x, Q4_0 / Q4_1 / Q8_0 (the embedded model's types): each
+ *     block's codes are widened to fp32 in vector registers and multiplied there with every row
+ *     of x (fused_row below): the decode step's path.
+ *   - Otherwise (more rows, or the other types): four rows of W at a time are decoded block by
+ *     block into an L1-resident scratch (plain loops that GCC vectorizes at the build's width,
+ *     one per format), then multiplied with four rows of x at a time in 4x4 register tiles.
+ * The products are those of dequantize-then-matmul in fp32; only the summation order differs.
+ * Many rows (prefills) are served by dequantize-then-GEMM instead (gguf_linear.py), which
+ * `wick_gguf_dequant` feeds.
  *
  * Why widen to float rather than quantize x to int8 and use integer dot products (llama.cpp's
  * way, vpdpbusd on AVX-512-VNNI): one decoder per format serves all ten types and every ISA
- * build, and the results stay those of the dequantized model (x rounded to 8 bits per block
- * changes logits by ~1e-2 and with them some greedy tokens). See the README's GGUF section for
- * the measured speed against llama.cpp.
+ * build, and the results stay those of the dequantized model (rounding x to 8 bits per block
+ * would move the logits away from it, and with them some greedy tokens). The integer path is
+ * the next step where decode speed needs it; README's GGUF section has the measured speed.
  *
  * Vector paths: compiled once per ISA (kernels/cpu/native.py); the vector extension width of
- * wick_vec.h (16 floats on AVX-512, 8 on AVX2, 4 otherwise) is the only difference.
+ * wick_vec.h (16 floats on AVX-512, 8 on AVX2, 4 otherwise) and the byte-widening intrinsics of
+ * cvt_u8 / cvt_s8 / cvt_nibbles (scalar loops in the generic build) are the differences.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -349,31 +355,6 @@ static inline float hsum_vf(const vf v) {
   return s;
 }
 
-/* out[i] = w . x_i for four rows of x (k a multiple of 32, so of VW). */
-static inline void dot4(const float *restrict w, const float *restrict x, const int64_t xs,
-                        const int64_t k, float *out) {
-  vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-  for (int64_t c = 0; c < k; c += VW) {
-    const vf wv = vload(w + c);
-    a0 = vfma(wv, vload(x + c), a0);
-    a1 = vfma(wv, vload(x + xs + c), a1);
-    a2 = vfma(wv, vload(x + 2 * xs + c), a2);
-    a3 = vfma(wv, vload(x + 3 * xs + c), a3);
-  }
-  out[0] = hsum_vf(a0), out[1] = hsum_vf(a1), out[2] = hsum_vf(a2), out[3] = hsum_vf(a3);
-}
-
-static inline float dot1(const float *restrict w, const float *restrict x, const int64_t k) {
-  vf a0 = {0}, a1 = {0};
-  int64_t c = 0;
-  for (; c + 2 * VW <= k; c += 2 * VW) {
-    a0 = vfma(vload(w + c), vload(x + c), a0);
-    a1 = vfma(vload(w + c + VW), vload(x + c + VW), a1);
-  }
-  for (; c < k; c += VW) a0 = vfma(vload(w + c), vload(x + c), a0);
-  return hsum_vf(a0 + a1);
-}
-
 static inline void store(void *y, const int dtype, const int64_t idx, const float v) {
   if (dtype == 0)
     ((float *)y)[idx] = v;
@@ -519,6 +500,7 @@ int wick_gguf_gemm(const int type, const int dtype, const void *x, const int64_t
     xf = xbuf, xs = k;
   }
   const int threads = threads_for(n * k * (m < 4 ? m : 4), min_work_per_thread, num_threads);
+
   if (m <= FUSED_MAX_ROWS && fused_type(type)) {
     float xsum[FUSED_MAX_ROWS * 512];
     float *sums = nblocks <= 512 ? xsum : malloc((size_t)(m * nblocks) * sizeof(float));
@@ -543,28 +525,48 @@ int wick_gguf_gemm(const int type, const int dtype, const void *x, const int64_t
     free(xbuf);
     return 0;
   }
+  /* Tiles of 4 W rows (decoded into scratch) by 4 rows of x: 16 accumulators over K, each
+   * W and x vector loaded once per 4 FMAs. Short tiles repeat their last row (results not
+   * stored). */
+  const int64_t wtiles = (n + 3) / 4;
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    float *row = malloc((size_t)k * sizeof(float));
-    if (row == NULL) {
+    float *rows = malloc((size_t)(4 * k) * sizeof(float));
+    if (rows == NULL) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-      if (row == NULL) continue;
-      decode(w + j * row_bytes, row, nblocks);
-      const float b = load_bias(bias, dtype, j);
-      int64_t i = 0;
-      for (; i + 4 <= m; i += 4) {
-        float o[4];
-        dot4(row, xf + i * xs, xs, k, o);
-        for (int t = 0; t < 4; t++) store(y, dtype, (i + t) * n + j, o[t] + b);
+    for (int64_t jt = 0; jt < wtiles; jt++) {
+      if (rows == NULL) continue;
+      const int64_t j0 = jt * 4;
+      const int jn = n - j0 < 4 ? (int)(n - j0) : 4;
+      for (int b = 0; b < jn; b++) decode(w + (j0 + b) * row_bytes, rows + b * k, nblocks);
+      const float *wr[4];
+      for (int b = 0; b < 4; b++) wr[b] = rows + (b < jn ? b : jn - 1) * k;
+      for (int64_t i0 = 0; i0 < m; i0 += 4) {
+        const int im = m - i0 < 4 ? (int)(m - i0) : 4;
+        const float *xr[4];
+        for (int a = 0; a < 4; a++) xr[a] = xf + (i0 + (a < im ? a : im - 1)) * xs;
+        vf acc[4][4] = {{{0}}};
+        for (int64_t c = 0; c < k; c += VW) {
+          const vf w0 = vload(wr[0] + c), w1 = vload(wr[1] + c);
+          const vf w2 = vload(wr[2] + c), w3 = vload(wr[3] + c);
+          for (int a = 0; a < 4; a++) {
+            const vf xv = vload(xr[a] + c);
+            acc[a][0] = vfma(w0, xv, acc[a][0]);
+            acc[a][1] = vfma(w1, xv, acc[a][1]);
+            acc[a][2] = vfma(w2, xv, acc[a][2]);
+            acc[a][3] = vfma(w3, xv, acc[a][3]);
+          }
+        }
+        for (int a = 0; a < im; a++)
+          for (int b = 0; b < jn; b++)
+            store(y, dtype, (i0 + a) * n + j0 + b, hsum_vf(acc[a][b]) + load_bias(bias, dtype, j0 + b));
       }
-      for (; i < m; i++) store(y, dtype, i * n + j, dot1(row, xf + i * xs, k) + b);
     }
-    free(row);
+    free(rows);
   }
   free(xbuf);
   return failed ? -2 : 0;
