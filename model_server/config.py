@@ -41,6 +41,8 @@ class EngineConfig:
     dtype: str = _D["dtype"]  # auto | float32 | bfloat16 | float16
     quantization: str | None = _D["quantization"]  # None | int8 (layers/quantization/)
     gguf_weights: str = _D["gguf_weights"]  # auto | quantized | dequantized (GGUF files)
+    # auto | bfloat16 | float16 | int8 | fp8_e4m3 | fp8_e5m2 (kernels/kv_cache_dtype.py)
+    kv_cache_dtype: str = _D["kv_cache_dtype"]
     device: str = _D["device"]  # cpu | cuda | gcu | hpu | auto
     device_ids: list[int] | None = _D["device_ids"]  # rank i uses device_ids[i]; None: 0, 1, ...
     tensor_parallel_size: int = _D["tensor_parallel_size"]

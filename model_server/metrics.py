@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from model_server.engine.stats import IterationStats, SchedulerStats
+    from model_server.engine.stats import CacheConfigInfo, IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,15 @@ class EngineMetrics:
             REQUEST_LATENCY_BUCKETS,
         )
 
+        # The KV cache as sized at startup: one series of value 1 whose labels say it (vLLM's).
+        self.cache_config_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig.",
+            ["block_size", "cache_dtype", "num_gpu_blocks", "kv_cache_bytes",
+             "enable_prefix_caching"],
+            registry=reg,
+        )  # fmt: skip
+
         # Last seen running totals of SchedulerStats (turned into counter increments).
         self._lock = threading.Lock()
         self._last_preemptions = 0
@@ -232,6 +241,16 @@ class EngineMetrics:
                 self._record_iteration(iteration_stats)
         except Exception:  # a metrics bug must never take the engine loop down
             logger.exception("failed to record engine stats")
+
+    def record_cache_config(self, info: CacheConfigInfo) -> None:
+        """Once, when the engine has sized its KV cache (engine/stats.record_cache_config)."""
+        self.cache_config_info.labels(
+            block_size=str(info.block_size),
+            cache_dtype=info.cache_dtype,
+            num_gpu_blocks=str(info.num_gpu_blocks),
+            kv_cache_bytes=str(info.kv_cache_bytes),
+            enable_prefix_caching=str(info.enable_prefix_caching),
+        ).set(1)
 
     def _record_scheduler(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)

@@ -151,9 +151,16 @@ def _check_gguf_weights(value: str) -> None:
         raise ValueError(f"gguf_weights {value!r} is not one of {', '.join(GGUF_WEIGHTS_MODES)}")
 
 
+# --kv-cache-dtype values (kernels/kv_cache_dtype.py maps them to storage).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+
+
 def _check_kv_cache_dtype(value: str) -> None:
-    if value.lower() != "auto":
-        raise ValueError(f"kv_cache_dtype {value!r} is not supported yet; use auto")
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {value!r} is not supported; choose one of: "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
 
 
 def _check_port(value: int) -> None:
@@ -284,6 +291,18 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
         choices=GGUF_WEIGHTS_MODES,
         check=_check_gguf_weights,
+    ),
+    Setting(
+        "kv_cache_dtype",
+        str,
+        "auto",
+        "KV cache storage: auto (the model's --dtype), bfloat16 or float16 (a float cache of that "
+        "dtype whatever the model's), int8, fp8_e4m3 or fp8_e5m2 (quantized K/V with one float32 "
+        "scale per token and KV head beside the blocks: about 1.9x the blocks of a bf16 cache "
+        "for the same --kv-cache-memory at head_dim 64). Every attention backend reads them; "
+        "DeepSeek's latent cache takes the float ones only.",
+        "engine",
+        check=_check_kv_cache_dtype,
     ),
     Setting(
         "device",
@@ -464,14 +483,6 @@ SETTINGS: tuple[Setting, ...] = (
         "server",
         default_text="0 (no limit)",
         check=_check_max_waiting,
-    ),
-    Setting(
-        "kv_cache_dtype",
-        str,
-        "auto",
-        "KV cache data type. Only auto (the model dtype) for now.",
-        "server",
-        check=_check_kv_cache_dtype,
     ),
     Setting(
         "tool_call_parser",

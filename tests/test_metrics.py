@@ -265,3 +265,27 @@ def test_model_info_names_the_weights_quantization() -> None:
     assert _value(m, "wick:model_info", quantization="gptq w4 g128") is None
     assert _value(m, "wick:model_info", quantization="none") == 1
     assert promtool_check_metrics(m.render()[0]) == []
+
+
+def test_cache_config_info_carries_the_kv_cache_dtype_and_blocks() -> None:
+    from model_server.engine.stats import CacheConfigInfo, record_cache_config
+
+    m = EngineMetrics(MODEL, include_process_metrics=False)
+    info = CacheConfigInfo(
+        block_size=16,
+        num_gpu_blocks=1371,
+        cache_dtype="int8",
+        kv_cache_bytes=268_431_360,
+        enable_prefix_caching=True,
+    )
+    record_cache_config([object(), m], info)  # loggers without the hook are skipped
+    labels = {
+        "block_size": "16",
+        "cache_dtype": "int8",
+        "num_gpu_blocks": "1371",
+        "kv_cache_bytes": "268431360",
+        "enable_prefix_caching": "True",
+    }
+    assert m.registry.get_sample_value("vllm:cache_config_info", labels) == 1.0
+    body, _ = m.render()
+    assert promtool_check_metrics(body) == []

@@ -2,6 +2,7 @@
 
     python -m tools.compile_check                  # sm_80, sm_89, sm_90
     python -m tools.compile_check --arch 90 --preset llama-3.1-8b --dtype bf16
+    python -m tools.compile_check --kv-cache-dtype int8,fp8_e4m3   # attention on those caches
 
 The CPU test suite runs the kernels under the Triton interpreter, which accepts programs the GPU
 compiler rejects (and runs bf16 dots upcast, unlike the GPU variant). This check closes that gap
@@ -201,25 +202,44 @@ ATTENTION_CASES: tuple[tuple[str, list[tuple[int, int]]], ...] = (
 
 
 def attention_calls(
-    shape: ModelShape, dtype: torch.dtype, block_size: int, sm_count: int
+    shape: ModelShape,
+    dtype: torch.dtype,
+    block_size: int,
+    sm_count: int,
+    kv_cache_dtype: str = "auto",
 ) -> Iterator[tuple[str, Callable[[], object]]]:
-    """The `triton` backend's forward (store K/V, decode, split reduce, prefill) per case."""
+    """The `triton` backend's forward (store K/V, decode, split reduce, prefill) per case, on a
+    cache of `kv_cache_dtype` (--kv-cache-dtype: quantized ones with their scales)."""
+    from model_server.kernels.kv_cache_dtype import resolve_kv_cache_dtype
     from model_server.layers.attention.triton_backend import TritonAttentionBackend
     from tools.kernel_bench import Case, Shape, build_case_inputs
 
+    kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     kshape = Shape(shape.num_heads, shape.num_kv_heads, shape.head_dim, block_size, dtype)
     for name, requests in ATTENTION_CASES:
         case = Case(name, requests)
         md, q, k, v, k_cache, v_cache = build_case_inputs(case, kshape, torch.device("cpu"))
+        scales: dict[str, torch.Tensor] = {}
+        if kv.quantized:
+            k_cache, v_cache = (torch.zeros(c.shape, dtype=kv.storage) for c in (k_cache, v_cache))
+            scales = {
+                "k_scales": torch.zeros(k_cache.shape[:-1]),
+                "v_scales": torch.zeros(k_cache.shape[:-1]),
+            }
+        elif kv.storage != dtype:
+            k_cache, v_cache = k_cache.to(kv.storage), v_cache.to(kv.storage)
         backend = TritonAttentionBackend(
             shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim**-0.5
         )
         backend._sm_count = sm_count
 
-        def forward(backend=backend, md=md, q=q, k=k, v=v, kc=k_cache, vc=v_cache) -> object:
-            return backend.forward(q, k, v, kc, vc, md)
+        def forward(
+            backend=backend, md=md, q=q, k=k, v=v, kc=k_cache, vc=v_cache, scales=scales
+        ) -> object:
+            return backend.forward(q, k, v, kc, vc, md, **scales)
 
-        yield name, forward
+        label = name if kv_cache_dtype == "auto" else f"{name}, {kv_cache_dtype} KV cache"
+        yield label, forward
 
 
 def fused_op_calls(
@@ -276,6 +296,7 @@ def check(
     dtypes: Sequence[str],
     block_size: int = 16,
     log: Callable[[str], None] = print,
+    kv_cache_dtypes: Sequence[str] = ("auto",),
 ) -> Report:
     """Compiles every variant the call sites launch; see the module docstring."""
     report = Report()
@@ -286,9 +307,11 @@ def check(
             for dtype_name in dtypes:
                 dtype = DTYPES[dtype_name]
                 calls = [
-                    *attention_calls(shape, dtype, block_size, arch.sm_count),
-                    *fused_op_calls(shape, dtype),
+                    call
+                    for kv in kv_cache_dtypes
+                    for call in attention_calls(shape, dtype, block_size, arch.sm_count, kv)
                 ]
+                calls += fused_op_calls(shape, dtype)
                 for case, call in calls:
                     where = f"sm_{capability} {shape.name} {dtype_name} {case}"
                     with compile_only(capability) as launched:
@@ -385,6 +408,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--dtype", default="bf16,fp16,fp32", help=f"of: {', '.join(DTYPES)}")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto,int8,fp8_e4m3,fp8_e5m2",
+        help="KV cache dtypes the attention kernels are compiled for, comma-separated",
+    )
     args = p.parse_args(argv)
 
     try:
@@ -408,7 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ["TRITON_INTERPRET"] = "0"
     torch.manual_seed(0)
-    report = check(archs, shapes, dtypes, args.block_size)
+    from model_server.settings_spec import KV_CACHE_DTYPES
+
+    kv_dtypes = _parse_list(args.kv_cache_dtype)
+    if bad := [d for d in kv_dtypes if d not in KV_CACHE_DTYPES]:
+        p.error(f"unknown --kv-cache-dtype {bad}; known: {', '.join(KV_CACHE_DTYPES)}")
+    report = check(archs, shapes, dtypes, args.block_size, kv_cache_dtypes=kv_dtypes)
     print(format_report(report, archs))
     return 1 if report.failures else 0
 

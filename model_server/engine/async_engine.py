@@ -28,7 +28,7 @@ from typing import Any
 
 from model_server.config import EngineConfig
 from model_server.engine.outputs import RequestOutput
-from model_server.engine.stats import IterationStats, StatLogger
+from model_server.engine.stats import IterationStats, StatLogger, record_cache_config
 from model_server.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -513,6 +513,9 @@ class AsyncLLM(EngineClient):
             set_model_info = getattr(stat_logger, "set_model_info", None)
             if set_model_info is not None:
                 set_model_info(self._quantization)
+        info = getattr(engine, "cache_config_info", None)  # test doubles may have none
+        if info is not None:
+            record_cache_config(self.stat_loggers, info)
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
 
     def _warmup(self) -> None:

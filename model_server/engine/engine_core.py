@@ -13,6 +13,7 @@ from model_server.engine.core.scheduler import Scheduler, SchedulerConfig
 from model_server.engine.execution.executor import Executor, UniProcExecutor
 from model_server.engine.execution.multiproc_executor import MultiprocExecutor
 from model_server.engine.outputs import EngineCoreOutput
+from model_server.engine.stats import CacheConfigInfo
 from model_server.loader import ModelSource, load_model_source
 from model_server.platforms import get_platform
 
@@ -53,15 +54,25 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.config = dataclasses.replace(config, max_model_len=max_model_len)
+        kv_dtype = self.model_runner.kv_dtype
+        kv_bytes = self.model_runner.kv_groups.cache_bytes(
+            self.num_blocks, self.model_runner.layer_block_bytes()
+        )
+        self.cache_config_info = CacheConfigInfo(
+            block_size=config.block_size,
+            num_gpu_blocks=self.num_blocks,
+            cache_dtype=kv_dtype.name,
+            kv_cache_bytes=kv_bytes,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank)",
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB per rank, %s%s)",
             self.num_blocks,
             config.block_size,
             self.num_blocks * config.block_size,
-            self.model_runner.kv_groups.cache_bytes(
-                self.num_blocks, self.model_runner.layer_block_bytes()
-            )
-            / 1024**3,
+            kv_bytes / 1024**3,
+            kv_dtype.name,
+            " codes + float32 scales per token and KV head" if kv_dtype.quantized else "",
         )
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.num_blocks,

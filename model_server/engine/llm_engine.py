@@ -10,6 +10,7 @@ from model_server.engine.core.scheduler import Scheduler
 from model_server.engine.engine_core import EngineCore
 from model_server.engine.output_processor import OutputProcessor
 from model_server.engine.outputs import RequestOutput
+from model_server.engine.stats import CacheConfigInfo
 from model_server.sampling_params import SamplingParams
 from model_server.structured_output.manager import StructuredOutputManager
 
@@ -42,6 +43,10 @@ class LLMEngine:
     def quantization(self) -> str | None:
         """What the model's linear layers run, e.g. "gptq w4 g128" or "int8"; None: float."""
         return self.core.model_runner.quantization_description
+
+    @property
+    def cache_config_info(self) -> CacheConfigInfo:
+        return self.core.cache_config_info
 
     @property
     def vocab_size(self) -> int:

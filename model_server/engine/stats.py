@@ -28,6 +28,17 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
+@dataclass(slots=True, frozen=True)
+class CacheConfigInfo:
+    """The KV cache as sized at startup (vLLM's `vllm:cache_config_info` labels)."""
+
+    block_size: int
+    num_gpu_blocks: int  # blocks of the (full-attention) pool, vLLM's name on every device
+    cache_dtype: str  # resolved --kv-cache-dtype: float32 | bfloat16 | float16 | int8 | fp8_*
+    kv_cache_bytes: int  # per rank, every layer's cache with its scales
+    enable_prefix_caching: bool
+
+
 @dataclass(slots=True)
 class FinishedRequestStats:
     """One request (all its samples) that finished, aborted requests included."""
@@ -68,3 +79,12 @@ class StatLogger(Protocol):
     """Receives the stats of every engine step (called on the engine thread)."""
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+
+
+def record_cache_config(loggers: list, info: CacheConfigInfo) -> None:
+    """Once the engine has sized its KV cache: hand `info` to the loggers that take it
+    (`record_cache_config(info)`, optional for a StatLogger)."""
+    for stat_logger in loggers:
+        record = getattr(stat_logger, "record_cache_config", None)
+        if record is not None:
+            record(info)

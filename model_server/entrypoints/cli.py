@@ -1,5 +1,5 @@
 """Command line: `generate`, `serve`, `quantize`, `bench throughput`, `bench latency`,
-`bench structured`, `bench serve`, `bench soak`. Logs go to stderr."""
+`bench structured`, `bench kv-cache-dtype`, `bench serve`, `bench soak`. Logs go to stderr."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def _bench_structured(args: argparse.Namespace) -> int:
     from model_server.benchmarks.structured import run_structured_benchmark
 
     return run_structured_benchmark(args, EngineConfig.from_attrs(args))
+
+
+def _bench_kv_cache_dtype(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.kv_cache_dtype import run_kv_cache_dtype_benchmark
+
+    return run_kv_cache_dtype_benchmark(args, EngineConfig.from_attrs(args))
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -241,6 +247,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_structured_args(st)
     add_engine_args(st)
     st.set_defaults(func=_bench_structured)
+
+    from model_server.benchmarks.kv_cache_dtype import add_kv_cache_dtype_args
+
+    kvd = bench_sub.add_parser(
+        "kv-cache-dtype",
+        help="Greedy agreement and top-token logprob drift of quantized KV caches against the "
+        "float one on 16 chat prompts; with --timing, the decode step time at a batch and "
+        "context.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_kv_cache_dtype_args(kvd)
+    add_engine_args(kvd)
+    kvd.set_defaults(func=_bench_kv_cache_dtype)
 
     from model_server.benchmarks.serve import add_bench_serve_args
 

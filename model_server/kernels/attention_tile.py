@@ -10,6 +10,13 @@ Optional (constexpr, 0 = off): `WINDOW`, a sliding window (a row at position p s
 (p - WINDOW, p]; causal tiles only, decode callers narrow `kv_start` instead), and `SOFT_CAP`,
 Gemma 2's c * tanh(score / c) on the scaled scores. With a window a row may see no key in its
 first tiles, so the running max is guarded against -inf.
+
+`KV_QUANT` (kv_cache_dtype.py's codes: 1 int8, 2 fp8 e4m3, 3 fp8 e5m2; 0 a float cache) reads
+quantized caches: codes (int8, or fp8 bits through a uint8 view of the cache) with one float32
+scale per slot and KV head, `scale_ptr[slot_offset // HEAD_DIM]` (contiguous caches). Codes
+become exact values of q's dtype (fp8 through fp16 bits, so no fp8 instructions: sm_80 runs it),
+the K scales multiply the scores' columns and the V scales the probabilities' columns, so the
+dots run on the codes as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +24,38 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# kv_cache_dtype.py's format codes, as Triton constants.
+_INT8 = tl.constexpr(1)
+_FP8_E4M3 = tl.constexpr(2)
+
+
+@triton.jit
+def fp8_bits_as_f16(x, KV_QUANT: tl.constexpr):
+    """fp8 bits (uint8) -> fp16 holding the value exactly (e5m2), or the value / 256 (e4m3: its
+    exponent and mantissa below the fp16's top exponent bit; `code_factor` undoes it)."""
+    x16 = x.to(tl.uint16)
+    if KV_QUANT == _FP8_E4M3:
+        bits = ((x16 & 0x80) << 8) | ((x16 & 0x7F) << 7)
+    else:
+        bits = x16 << 8
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def kv_codes(x, KV_QUANT: tl.constexpr):
+    """A loaded tile of quantized codes as values (times 1 / code_factor), or x for floats."""
+    # One return: Triton unifies the types of every return statement it reads.
+    if KV_QUANT <= _INT8:
+        values = x
+    else:
+        values = fp8_bits_as_f16(x, KV_QUANT)
+    return values
+
+
+def code_factor(kv_quant: int) -> float:
+    """What fp8_bits_as_f16's values are multiplied by to be the codes' (host side)."""
+    return 256.0 if kv_quant == 2 else 1.0
 
 
 @triton.jit
@@ -45,6 +84,10 @@ def attend_paged_tile(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,
     SOFT_CAP: tl.constexpr = 0.0,
+    k_scale_ptr=None,  # [num_blocks, block_size, Hkv] float32, quantized caches only
+    v_scale_ptr=None,
+    CODE_FACTOR: tl.constexpr = 1.0,  # code_factor(KV_QUANT)
+    KV_QUANT: tl.constexpr = 0,
 ):
     pos = tile_start + tl.arange(0, TILE_N)
     in_range = (pos >= kv_start) & (pos < kv_end)
@@ -63,8 +106,13 @@ def attend_paged_tile(
         v_mask = in_range[:, None] & d_mask[None, :]
 
     # K^T tile [BLOCK_D, TILE_N]; masked entries are 0 (never NaN from stale cache memory).
-    k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    k = tl.load(key_cache_ptr + slot_offset[None, :] + dims[:, None], mask=k_mask, other=0)
+    k = kv_codes(k, KV_QUANT)
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if KV_QUANT > 0:
+        # Masked positions get scale 0: their scores are masked below anyway.
+        k_scale = tl.load(k_scale_ptr + slot_offset // HEAD_DIM, mask=in_range, other=0.0)
+        s = s * (k_scale * CODE_FACTOR)[None, :]
     if SOFT_CAP > 0:
         # s is in log2 units (qk_scale folds log2(e)): cap the natural-log score, convert back.
         # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for every x.
@@ -91,9 +139,15 @@ def attend_paged_tile(
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    v = tl.load(value_cache_ptr + slot_offset[:, None] + dims[None, :], mask=v_mask, other=0)
+    v = kv_codes(v, KV_QUANT)
     acc = acc * alpha[:, None]
-    acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    if KV_QUANT > 0:
+        v_scale = tl.load(v_scale_ptr + slot_offset // HEAD_DIM, mask=in_range, other=0.0)
+        pv = p * (v_scale * CODE_FACTOR)[None, :]
+    else:
+        pv = p
+    acc += tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -112,6 +166,33 @@ def default_tile_n(block_d: int, dtype: torch.dtype) -> int:
     while tile_n > 16 and tile_n * block_d * elt > _MAX_KV_TILE_BYTES:
         tile_n //= 2
     return tile_n
+
+
+def kv_quant_args(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The caches as the kernels read them (fp8 as uint8 views) and the tile's quantization
+    arguments (k_scale_ptr, v_scale_ptr, CODE_FACTOR, KV_QUANT) for a launch's kwargs."""
+    codes = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+    kv_quant = codes.get(key_cache.dtype, 0)
+    if kv_quant == 0:
+        return key_cache, value_cache, {}
+    if k_scales is None or v_scales is None:
+        raise ValueError(f"a {key_cache.dtype} KV cache needs its scales")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("quantized KV caches must be contiguous (scales are found by slot)")
+    if kv_quant > 1:
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    extra = dict(
+        k_scale_ptr=k_scales,
+        v_scale_ptr=v_scales,
+        CODE_FACTOR=code_factor(kv_quant),
+        KV_QUANT=kv_quant,
+    )
+    return key_cache, value_cache, extra
 
 
 def dot_config(dtype: torch.dtype) -> tuple[bool, str]:

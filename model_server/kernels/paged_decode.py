@@ -27,7 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from model_server.kernels.attention_tile import attend_paged_tile, default_tile_n, dot_config
+from model_server.kernels.attention_tile import (
+    attend_paged_tile,
+    default_tile_n,
+    dot_config,
+    kv_quant_args,
+)
 
 LOG2E = math.log2(math.e)
 
@@ -79,6 +84,10 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,  # sliding window (0: none): only the last WINDOW positions
     SOFT_CAP: tl.constexpr = 0.0,  # attention logit soft cap (0: none)
+    k_scale_ptr=None,  # quantized caches: [num_blocks, block_size, Hkv] float32 (attention_tile)
+    v_scale_ptr=None,
+    CODE_FACTOR: tl.constexpr = 1.0,
+    KV_QUANT: tl.constexpr = 0,  # 0: float cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -143,6 +152,10 @@ def _paged_decode_kernel(
             DOT_PRECISION,
             0,  # the window is the split range itself
             SOFT_CAP,
+            k_scale_ptr,
+            v_scale_ptr,
+            CODE_FACTOR,
+            KV_QUANT,
         )
 
     # l_i >= 1 whenever a position was read (the max contributes exp2(0)); 0 only when empty.
@@ -235,6 +248,8 @@ def paged_decode_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Decode attention for requests with exactly one query token each, written into `out`.
 
@@ -246,10 +261,13 @@ def paged_decode_attention(
     max_model_len is fine: nothing else depends on the real lengths); `num_splits` is an upper
     bound on context splits per request (1: no reduce pass). With `sliding_window` W only the
     last W positions of each context are read; `logits_soft_cap` c caps scores as c tanh(s / c).
+    Quantized caches (int8 / float8 codes) come with `k_scales`, `v_scales` [num_blocks,
+    block_size, Hkv] float32 (kernels/kv_cache_dtype.py).
     """
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return
+    key_cache, value_cache, quant = kv_quant_args(key_cache, value_cache, k_scales, v_scales)
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -311,6 +329,7 @@ def paged_decode_attention(
         SOFT_CAP=float(logits_soft_cap or 0.0),
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
+        **quant,
     )
     if split:
         _reduce_splits_kernel[(num_seqs, num_heads)](

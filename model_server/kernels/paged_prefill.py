@@ -22,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from model_server.kernels.attention_tile import attend_paged_tile, default_tile_n, dot_config
+from model_server.kernels.attention_tile import (
+    attend_paged_tile,
+    default_tile_n,
+    dot_config,
+    kv_quant_args,
+)
 
 LOG2E = math.log2(math.e)
 
@@ -58,6 +63,10 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr = 0,  # sliding window (0: none)
     SOFT_CAP: tl.constexpr = 0.0,  # attention logit soft cap (0: none)
+    k_scale_ptr=None,  # quantized caches: [num_blocks, block_size, Hkv] float32 (attention_tile)
+    v_scale_ptr=None,
+    CODE_FACTOR: tl.constexpr = 1.0,
+    KV_QUANT: tl.constexpr = 0,  # 0: float cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2
 ):
     seq = first_seq + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -130,6 +139,10 @@ def _paged_prefill_kernel(
             DOT_PRECISION,
             0,
             SOFT_CAP,
+            k_scale_ptr,
+            v_scale_ptr,
+            CODE_FACTOR,
+            KV_QUANT,
         )
     # Phase 2: the diagonal tiles (with a window: every tile it reaches), masked per row.
     for t in range(first_tile, tl.cdiv(kv_end, TILE_N)):
@@ -158,6 +171,10 @@ def _paged_prefill_kernel(
             DOT_PRECISION,
             WINDOW,
             SOFT_CAP,
+            k_scale_ptr,
+            v_scale_ptr,
+            CODE_FACTOR,
+            KV_QUANT,
         )
 
     acc = acc / l_i[:, None]
@@ -189,6 +206,8 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
     """Causal attention for requests `[first_seq, first_seq + num_seqs)`, written into `out`.
 
@@ -197,10 +216,13 @@ def paged_prefill_attention(
     query_start_loc [B + 1], seq_lens [B], block_tables [B, max_blocks]: int32, as in
     AttentionMetadata. `max_query_len` is a host int >= every such request's query length.
     With `sliding_window` W a query at position p sees keys in (p - W, p] (the blocks before
-    are never read); `logits_soft_cap` c caps scores as c tanh(s / c).
+    are never read); `logits_soft_cap` c caps scores as c tanh(s / c). Quantized caches (int8 /
+    float8 codes) come with `k_scales`, `v_scales` [num_blocks, block_size, Hkv] float32
+    (kernels/kv_cache_dtype.py).
     """
     if num_seqs == 0 or max_query_len == 0:
         return
+    key_cache, value_cache, quant = kv_quant_args(key_cache, value_cache, k_scales, v_scales)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -255,4 +277,5 @@ def paged_prefill_attention(
         SOFT_CAP=float(logits_soft_cap or 0.0),
         num_warps=num_warps,
         num_stages=num_stages,
+        **quant,
     )

@@ -50,6 +50,7 @@ class CpuPlatform(Platform):
     default_attention_backend = "cpu"
     quantization_methods = ("int8", "gptq", "awq")
     keeps_gguf_quantized = True  # kernels/cpu/gguf_gemm.c
+    quantized_kv_cache_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2")
     shares_host_memory = True
 
     @classmethod

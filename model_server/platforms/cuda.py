@@ -18,6 +18,7 @@ class CudaPlatform(Platform):
     default_attention_backend = "triton"
     supports_graphs = True
     quantization_methods = ("int8", "gptq", "awq")
+    quantized_kv_cache_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2")
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
 
     @classmethod

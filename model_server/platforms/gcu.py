@@ -51,6 +51,8 @@ class GcuPlatform(Platform):
     name = "gcu"
     device_type = "gcu"
     dist_backend = "eccl"
+    # The portable torch path's plain int8 ops; fp8 storage is unproven on this runtime.
+    quantized_kv_cache_dtypes = ("int8",)
     visible_devices_env = "TOPS_VISIBLE_DEVICES"
 
     @classmethod

@@ -41,6 +41,8 @@ class HpuPlatform(Platform):
     name = "hpu"
     device_type = "hpu"
     dist_backend = "hccl"
+    # The portable torch path's plain int8 ops; fp8 storage is unproven on this runtime.
+    quantized_kv_cache_dtypes = ("int8",)
     visible_devices_env = "HABANA_VISIBLE_MODULES"
 
     @classmethod

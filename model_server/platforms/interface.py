@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from model_server.kernels.kv_cache_dtype import KVCacheDtype
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 
@@ -66,6 +67,9 @@ class Platform(ABC):
     # GGUF matrices can stay in their block layout here (`--gguf-weights quantized`): the kernel
     # table has a gguf_linear kernel worth running; elsewhere that choice is refused.
     keeps_gguf_quantized: bool = False
+    # Quantized `--kv-cache-dtype` formats this platform's attention backends store and read
+    # (float caches run everywhere); others are refused at startup.
+    quantized_kv_cache_dtypes: tuple[str, ...] = ()
     # The vendor's variable that restricts which devices the runtime sees; None on CPU.
     visible_devices_env: str | None = None
     # Device memory is the host's RAM (CPU): sizes that assume accelerator memory shrink.
@@ -263,6 +267,15 @@ class Platform(ABC):
                 "auto or dequantized to load the GGUF as float weights"
             )
         return mode == "quantized"
+
+    def check_kv_cache_dtype(self, kv_dtype: KVCacheDtype) -> None:
+        """ValueError when this platform cannot run a quantized `--kv-cache-dtype`."""
+        if kv_dtype.quantized and kv_dtype.name not in self.quantized_kv_cache_dtypes:
+            have = ", ".join(self.quantized_kv_cache_dtypes) or "none"
+            raise ValueError(
+                f"kv_cache_dtype {kv_dtype.name} is not supported on {self.name} (quantized "
+                f"caches supported: {have}; float caches: auto, bfloat16, float16)"
+            )
 
     def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
         """What `--dtype auto` means for a model whose linear weights are `linear_shapes`

@@ -425,7 +425,8 @@ def test_more_queries_than_context_is_refused() -> None:
     ("q_dtype", "kv_dtype", "head_dim", "reason"),
     [
         (torch.float16, torch.float16, 64, "float16 is not supported"),
-        (torch.float32, torch.bfloat16, 64, "differs"),
+        (torch.bfloat16, torch.float32, 64, "float32 KV cache under torch.bfloat16"),
+        (torch.float32, torch.float16, 64, "float16 KV cache"),
         (torch.bfloat16, torch.bfloat16, 1024, "head_dim 1024"),
     ],
 )
@@ -435,6 +436,15 @@ def test_unsupported_reasons(q_dtype, kv_dtype, head_dim, reason) -> None:
     assert reason in native.unsupported_reason(q, cache, head_dim)
     ok = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
     assert native.unsupported_reason(ok, torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16), 64) is None
+    # Caches the kernel reads beside q's dtype: bf16 under fp32 queries, int8 and fp8 codes.
+    for q_dtype, kv_dtype in [
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.int8),
+        (torch.float32, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e5m2),
+    ]:
+        q = torch.zeros(1, 1, 64, dtype=q_dtype)
+        assert native.unsupported_reason(q, torch.zeros(1, 1, 1, 64, dtype=kv_dtype), 64) is None
 
 
 # ---- ISA selection -----------------------------------------------------------------------------

@@ -55,6 +55,8 @@ def test_every_kernel_compiles_for_sm89_and_sm90() -> None:
             "qwen3-0.6b,smollm2-135m",
             "--dtype",
             "bf16,fp32",
+            "--kv-cache-dtype",
+            "auto",
         ]
     )
     out = proc.stdout + proc.stderr
@@ -70,6 +72,37 @@ def test_every_kernel_compiles_for_sm89_and_sm90() -> None:
     summary = re.search(r"sm_89 \(.*?\): (\d+) variants compiled; most shared memory ([\d.]+)", out)
     assert summary and int(summary[1]) >= 2 * 2 * len(KERNELS)
     assert float(summary[2]) <= 99
+
+
+@pytest.mark.slow
+def test_quantized_kv_cache_kernels_compile_for_sm80_and_sm90() -> None:
+    # --kv-cache-dtype int8 / fp8: the store's quantization and the tile's code conversions use
+    # integer bit tricks only (no fp8 instructions), so sm_80 (A100) compiles them too.
+    proc = _run(
+        [
+            "-m",
+            "tools.compile_check",
+            "--arch",
+            "80,90",
+            "--preset",
+            "smollm2-135m",
+            "--dtype",
+            "bf16",
+            "--kv-cache-dtype",
+            "int8,fp8_e4m3,fp8_e5m2",
+        ]
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "all kernels compiled" in out
+    for arch in ("sm_80", "sm_90"):
+        for fmt in ("int8", "fp8_e4m3", "fp8_e5m2"):
+            for kernel in ("_store_kv_kernel", "_paged_decode_kernel", "_paged_prefill_kernel"):
+                assert re.search(rf"^{arch}\s+{kernel}\s.*{fmt} KV cache$", out, re.M), (
+                    arch,
+                    fmt,
+                    kernel,
+                )
 
 
 def test_shared_memory_overflow_is_caught_and_the_default_tile_avoids_it() -> None:

@@ -34,6 +34,12 @@ from model_server.engine.execution.memory_profiler import (
 )
 from model_server.engine.execution.step_input import StepInput
 from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from model_server.kernels.kv_cache_dtype import (
+    KVCacheDtype,
+    QuantizedKVCache,
+    allocate_kv_cache,
+    resolve_kv_cache_dtype,
+)
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.attention.layer import Attention
 from model_server.layers.quantization.wna16 import checkpoint_quantization
@@ -78,6 +84,8 @@ class ModelRunner:
             config.dtype, config_linear_shapes(self.hf_config, tp_size)
         )
         self.block_size = config.block_size
+        self.kv_dtype: KVCacheDtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        platform.check_kv_cache_dtype(self.kv_dtype)  # before minutes of loading
         # Device memory in use before our weights load is not ours: neither charged to our
         # budget nor taken (memory_profiler.py). None where memory cannot be profiled.
         self.memory_baseline: MemorySnapshot | None = take_memory_snapshot(platform)
@@ -129,6 +137,12 @@ class ModelRunner:
         self.model.eval()
         # What the linear layers run, for the log, /v1/models and the metrics: "gptq w4 g128".
         self.quantization_description: str | None = model_quantization(self.model)
+        if self.kv_dtype.quantized and hasattr(self.model, "kv_cache_shape"):
+            raise ValueError(
+                f"--kv-cache-dtype {config.kv_cache_dtype}: {self.hf_config.architectures[0]} "
+                "keeps a latent KV cache (multi-head latent attention), which is not quantized; "
+                "use auto, bfloat16 or float16"
+            )
         self.kv_groups = self._group_layers()
         # Once the weights are final, before anything runs: the platform fits the table's
         # matmuls to them (CPU: times kernels per shape and row bucket, cached on disk).
@@ -136,19 +150,21 @@ class ModelRunner:
         sites = linear_sites(self.model, self.config.max_num_batched_tokens, max_head_rows)
         platform.tune_kernels(kernels, sites, self.dtype)
         logger.info(
-            "loaded %s (%s, %s%s) in %.2fs with the %s attention backend",
+            "loaded %s (%s, %s%s, %s KV cache) in %.2fs with the %s attention backend",
             source.path,
             self.hf_config.architectures[0],
             str(self.dtype).removeprefix("torch."),
             (f", {self.quantization_description} weights" if self.quantization_description else "")
             + (f", GGUF matrices kept quantized ({self.gguf_kept})" if self.gguf_kept else ""),
+            self.kv_dtype.name,
             time.perf_counter() - start,
             backend_name,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         # Only rank 0 samples (it alone gets logits), so only it keeps sampler state.
         self.sampler = Sampler(self.device) if get_tensor_model_parallel_rank() == 0 else None
-        self.kv_caches: list[torch.Tensor] = []
+        # One per layer: a tensor, or codes + scales for quantized --kv-cache-dtype.
+        self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         # Set by `capture_graphs` once the KV cache exists (None: every step runs eagerly).
         self.graph_runner: CUDAGraphRunner | None = None
 
@@ -156,7 +172,8 @@ class ModelRunner:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        return self.dtype
+        """The cache tensors' element type (the codes' for a quantized cache)."""
+        return self.kv_dtype.storage
 
     def _group_layers(self) -> KVCacheGroups:
         """The KV cache groups (kv_cache_groups.py); sliding layers read their own block table."""
@@ -192,9 +209,12 @@ class ModelRunner:
         return (2, num_blocks, self.block_size, m.num_kv_heads, m.head_dim)
 
     def layer_block_bytes(self) -> int:
-        """One block of one layer's cache (K and V, or the model's own layout)."""
+        """One block of one layer's cache (K and V, or the model's own layout), with the
+        scales of a quantized cache ([2, 1, block_size, Hkv] float32)."""
+        shape = self.kv_cache_shape(1)
         elem = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
-        return math.prod(self.kv_cache_shape(1)) * elem
+        scales = math.prod(shape[:-1]) * 4 if self.kv_dtype.quantized else 0
+        return math.prod(shape) * elem + scales
 
     def bytes_per_block(self) -> int:
         """One block of every layer (what a token range costs without sliding-window groups)."""
@@ -246,11 +266,12 @@ class ModelRunner:
         # Per layer: [2 (k, v), blocks of its group's pool, block_size, num_kv_heads, head_dim]
         # (or the model's own layout, kv_cache_shape).
         self.kv_caches = [
-            self.platform.allocate_zeros(
+            allocate_kv_cache(
                 self.kv_cache_shape(
                     spec.num_blocks if spec is not None and i in sliding else num_blocks
                 ),
-                self.kv_cache_dtype,
+                self.kv_dtype,
+                self.platform.allocate_zeros,
             )
             for i in range(m.num_layers)
         ]
@@ -279,7 +300,7 @@ class ModelRunner:
         chunks = profile_chunks(self.config, self.max_model_len, self.block_size)
         scratch_shape = self.kv_cache_shape(1)
         scratch = [
-            self.platform.allocate_zeros(scratch_shape, self.kv_cache_dtype)
+            allocate_kv_cache(scratch_shape, self.kv_dtype, self.platform.allocate_zeros)
             for _ in range(m.num_layers)
         ]
         inputs = build_model_inputs(chunks, self.block_size, self.device)

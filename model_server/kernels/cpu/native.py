@@ -47,7 +47,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "wna16_gemm.c",
     _HERE / "gguf_gemm.c",
 )
-HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h")
+HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h", _HERE / "wick_kv.h")
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;
 # -ffp-contract=off: no fused multiply-adds, every product rounded as PyTorch's ops round it
@@ -64,8 +64,16 @@ _THREADING: tuple[tuple[str, ...], ...] = (("-fopenmp",), ())
 BUILD_TIMEOUT_S = 120
 # Scratch rows are head_dim floats per query row; larger heads are untested and refused.
 MAX_HEAD_DIM = 512
-# Values of the kernel's `dtype` argument: q, caches and out all of this type.
+# Values of the kernel's `dtype` argument: q, k, v and out all of this type.
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Values of its `kv_format` (wick_kv.h) by cache dtype: a cache in q's dtype passes `dtype`.
+_KV_FORMATS = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.int8: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 4,
+}
 # Multiply-adds (~0.1-0.3 ms) worth another thread: smaller steps, e.g. a batch-1 decode, run on
 # fewer threads than torch's instead of paying a fork/join (see the kernel's comment).
 MIN_WORK_PER_THREAD = 1 << 20
@@ -186,6 +194,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.wick_paged_attention
     fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]  # dtype .. num_slots
     fn.argtypes += [ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i64]
+    fn.argtypes += [i32, ptr, ptr]  # kv_format, k_scales, v_scales
     fn.restype = i32
     fn = lib.wick_paged_attention_windowed  # the same + sliding window, logit soft cap
     fn.argtypes = [*lib.wick_paged_attention.argtypes, i32, f32]
@@ -255,8 +264,13 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int) ->
         return f"runs on the CPU only, not {q.device.type}"
     if q.dtype not in _DTYPE_CODES:
         return f"dtype {q.dtype} is not supported (float32 and bfloat16 are)"
-    if k_cache.dtype != q.dtype:
-        return f"KV cache dtype {k_cache.dtype} differs from the query's {q.dtype}"
+    if k_cache.dtype not in _KV_FORMATS or (
+        k_cache.dtype == torch.float32 and q.dtype != torch.float32
+    ):
+        return (
+            f"a {k_cache.dtype} KV cache under {q.dtype} queries is not supported (the query's "
+            "dtype, bfloat16, int8 and float8 caches are)"
+        )
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim {head_dim} is not supported (1 to {MAX_HEAD_DIM} are)"
     if not k_cache.is_contiguous():
@@ -299,10 +313,14 @@ def paged_attention(
     slot_mapping: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for decodes and prefills alike, K/V read from the cache.
 
-    q [T, H, D] fp32 or bf16; caches [num_blocks, block_size, Hkv, D] of q's dtype; block_tables
+    q [T, H, D] fp32 or bf16; caches [num_blocks, block_size, Hkv, D] of q's dtype, bf16, or
+    int8 / float8 codes with k_scales, v_scales [num_blocks, block_size, Hkv] float32
+    (kernels/kv_cache_dtype.py: the store quantizes, reads dequantize); block_tables
     [B, >=nb] int; query_start_loc [B + 1] int (request i owns rows [qsl[i], qsl[i+1])); seq_lens
     [B] int, each >= its query count -> out [T, H, D] in q's dtype. With k, v [T, Hkv, D] (views
     with a token stride are read in place) and slot_mapping [T] int64, the step's K/V are first
@@ -325,7 +343,8 @@ def paged_attention(
     if k is not None:
         if v is None or slot_mapping is None:
             raise ValueError("paged attention: k needs v and slot_mapping")
-        k, v = _token_rows(k, k_cache.dtype), _token_rows(v, v_cache.dtype)
+        # The kernel converts or quantizes q-dtype rows itself.
+        k, v = _token_rows(k, q.dtype), _token_rows(v, q.dtype)
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
             slot_mapping = slot_mapping.to(torch.int64).contiguous()
         store = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slot_mapping.data_ptr())
@@ -339,6 +358,16 @@ def paged_attention(
             raise ValueError(f"paged attention: logits_soft_cap {logits_soft_cap} must be > 0")
         windowed = (sliding_window or 0, float(logits_soft_cap or 0.0))
         entry = kernels.lib.wick_paged_attention_windowed
+    kv_format = _KV_FORMATS[k_cache.dtype]
+    scales: tuple[int | None, int | None] = (None, None)
+    if kv_format >= 2:
+        if k_scales is None or v_scales is None:
+            raise ValueError(f"paged attention: a {k_cache.dtype} KV cache needs its scales")
+        if k_scales.dtype != torch.float32 or not (
+            k_scales.is_contiguous() and v_scales.is_contiguous()
+        ):
+            raise ValueError("paged attention: KV scales must be contiguous float32")
+        scales = (k_scales.data_ptr(), v_scales.data_ptr())
     # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
     status = entry(
         _DTYPE_CODES[q.dtype],
@@ -360,10 +389,14 @@ def paged_attention(
         scale,
         torch.get_num_threads(),
         min_work_per_thread,
+        kv_format,
+        *scales,
         *windowed,
     )
     if status == -2:
         raise ValueError("paged attention: a request has more query tokens than context")
+    if status == -4:
+        raise ValueError(f"paged attention: {k_cache.dtype} caches under {q.dtype} queries")
     if status == -3:
         raise IndexError(f"paged attention: a slot is past the cache's {num_blocks * block_size}")
     if status != 0:

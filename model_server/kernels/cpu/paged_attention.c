@@ -1,7 +1,9 @@
 /* Paged attention for CPUs, decodes and prefills in one call, read straight from the paged KV
  * cache (no gather into a padded copy), grouped-query heads sharing each K/V row.
  *
- * Shapes (contiguous; `dtype` 0: every tensor fp32, 1: every tensor bf16 stored as uint16):
+ * Shapes (contiguous; `dtype` 0: q, k, v and out fp32, 1: bf16 stored as uint16; the caches in
+ * format `kv_format` (wick_kv.h): q's dtype, bf16 under an fp32 q, or int8 / fp8 codes with
+ * float32 scales k/v_scales [num_blocks, block_size, num_kv_heads], NULL for float caches):
  *   q               [T, num_heads, head_dim]            the step's query tokens, flattened
  *   k/v_cache       [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables    [num_seqs, >= ceil(seq_len / block_size)] int32, row stride `bt_stride`
@@ -42,6 +44,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_kv.h"
 #include "wick_vec.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -92,29 +95,23 @@ static inline vf vsplat(const float x) { return x - (vf){0}; }
 
 static inline void vstore(float *p, const vf v) { memcpy(p, &v, sizeof v); }
 
-/* The first n < VW values of a cache row from element `at` as fp32, the other lanes zero: a row's
- * last vector when head_dim is not a multiple of VW. Out of line: rare, and every inlined copy
- * would cost compile time. */
+/* The first n < VW values of a cache row (format kv, unscaled) from element `at` as fp32, the
+ * other lanes zero: a row's last vector when head_dim is not a multiple of VW. Out of line:
+ * rare, and every inlined copy would cost compile time. */
 static __attribute__((noinline, cold)) vf load_part(const void *cache, const int64_t at,
-                                                    const int is_bf16, const int n) {
-  union {
-    float f[VW];
-    uint32_t u[VW];
-  } part = {{0}};
-  for (int i = 0; i < n; i++) {
-    if (is_bf16)
-      part.u[i] = (uint32_t)((const bf16_t *)cache)[at + i] << 16;
-    else
-      part.f[i] = ((const float *)cache)[at + i];
-  }
-  return vload(part.f);
+                                                    const int kv, const int n) {
+  float part[VW] = {0};
+  for (int i = 0; i < n; i++) part[i] = kv_value(cache, at + i, kv);
+  return vload(part);
 }
 
-/* VW values of a cache row from element `at` as fp32, only the first `n` (<= VW) read and the
- * other lanes zero. */
-static inline vf load_row(const void *cache, const int64_t at, const int is_bf16, const int n) {
-  if (n < VW) return load_part(cache, at, is_bf16, n);
-  return is_bf16 ? vload_bf16((const bf16_t *)cache + at) : vload((const float *)cache + at);
+/* VW values of a cache row (format kv: quantized codes unscaled) from element `at` as fp32,
+ * only the first `n` (<= VW) read and the other lanes zero. */
+static inline vf load_row(const void *cache, const int64_t at, const int kv, const int n) {
+  if (n < VW) return load_part(cache, at, kv, n);
+  if (kv == KV_F32) return vload((const float *)cache + at);
+  if (kv == KV_BF16) return vload_bf16((const bf16_t *)cache + at);
+  return vload_code(cache, at, kv);
 }
 
 static inline vf vmax(const vf a, const vf b) {
@@ -210,6 +207,8 @@ typedef struct {
   float scale;
   int window;     /* sliding window W (0: none): position p sees keys in (p - W, p] */
   float soft_cap; /* logit soft cap c (0: none): scaled scores s become c * tanh(s / c) */
+  /* Quantized caches: a float32 scale per slot and kv head (wick_kv.h); NULL otherwise. */
+  const float *k_scales, *v_scales;
 } Geometry;
 
 /* ---- Sliding windows and logit soft-capping (Gemma 2/3, Mistral-style windows) -------------
@@ -326,21 +325,23 @@ static inline int lanes_in_row(const int head_dim, const int c) {
  * `off` + shift, into lanes [0, VW) of scores + h * stride (lanes past n get 0: rows are padded
  * for them). nh <= PASS_HEADS is a compile-time constant. */
 static inline __attribute__((always_inline)) void score_heads(
-    const int head_dim, const int is_bf16, const int nh, const float *restrict qf, const int dp,
-    const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
-    float *restrict scores, const int64_t stride) {
+    const int head_dim, const int kv, const int nh, const float *restrict qf, const int dp,
+    const void *restrict k_cache, const float *restrict k_scales, const int64_t *restrict off,
+    const int n, const int64_t shift, float *restrict scores, const int64_t stride) {
   const int nv = (head_dim + VW - 1) / VW; /* vectors per row */
   vf part[PASS_HEADS][VW];                 /* [head][key]: the key's score in partial sums */
   for (int t = 0; t < n; t++) {
     const int64_t at = off[t] + shift;
     vf s[PASS_HEADS];
-    const vf k0 = load_row(k_cache, at, is_bf16, lanes_in_row(head_dim, 0));
+    const vf k0 = load_row(k_cache, at, kv, lanes_in_row(head_dim, 0));
     for (int h = 0; h < nh; h++) s[h] = k0 * vload(qf + (int64_t)h * dp);
     for (int c = 1; c < nv; c++) {
-      const vf k = load_row(k_cache, at + c * VW, is_bf16, lanes_in_row(head_dim, c));
+      const vf k = load_row(k_cache, at + c * VW, kv, lanes_in_row(head_dim, c));
       for (int h = 0; h < nh; h++) s[h] = vfma(k, vload(qf + (int64_t)h * dp + c * VW), s[h]);
     }
-    for (int h = 0; h < nh; h++) part[h][t] = s[h];
+    /* A quantized key's scale multiplies its partial sums (the dot of q with codes * s). */
+    const float ks = KV_QUANT(kv) ? k_scales[at / head_dim] : 1.f;
+    for (int h = 0; h < nh; h++) part[h][t] = KV_QUANT(kv) ? s[h] * ks : s[h];
   }
   for (int t = n; t < VW; t++)
     for (int h = 0; h < nh; h++) part[h][t] = vsplat(0.f);
@@ -349,11 +350,11 @@ static inline __attribute__((always_inline)) void score_heads(
 
 /* score_heads for a runtime nh in [1, PASS_HEADS]: one copy per count. */
 static inline __attribute__((always_inline)) void score_pass(
-    const int head_dim, const int is_bf16, const int nh, const float *restrict qf, const int dp,
-    const void *restrict k_cache, const int64_t *restrict off, const int n, const int64_t shift,
-    float *restrict scores, const int64_t stride) {
+    const int head_dim, const int kv, const int nh, const float *restrict qf, const int dp,
+    const void *restrict k_cache, const float *restrict k_scales, const int64_t *restrict off,
+    const int n, const int64_t shift, float *restrict scores, const int64_t stride) {
 #define SCORE_HEADS(NH) \
-  score_heads(head_dim, is_bf16, NH, qf, dp, k_cache, off, n, shift, scores, stride)
+  score_heads(head_dim, kv, NH, qf, dp, k_cache, k_scales, off, n, shift, scores, stride)
   switch (nh) {
     case 1:
       SCORE_HEADS(1);
@@ -398,9 +399,10 @@ static inline float softmax_row(float *restrict s, const int len) {
  * heads [0, nh), p[h] = probs + h * stride. nh <= PASS_HEADS is a compile-time constant; the
  * accumulators of a slice of PV_REGS / nh vectors per head stay in registers over the chunk. */
 static inline __attribute__((always_inline)) void pv_heads(
-    const int head_dim, const int is_bf16, const int nh, const float *restrict probs,
-    const int64_t stride, const void *restrict v_cache, const int64_t *restrict off, const int n,
-    const int64_t shift, const int dp, float *restrict acc) {
+    const int head_dim, const int kv, const int nh, const float *restrict probs,
+    const int64_t stride, const void *restrict v_cache, const float *restrict v_scales,
+    const int64_t *restrict off, const int n, const int64_t shift, const int dp,
+    float *restrict acc) {
   const int nv = (head_dim + VW - 1) / VW;
   const int width = PV_REGS / nh; /* vectors per head in a slice */
   for (int c0 = 0; c0 < nv; c0 += width) {
@@ -411,10 +413,12 @@ static inline __attribute__((always_inline)) void pv_heads(
     for (int t = 0; t < n; t++) {
       vf v[PV_REGS];
       for (int c = 0; c < m; c++)
-        v[c] = load_row(v_cache, off[t] + shift + (c0 + c) * VW, is_bf16,
+        v[c] = load_row(v_cache, off[t] + shift + (c0 + c) * VW, kv,
                         lanes_in_row(head_dim, c0 + c));
+      /* A quantized value's scale multiplies its probabilities (p * (codes * s)). */
+      const float vs = KV_QUANT(kv) ? v_scales[(off[t] + shift) / head_dim] : 1.f;
       for (int h = 0; h < nh; h++) {
-        const vf p = vsplat(probs[h * stride + t]);
+        const vf p = vsplat(KV_QUANT(kv) ? probs[h * stride + t] * vs : probs[h * stride + t]);
         for (int c = 0; c < m; c++) a[h][c] = vfma(p, v[c], a[h][c]);
       }
     }
@@ -425,10 +429,12 @@ static inline __attribute__((always_inline)) void pv_heads(
 
 /* pv_heads for a runtime nh in [1, PASS_HEADS]: one copy per count. */
 static inline __attribute__((always_inline)) void pv_pass(
-    const int head_dim, const int is_bf16, const int nh, const float *restrict probs,
-    const int64_t stride, const void *restrict v_cache, const int64_t *restrict off, const int n,
-    const int64_t shift, const int dp, float *restrict acc) {
-#define PV_HEADS(NH) pv_heads(head_dim, is_bf16, NH, probs, stride, v_cache, off, n, shift, dp, acc)
+    const int head_dim, const int kv, const int nh, const float *restrict probs,
+    const int64_t stride, const void *restrict v_cache, const float *restrict v_scales,
+    const int64_t *restrict off, const int n, const int64_t shift, const int dp,
+    float *restrict acc) {
+#define PV_HEADS(NH) \
+  pv_heads(head_dim, kv, NH, probs, stride, v_cache, v_scales, off, n, shift, dp, acc)
   switch (nh) {
     case 1:
       PV_HEADS(1);
@@ -474,21 +480,22 @@ typedef struct {
   int kh0, nkh;         /* the item's kv heads */
   int dp;               /* head_dim rounded up to whole vectors: the rows of q and acc */
   int64_t stride;       /* len - lo rounded up to whole vectors: the rows of scores */
-  size_t elem;          /* bytes per cache value */
+  size_t elem;          /* bytes per q and out value */
+  size_t kv_elem;       /* bytes per cache value */
 } DecodeItem;
 
 /* Starts loading the item's rows (all its kv heads) of tokens [t0, min(t1, len)). */
 static inline void prefetch_item(const DecodeItem *it, const int head_dim, const void *cache,
                                  const int t0, const int t1) {
   if (t0 >= it->len) return;
-  prefetch_tokens(it->geo, it->table, cache, it->elem, t0, t1 < it->len ? t1 : it->len,
-                  (int64_t)it->kh0 * head_dim, (int64_t)it->nkh * head_dim * (int64_t)it->elem);
+  prefetch_tokens(it->geo, it->table, cache, it->kv_elem, t0, t1 < it->len ? t1 : it->len,
+                  (int64_t)it->kh0 * head_dim, (int64_t)it->nkh * head_dim * (int64_t)it->kv_elem);
 }
 
 /* scores[r][0, len - lo) = row r's query (qf + r * dp) . each key from lo on, chunk by chunk;
  * the first PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
 static inline __attribute__((always_inline)) void decode_scores(
-    const int head_dim, const int is_bf16, const DecodeItem *it, const float *restrict qf,
+    const int head_dim, const int kv, const DecodeItem *it, const float *restrict qf,
     const void *restrict k_cache, float *restrict scores) {
   const int group = it->geo->group;
   int64_t off[VW]; /* of the chunk's tokens, for kv head kh0 */
@@ -500,8 +507,9 @@ static inline __attribute__((always_inline)) void decode_scores(
       for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
         const int r = kk * group + g0;
         const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
-        score_pass(head_dim, is_bf16, nh, qf + (int64_t)r * it->dp, it->dp, k_cache, off, n,
-                   kk * head_dim, scores + r * it->stride + (t0 - it->lo), it->stride);
+        score_pass(head_dim, kv, nh, qf + (int64_t)r * it->dp, it->dp, k_cache,
+                   it->geo->k_scales, off, n, kk * head_dim,
+                   scores + r * it->stride + (t0 - it->lo), it->stride);
       }
   }
 }
@@ -509,7 +517,7 @@ static inline __attribute__((always_inline)) void decode_scores(
 /* acc[r] = sum over lo <= t < len of probs[r][t - lo] * V[t] (acc zeroed here), chunk by chunk;
  * the first PREFETCH_AHEAD tokens' rows are prefetched by the caller. */
 static inline __attribute__((always_inline)) void decode_values(
-    const int head_dim, const int is_bf16, const DecodeItem *it, const float *restrict probs,
+    const int head_dim, const int kv, const DecodeItem *it, const float *restrict probs,
     const void *restrict v_cache, float *restrict acc) {
   const int group = it->geo->group;
   int64_t off[PV_TOKENS]; /* of the chunk's tokens, for kv head kh0 */
@@ -522,8 +530,8 @@ static inline __attribute__((always_inline)) void decode_values(
       for (int g0 = 0; g0 < group; g0 += PASS_HEADS) {
         const int r = kk * group + g0;
         const int nh = group - g0 < PASS_HEADS ? group - g0 : PASS_HEADS;
-        pv_pass(head_dim, is_bf16, nh, probs + r * it->stride + (t0 - it->lo), it->stride, v_cache,
-                off, n, kk * head_dim, it->dp, acc + (int64_t)r * it->dp);
+        pv_pass(head_dim, kv, nh, probs + r * it->stride + (t0 - it->lo), it->stride, v_cache,
+                it->geo->v_scales, off, n, kk * head_dim, it->dp, acc + (int64_t)r * it->dp);
       }
   }
 }
@@ -544,8 +552,8 @@ static inline void soft_cap_row(float *restrict s, const int64_t n, const float 
  * [kh0, kh0 + nkh): q and out point at the query's row of num_heads heads. Scratch (see
  * reserve): q and acc [rows, dp], scores [rows, stride], stats [rows] (1 / softmax sums). */
 static inline __attribute__((always_inline)) void attend_decode(
-    const int head_dim, const int is_bf16, const Geometry *geo, const int len, const int kh0,
-    const int nkh, const void *restrict q, const void *restrict k_cache,
+    const int head_dim, const int is_bf16, const int kv, const Geometry *geo, const int len,
+    const int kh0, const int nkh, const void *restrict q, const void *restrict k_cache,
     const void *restrict v_cache, const int32_t *restrict table, void *restrict out,
     Scratch *scratch) {
   const int lo = window_start(geo, len - 1);
@@ -559,6 +567,7 @@ static inline __attribute__((always_inline)) void attend_decode(
       .dp = (int)round_up(head_dim, VW),
       .stride = round_up(len - lo, VW),
       .elem = is_bf16 ? sizeof(bf16_t) : sizeof(float),
+      .kv_elem = kv_elem_size(kv),
   };
   const int rows = nkh * geo->group;
   const int64_t first = (int64_t)kh0 * geo->group * head_dim; /* row 0's head, in q and out */
@@ -567,14 +576,14 @@ static inline __attribute__((always_inline)) void attend_decode(
   prefetch_item(&it, head_dim, k_cache, lo, lo + PREFETCH_AHEAD);
   load_queries(head_dim, is_bf16, (const char *)q + first * it.elem, rows, geo->scale, it.dp,
                scratch->q);
-  decode_scores(head_dim, is_bf16, &it, scratch->q, k_cache, scratch->scores);
+  decode_scores(head_dim, kv, &it, scratch->q, k_cache, scratch->scores);
   prefetch_item(&it, head_dim, v_cache, lo, lo + PREFETCH_AHEAD); /* under the softmax */
   if (geo->soft_cap > 0.f)
     for (int r = 0; r < rows; r++)
       soft_cap_row(scratch->scores + r * it.stride, it.stride, geo->soft_cap);
   for (int r = 0; r < rows; r++)
     inv_sum[r] = softmax_row(scratch->scores + r * it.stride, len - lo);
-  decode_values(head_dim, is_bf16, &it, scratch->scores, v_cache, scratch->acc);
+  decode_values(head_dim, kv, &it, scratch->scores, v_cache, scratch->acc);
   for (int r = 0; r < rows; r++)
     store_head(scratch->acc + (int64_t)r * it.dp, inv_sum[r], head_dim, is_bf16,
                (char *)out + (first + (int64_t)r * head_dim) * it.elem);
@@ -739,19 +748,22 @@ static inline __attribute__((always_inline)) void tile_values(
 
 /* The kv head's rows (element offset `head_off` in a token) of tokens [t0, len) (t0 > 0: a
  * window's first token) as fp32 rows of dp values (zero past head_dim), row t - t0 for token t,
- * then zero rows up to a whole QK_TB group. */
+ * then zero rows up to a whole QK_TB group. Quantized rows (format kv) come dequantized: codes
+ * times the row's scale (`scales`). */
 static inline __attribute__((always_inline)) void load_context(
-    const int head_dim, const int is_bf16, const Geometry *geo, const int32_t *restrict table,
-    const void *restrict cache, const int64_t head_off, const int t0, const int len,
-    const int dp, float *restrict buf) {
+    const int head_dim, const int kv, const Geometry *geo, const int32_t *restrict table,
+    const void *restrict cache, const float *restrict scales, const int64_t head_off,
+    const int t0, const int len, const int dp, float *restrict buf) {
   const int nv = dp / VW, n = len - t0;
   int b = t0 / geo->block_size, o = t0 - b * geo->block_size;
   for (int t = 0; t < n; t++) {
     const int64_t at =
         (int64_t)table[b] * geo->block_stride + (int64_t)o * geo->token_stride + head_off;
-    for (int c = 0; c < nv; c++)
-      vstore(buf + (int64_t)t * dp + c * VW,
-             load_row(cache, at + c * VW, is_bf16, lanes_in_row(head_dim, c)));
+    const vf s = vsplat(KV_QUANT(kv) ? scales[at / head_dim] : 1.f);
+    for (int c = 0; c < nv; c++) {
+      const vf x = load_row(cache, at + c * VW, kv, lanes_in_row(head_dim, c));
+      vstore(buf + (int64_t)t * dp + c * VW, KV_QUANT(kv) ? x * s : x);
+    }
     if (++o == geo->block_size) {
       o = 0;
       b++;
@@ -774,8 +786,8 @@ static int reserve_tile(Scratch *s, const int64_t rows, const int64_t len,
  * kv heads [kh0, kh0 + nkh). `q` and `out` point at the sequence's first query row; `table` at
  * its block table row. Scratch: reserve_tile for nq * group rows and ctx + j0 + nq tokens. */
 static inline __attribute__((always_inline)) void attend(
-    const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
-    const int nq, const int kh0, const int nkh, const void *restrict q,
+    const int head_dim, const int is_bf16, const int kv, const Geometry *geo, const int ctx,
+    const int j0, const int nq, const int kh0, const int nkh, const void *restrict q,
     const void *restrict k_cache, const void *restrict v_cache, const int32_t *restrict table,
     void *restrict out, Scratch *scratch) {
   const int group = geo->group;
@@ -805,10 +817,10 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (int d = 0; d < head_dim; d++)
       for (int r = rows; r < rp; r++) qt[d * rp + r] = 0.f;
-    load_context(head_dim, is_bf16, geo, table, k_cache, (int64_t)kh * head_dim, t_first, len,
-                 dp, scratch->kbuf);
-    load_context(head_dim, is_bf16, geo, table, v_cache, (int64_t)kh * head_dim, t_first, len,
-                 dp, scratch->vbuf);
+    load_context(head_dim, kv, geo, table, k_cache, geo->k_scales, (int64_t)kh * head_dim,
+                 t_first, len, dp, scratch->kbuf);
+    load_context(head_dim, kv, geo, table, v_cache, geo->v_scales, (int64_t)kh * head_dim,
+                 t_first, len, dp, scratch->vbuf);
     tile_scores(head_dim, qt, rp, scratch->kbuf, dp, n, st);
     if (geo->soft_cap > 0.f) soft_cap_row(st, (int64_t)n * rp, geo->soft_cap);
     tile_softmax(st, rp, n, ctx + j0 - t_first, group, geo->window, inv);
@@ -824,47 +836,82 @@ static inline __attribute__((always_inline)) void attend(
 
 /* A work item: on the decode path when it has one query, else on `attend`. */
 static inline __attribute__((always_inline)) void attend_item(
-    const int head_dim, const int is_bf16, const Geometry *geo, const int ctx, const int j0,
-    const int nq, const int kh0, const int nkh, const void *restrict q,
+    const int head_dim, const int is_bf16, const int kv, const Geometry *geo, const int ctx,
+    const int j0, const int nq, const int kh0, const int nkh, const void *restrict q,
     const void *restrict k_cache, const void *restrict v_cache, const int32_t *restrict table,
     void *restrict out, Scratch *scratch) {
   if (nq == 1) {
     const int64_t row = (int64_t)j0 * geo->num_heads * head_dim * (is_bf16 ? 2 : 4); /* bytes */
-    attend_decode(head_dim, is_bf16, geo, ctx + j0 + 1, kh0, nkh, (const char *)q + row, k_cache,
-                  v_cache, table, (char *)out + row, scratch);
+    attend_decode(head_dim, is_bf16, kv, geo, ctx + j0 + 1, kh0, nkh, (const char *)q + row,
+                  k_cache, v_cache, table, (char *)out + row, scratch);
   } else {
-    attend(head_dim, is_bf16, geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out,
+    attend(head_dim, is_bf16, kv, geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out,
            scratch);
   }
 }
 
-/* One copy of `attend_item` per dtype and common head_dim (constant trip counts); any other
- * head_dim runs the generic copy (same code, runtime trip counts). Each copy is a function of its
- * own: GCC takes several times as long on one function holding them all. */
+/* One copy of `attend_item` per dtype, cache format and common head_dim (constant trip counts);
+ * any other head_dim runs the generic copy (same code, runtime trip counts). Each copy is a
+ * function of its own: GCC takes several times as long on one function holding them all. Caches
+ * in q's dtype get four head_dims; the other formats (wick_kv.h) fewer, see below. */
 #define ATTEND_ARGS geo, ctx, j0, nq, kh0, nkh, q, k_cache, v_cache, table, out, scratch
-#define ITEM_COPY(NAME, D, BF16)                                                                \
+#define ITEM_COPY(NAME, D, BF16, KV)                                                            \
   static __attribute__((noinline)) void NAME(                                                   \
       const int head_dim, const Geometry *geo, int ctx, int j0, int nq, int kh0, int nkh,       \
       const void *q, const void *k_cache, const void *v_cache, const int32_t *table, void *out, \
       Scratch *scratch) {                                                                       \
     (void)head_dim;                                                                             \
-    attend_item(D, BF16, ATTEND_ARGS);                                                          \
+    attend_item(D, BF16, KV, ATTEND_ARGS);                                                      \
   }
-ITEM_COPY(item_f32_64, 64, 0)
-ITEM_COPY(item_f32_80, 80, 0)
-ITEM_COPY(item_f32_96, 96, 0)
-ITEM_COPY(item_f32_128, 128, 0)
-ITEM_COPY(item_f32_any, head_dim, 0)
-ITEM_COPY(item_bf16_64, 64, 1)
-ITEM_COPY(item_bf16_80, 80, 1)
-ITEM_COPY(item_bf16_96, 96, 1)
-ITEM_COPY(item_bf16_128, 128, 1)
-ITEM_COPY(item_bf16_any, head_dim, 1)
+ITEM_COPY(item_f32_64, 64, 0, KV_F32)
+ITEM_COPY(item_f32_80, 80, 0, KV_F32)
+ITEM_COPY(item_f32_96, 96, 0, KV_F32)
+ITEM_COPY(item_f32_128, 128, 0, KV_F32)
+ITEM_COPY(item_f32_any, head_dim, 0, KV_F32)
+ITEM_COPY(item_bf16_64, 64, 1, KV_BF16)
+ITEM_COPY(item_bf16_80, 80, 1, KV_BF16)
+ITEM_COPY(item_bf16_96, 96, 1, KV_BF16)
+ITEM_COPY(item_bf16_128, 128, 1, KV_BF16)
+ITEM_COPY(item_bf16_any, head_dim, 1, KV_BF16)
+/* Caches of another format than q's dtype: bf16 under an fp32 q (any head_dim), int8 (64, 128,
+ * any) and fp8 (64, any): fewer copies than the common case, for the library's build time. */
+ITEM_COPY(item_f32_kvbf16_any, head_dim, 0, KV_BF16)
+#define QUANT_COPIES(Q, BF16)                             \
+  ITEM_COPY(item_##Q##_i8_64, 64, BF16, KV_I8)            \
+  ITEM_COPY(item_##Q##_i8_128, 128, BF16, KV_I8)          \
+  ITEM_COPY(item_##Q##_i8_any, head_dim, BF16, KV_I8)     \
+  ITEM_COPY(item_##Q##_e4m3_64, 64, BF16, KV_E4M3)        \
+  ITEM_COPY(item_##Q##_e4m3_any, head_dim, BF16, KV_E4M3) \
+  ITEM_COPY(item_##Q##_e5m2_64, 64, BF16, KV_E5M2)        \
+  ITEM_COPY(item_##Q##_e5m2_any, head_dim, BF16, KV_E5M2)
+QUANT_COPIES(f32, 0)
+QUANT_COPIES(bf16, 1)
+#undef QUANT_COPIES
 #undef ITEM_COPY
 
-static void attend_any(const int head_dim, const int is_bf16, const Geometry *geo, int ctx,
-                       int j0, int nq, int kh0, int nkh, const void *q, const void *k_cache,
-                       const void *v_cache, const int32_t *table, void *out, Scratch *scratch) {
+typedef void (*ItemFn)(int, const Geometry *, int, int, int, int, int, const void *, const void *,
+                       const void *, const int32_t *, void *, Scratch *);
+#define QUANT_ROW(Q)                                                 \
+  {{item_##Q##_i8_64, item_##Q##_i8_128, item_##Q##_i8_any},         \
+   {item_##Q##_e4m3_64, item_##Q##_e4m3_any, item_##Q##_e4m3_any},   \
+   {item_##Q##_e5m2_64, item_##Q##_e5m2_any, item_##Q##_e5m2_any}}
+/* [is_bf16][kv - KV_I8][head_dim 64, 128, other]. */
+static const ItemFn QUANT_ITEMS[2][3][3] = {QUANT_ROW(f32), QUANT_ROW(bf16)};
+#undef QUANT_ROW
+
+static void attend_any(const int head_dim, const int is_bf16, const int kv, const Geometry *geo,
+                       int ctx, int j0, int nq, int kh0, int nkh, const void *q,
+                       const void *k_cache, const void *v_cache, const int32_t *table, void *out,
+                       Scratch *scratch) {
+  if (kv != is_bf16) { /* wick_paged_attention refused the other pairs */
+    if (!KV_QUANT(kv)) {
+      item_f32_kvbf16_any(head_dim, ATTEND_ARGS);
+      return;
+    }
+    QUANT_ITEMS[is_bf16][kv - KV_I8][head_dim == 64 ? 0 : head_dim == 128 ? 1 : 2](head_dim,
+                                                                                 ATTEND_ARGS);
+    return;
+  }
 #define CASE(D)                                                     \
   case D:                                                           \
     (is_bf16 ? item_bf16_##D : item_f32_##D)(head_dim, ATTEND_ARGS); \
@@ -891,11 +938,13 @@ static void store_token(const int64_t t, const size_t row_bytes, const char *k, 
   memcpy(v_cache + slot * (int64_t)row_bytes, v + t * v_step, row_bytes);
 }
 
-/* `k` NULL: nothing to store (the caches already hold the step's K/V). `num_slots`: the caches'
- * num_blocks * block_size. `min_work_per_thread`: multiply-adds that justify one more thread
- * (0: use all of them). Returns 0; -1 when a scratch buffer could not be allocated (the output
- * is then partial); -2 on inconsistent lengths (a sequence with more queries than context) and
- * -3 on a slot past the caches, both before any work. */
+/* `k` NULL: nothing to store (the caches already hold the step's K/V). `kv_format`: the caches'
+ * format (wick_kv.h; `dtype` when they hold q's dtype), with `k_scales` / `v_scales` for the
+ * quantized ones. `num_slots`: the caches' num_blocks * block_size. `min_work_per_thread`:
+ * multiply-adds that justify one more thread (0: use all of them). Returns 0; -1 when a scratch
+ * buffer could not be allocated (the output is then partial); -2 on inconsistent lengths (a
+ * sequence with more queries than context), -3 on a slot past the caches and -4 on a cache
+ * format the query's dtype cannot use (or quantized without scales), all before any work. */
 static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
                            const void *v, int64_t k_stride, int64_t v_stride,
                            const int64_t *slot_mapping, int64_t num_slots,
@@ -903,7 +952,8 @@ static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cach
                            const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, float scale, int num_threads,
-                           int64_t min_work_per_thread, int window, float soft_cap) {
+                           int64_t min_work_per_thread, int kv_format, float *k_scales,
+                           float *v_scales, int window, float soft_cap) {
   const Geometry geo = {
       .num_heads = num_heads,
       .group = num_heads / num_kv_heads,
@@ -913,9 +963,15 @@ static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cach
       .scale = scale,
       .window = window > 0 ? window : 0,
       .soft_cap = soft_cap > 0.f ? soft_cap : 0.f,
+      .k_scales = k_scales,
+      .v_scales = v_scales,
   };
   const int is_bf16 = dtype == 1;
   const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+  const int kv = kv_format;
+  if (kv < KV_F32 || kv > KV_E5M2 || (is_bf16 && kv == KV_F32) ||
+      (KV_QUANT(kv) && (k_scales == NULL || v_scales == NULL)) || head_dim > 512)
+    return -4;
 
   const int64_t num_tokens = num_seqs > 0 ? query_start_loc[num_seqs] : 0;
   if (k != NULL)
@@ -970,10 +1026,15 @@ static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cach
      * reads the caches. */
     if (k != NULL) {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < num_tokens; t++)
-        store_token(t, kv_row_bytes, (const char *)k, (const char *)v,
-                    k_stride * (int64_t)elem, v_stride * (int64_t)elem, slot_mapping,
-                    (char *)k_cache, (char *)v_cache);
+      for (int64_t t = 0; t < num_tokens; t++) {
+        if (kv == is_bf16)
+          store_token(t, kv_row_bytes, (const char *)k, (const char *)v,
+                      k_stride * (int64_t)elem, v_stride * (int64_t)elem, slot_mapping,
+                      (char *)k_cache, (char *)v_cache);
+        else
+          store_token_kv(t, is_bf16, kv, num_kv_heads, head_dim, k, v, k_stride, v_stride,
+                         slot_mapping, k_cache, v_cache, k_scales, v_scales);
+      }
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; item++) {
@@ -993,7 +1054,7 @@ static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cach
         continue;
       }
       const int64_t first = (int64_t)query_start_loc[s] * num_heads * head_dim;
-      attend_any(head_dim, is_bf16, &geo, ctx, j0, nq, kh0, heads_per_item,
+      attend_any(head_dim, is_bf16, kv, &geo, ctx, j0, nq, kh0, heads_per_item,
                  (const char *)q + first * elem, k_cache, v_cache,
                  block_tables + (int64_t)s * bt_stride, (char *)out + first * elem, &scratch);
     }
@@ -1016,11 +1077,12 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
                          const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
                          int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, float scale, int num_threads,
-                         int64_t min_work_per_thread) {
+                         int64_t min_work_per_thread, int kv_format, float *k_scales,
+                         float *v_scales) {
   return paged_attention(dtype, q, k_cache, v_cache, k, v, k_stride, v_stride, slot_mapping,
                          num_slots, block_tables, bt_stride, query_start_loc, seq_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                         num_threads, min_work_per_thread, 0, 0.f);
+                         num_threads, min_work_per_thread, kv_format, k_scales, v_scales, 0, 0.f);
 }
 
 /* wick_paged_attention with a sliding window (`window` > 0: position p sees keys in (p - W, p];
@@ -1034,9 +1096,11 @@ int wick_paged_attention_windowed(int dtype, const void *q, void *k_cache, void 
                                   const int32_t *seq_lens, void *out, int num_seqs,
                                   int num_heads, int num_kv_heads, int head_dim, int block_size,
                                   float scale, int num_threads, int64_t min_work_per_thread,
-                                  int window, float soft_cap) {
+                                  int kv_format, float *k_scales, float *v_scales, int window,
+                                  float soft_cap) {
   return paged_attention(dtype, q, k_cache, v_cache, k, v, k_stride, v_stride, slot_mapping,
                          num_slots, block_tables, bt_stride, query_start_loc, seq_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                         num_threads, min_work_per_thread, window, soft_cap);
+                         num_threads, min_work_per_thread, kv_format, k_scales, v_scales, window,
+                         soft_cap);
 }

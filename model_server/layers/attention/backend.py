@@ -13,7 +13,9 @@ Batch layout (built by the model runner, read by backends):
 KV cache layout: per layer one key and one value tensor, each
 `[num_blocks, block_size, num_kv_heads, head_dim]`. Token at position p of request i lives in
 slot `block_tables[i, p // block_size] * block_size + p % block_size`; `slot_mapping[t]` is that
-slot for flat token t.
+slot for flat token t. Quantized caches (`--kv-cache-dtype int8|fp8_*`, kv_cache_dtype.py) hold
+codes in that layout plus one float32 scale per slot and KV head, `k_scales` / `v_scales`
+`[num_blocks, block_size, num_kv_heads]`.
 """
 
 from __future__ import annotations
@@ -78,6 +80,11 @@ class AttentionBackend(ABC):
         scaling) become c * tanh(score / c) before the mask and softmax (Gemma 2).
       A backend that does not implement one of them says so through the class flags below and
       refuses such a layer at construction with one clear line.
+      - With `k_scales` and `v_scales` ([num_blocks, block_size, num_kv_heads] float32) the
+        caches are quantized (int8, float8_e4m3fn or float8_e5m2 codes, told by the caches'
+        dtype): the store quantizes each token's head row with its own scale and every read
+        dequantizes, exactly as `kv_cache_dtype.quantize_kv` / `dequantize_kv`. Float caches
+        may have a dtype other than q's: K/V are cast on store and read in q's dtype.
     """
 
     name: str = "abstract"
@@ -128,4 +135,7 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

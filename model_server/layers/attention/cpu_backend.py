@@ -1,7 +1,8 @@
 """CPU attention: the whole step (decodes and prefill chunks) in one call of the native kernel
 (kernels/cpu/paged_attention.c), which stores the step's K/V into the paged cache and reads K/V
-from it in place, in fp32 or bf16, with the vector ISA picked from the CPU's flags
-(kernels/cpu/isa.py).
+from it in place, fp32 or bf16 queries over a cache of their dtype, bf16, or int8 / fp8 codes
+with their scales (quantized by the kernel's store; kernels/cpu/wick_kv.h), with the vector ISA
+picked from the CPU's flags (kernels/cpu/isa.py).
 
 It replaces the portable path's gather of every request's blocks into a padded copy + masked
 SDPA for decodes (3-5x less time at batch 16), and its per-request Python loop of gather + SDPA
@@ -71,14 +72,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        scales = {"k_scales": k_scales, "v_scales": v_scales}
         if self.kernels is None:
             reason = "the kernels could not be built (see the warning above)"
         else:
             reason = native.unsupported_reason(q, k_cache, self.head_dim)
         if reason is not None:
             _warn_fallback(reason)
-            return super().forward(q, k, v, k_cache, v_cache, metadata)
+            return super().forward(q, k, v, k_cache, v_cache, metadata, **scales)
         assert self.kernels is not None
         # k, v: views of the fused qkv projection, stored by the kernel before it attends.
         return native.paged_attention(
@@ -95,4 +100,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             slot_mapping=metadata.slot_mapping,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            **scales,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model_server.kernels.kv_cache_dtype import QuantizedKVCache
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 
 
@@ -13,7 +14,9 @@ class Attention(nn.Module):
 
     forward(q [T, H*D] or [T, H, D], k and v [T, Hkv*D] or [T, Hkv, D], kv_cache, metadata)
     -> [T, H*D]. `kv_cache` is the layer's tensor [2, num_blocks, block_size, Hkv, D] (index 0
-    keys, 1 values); the backend writes this step's k/v into it before attending.
+    keys, 1 values), or a `QuantizedKVCache` (those codes plus their scales
+    [2, num_blocks, block_size, Hkv]); the backend writes this step's k/v into it before
+    attending.
     """
 
     def __init__(
@@ -49,14 +52,20 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | QuantizedKVCache,
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         md = attn_metadata.for_group(self.kv_group)
-        out = self.impl.forward(q, k, v, kv_cache[0], kv_cache[1], md)
+        if isinstance(kv_cache, QuantizedKVCache):
+            data, scales = kv_cache.data, kv_cache.scales
+            out = self.impl.forward(
+                q, k, v, data[0], data[1], md, k_scales=scales[0], v_scales=scales[1]
+            )
+        else:
+            out = self.impl.forward(q, k, v, kv_cache[0], kv_cache[1], md)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

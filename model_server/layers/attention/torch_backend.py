@@ -11,6 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from model_server.kernels.kv_cache_dtype import (
+    as_bytes,
+    dequantize_kv,
+    kv_dtype_of,
+    quantize_kv,
+)
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 
 
@@ -20,11 +26,21 @@ def write_to_paged_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """k, v: [T, Hkv, D] -> cache slots (k_cache, v_cache: [num_blocks, block_size, Hkv, D])."""
+    """k, v: [T, Hkv, D] -> cache slots (k_cache, v_cache: [num_blocks, block_size, Hkv, D]);
+    with scales ([num_blocks, block_size, Hkv]) quantized first (kv_cache_dtype.quantize_kv)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    if k_scales is None or v_scales is None:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    kv = kv_dtype_of(k_cache.dtype)
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        codes, s = quantize_kv(x, kv)
+        as_bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(codes))
+        scales.view(-1, num_kv_heads).index_copy_(0, slots, s)
 
 
 def gather_paged_context(
@@ -36,6 +52,21 @@ def gather_paged_context(
     ids = block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
     blocks = cache.view(cache.shape[0], -1).index_select(0, ids)  # [B * nb, bs * Hkv * D]
     return blocks.view(block_tables.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def gather_kv(
+    cache: torch.Tensor,
+    scales: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    num_blocks: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """gather_paged_context in `dtype`, dequantized with `scales` [num_blocks_total, bs, Hkv]
+    when the cache is quantized."""
+    ctx = gather_paged_context(cache, block_tables, num_blocks)
+    if scales is None:
+        return ctx.to(dtype)
+    return dequantize_kv(ctx, gather_paged_context(scales, block_tables, num_blocks), dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -51,17 +82,21 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_to_paged_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        write_to_paged_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scales, v_scales)
         out = torch.empty_like(q)
         nd = metadata.num_decodes
+        scales = (k_scales, v_scales)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, metadata)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, metadata, scales)
         qsl = metadata.query_start_loc_cpu
         for i in range(nd, metadata.num_reqs):
             start, end = qsl[i], qsl[i + 1]
             out[start:end] = self._prefill(
-                q[start:end], k[start:end], v[start:end], k_cache, v_cache, metadata, i
+                q[start:end], k[start:end], v[start:end], k_cache, v_cache, metadata, i, scales
             )
         return out
 
@@ -73,7 +108,12 @@ class TorchAttentionBackend(AttentionBackend):
         return max(0, first_query_pos - self.sliding_window + 1) // block_size
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> torch.Tensor:
         nd = q.shape[0]
         block_size = k_cache.shape[1]
@@ -82,8 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = -(-max_len // block_size)
         first = self._first_block(min(seq_lens) - 1, block_size)
         tables = md.block_tables[:nd, first:]
-        keys = gather_paged_context(k_cache, tables, num_blocks - first).to(q.dtype)
-        values = gather_paged_context(v_cache, tables, num_blocks - first).to(q.dtype)
+        keys = gather_kv(k_cache, scales[0], tables, num_blocks - first, q.dtype)
+        values = gather_kv(v_cache, scales[1], tables, num_blocks - first, q.dtype)
         # keys: [nd, L, Hkv, D] for positions [first * block_size, num_blocks * block_size).
         positions = torch.arange(first * block_size, num_blocks * block_size, device=q.device)
         seq_lens_t = md.seq_lens[:nd, None]
@@ -113,14 +153,16 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         md: AttentionMetadata,
         i: int,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> torch.Tensor:
         query_len = q.shape[0]
         seq_len = md.seq_lens_cpu[i]
         # Query j sits at position seq_len - query_len + j and sees keys at positions <= it
         # (and, with a window W, > it - W).
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        if seq_len == query_len:
-            # Nothing cached before this chunk: attention over the fresh K/V.
+        if seq_len == query_len and scales[0] is None:
+            # Nothing cached before this chunk: attention over the fresh K/V (a quantized
+            # cache reads them back, so that every token sees the K/V later steps will).
             if self.sliding_window is None and self.logits_soft_cap is None:
                 return self._sdpa(q, k, v, mask=None)
             return self._sdpa(q, k, v, mask=self._mask(q_pos, q_pos))
@@ -129,8 +171,8 @@ class TorchAttentionBackend(AttentionBackend):
         first = self._first_block(seq_len - query_len, block_size)
         table = md.block_tables[i : i + 1, first:]
         length = seq_len - first * block_size
-        keys = gather_paged_context(k_cache, table, num_blocks - first)[0, :length].to(q.dtype)
-        values = gather_paged_context(v_cache, table, num_blocks - first)[0, :length].to(q.dtype)
+        keys = gather_kv(k_cache, scales[0], table, num_blocks - first, q.dtype)[0, :length]
+        values = gather_kv(v_cache, scales[1], table, num_blocks - first, q.dtype)[0, :length]
         k_pos = torch.arange(first * block_size, seq_len, device=q.device)
         return self._sdpa(q, keys, values, mask=self._mask(q_pos, k_pos))
 

@@ -73,9 +73,12 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        store_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self.attend(q, k_cache, v_cache, metadata)
+        store_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scales, v_scales)
+        return self.attend(q, k_cache, v_cache, metadata, k_scales=k_scales, v_scales=v_scales)
 
     def attend(
         self,
@@ -84,6 +87,9 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         out: torch.Tensor | None = None,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The attention part of `forward` (K/V already stored): decode, then prefill kernels."""
         md = metadata
@@ -115,6 +121,8 @@ class TritonAttentionBackend(AttentionBackend):
                 num_splits,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                k_scales=k_scales,
+                v_scales=v_scales,
             )
         if md.num_prefills:
             paged_prefill_attention(
@@ -131,5 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
                 md.max_query_len,
                 sliding_window=self.sliding_window,
                 logits_soft_cap=self.logits_soft_cap,
+                k_scales=k_scales,
+                v_scales=v_scales,
             )
         return out
