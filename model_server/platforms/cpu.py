@@ -23,6 +23,7 @@ from model_server.kernels.cpu.linear_tuning import (
     tune_cpu_linears,
     tuning_enabled,
 )
+from model_server.kernels.cpu.onednn_cache import bound_onednn_caches
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.cpu.wna16 import wna16_linear
 from model_server.kernels.linear_sites import LinearSite
@@ -71,6 +72,7 @@ class CpuPlatform(Platform):
         given: bf16 on the flags alone."""
         if self.default_dtype() != torch.bfloat16:
             return torch.float32
+        bound_onednn_caches()  # before the first oneDNN matmul (the timings below may be it)
         forced = forced_auto_dtype()
         if forced is not None:
             logger.info("dtype auto: %s (%s)", forced, "WICK_CPU_AUTO_DTYPE")
@@ -113,6 +115,9 @@ class CpuPlatform(Platform):
         # Tensor-parallel ranks on one machine share its cores: each gets an equal part.
         threads = num_threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
         torch.set_num_threads(threads)
+        # Before any matmul: oneDNN's per-shape caches otherwise grow to about 1 GB under a
+        # server's ever-new prefill row counts (kernels/cpu/onednn_cache.py).
+        bound_onednn_caches()
 
     def kernel_table(self) -> KernelTable:
         """A fresh table per model: its matmuls are fitted to that model's weights by
