@@ -79,9 +79,7 @@ def _wait_idle(llm: AsyncLLM, timeout: float = 60) -> None:
 
 def _live_per_request_objects() -> Counter[str]:
     gc.collect()
-    return Counter(
-        type(o).__name__ for o in gc.get_objects() if type(o) in PER_REQUEST_TYPES
-    )
+    return Counter(type(o).__name__ for o in gc.get_objects() if type(o) in PER_REQUEST_TYPES)
 
 
 def _tables(llm: AsyncLLM) -> dict[str, int]:
@@ -106,7 +104,8 @@ def _aborted(text: str) -> float:
 def test_no_per_request_state_outlives_its_request(tiny_config: Path) -> None:
     settings = tiny_settings(tiny_config)
     llm = AsyncLLM(settings.engine_config(), skip_warmup=True)
-    with serve_asgi(build_app(llm, settings)) as url, httpx.Client(base_url=url, timeout=60) as http:
+    app = build_app(llm, settings)
+    with serve_asgi(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         deadline = time.monotonic() + 60
         while http.get("/health").status_code != 200:
             assert time.monotonic() < deadline, "the server did not become ready"
