@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
 from functools import cache
 
-import numpy as np
 import torch
 
 from model_server.kernels.cpu import native
@@ -103,10 +101,13 @@ class CpuPlatform(Platform):
         return _DEFAULT_KV_CACHE_BYTES
 
     def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # calloc (through numpy) hands out large blocks as fresh zero pages that are touched
-        # lazily: no multi-GiB memset at start, and the resident size grows with blocks in use.
-        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        # Zeroed and faulted in now (torch.zeros writes every page), not lazily (calloc): the
+        # prefix cache's LRU hands out every never-used block before it evicts a cached one, so
+        # under traffic a lazy pool was faulted in block by block and the resident size crept up
+        # for hours until the whole --kv-cache-memory was in (+150 MiB over a 20-minute soak,
+        # docs/benchmarks.md#soak); and a pool larger than the machine could hold failed as an
+        # OOM kill mid-traffic instead of at start. Costs 2-4 s per 2 GiB at start (2-core VM).
+        return torch.zeros(shape, dtype=dtype)
 
     def select_device(self, local_rank: int, device_ids: Sequence[int] | None) -> None:
         return None  # every rank computes on the host's cores (see prepare)
