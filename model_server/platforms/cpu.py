@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import replace
 from functools import cache
 
-import numpy as np
 import torch
 
 from model_server.kernels.cpu import native
@@ -25,6 +23,7 @@ from model_server.kernels.cpu.linear_tuning import (
     tune_cpu_linears,
     tuning_enabled,
 )
+from model_server.kernels.cpu.onednn_cache import bound_onednn_caches
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.cpu.wna16 import wna16_linear
 from model_server.kernels.linear_sites import LinearSite
@@ -75,6 +74,7 @@ class CpuPlatform(Platform):
         given: bf16 on the flags alone."""
         if self.default_dtype() != torch.bfloat16:
             return torch.float32
+        bound_onednn_caches()  # before the first oneDNN matmul (the timings below may be it)
         forced = forced_auto_dtype()
         if forced is not None:
             logger.info("dtype auto: %s (%s)", forced, "WICK_CPU_AUTO_DTYPE")
@@ -105,10 +105,13 @@ class CpuPlatform(Platform):
         return _DEFAULT_KV_CACHE_BYTES
 
     def allocate_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # calloc (through numpy) hands out large blocks as fresh zero pages that are touched
-        # lazily: no multi-GiB memset at start, and the resident size grows with blocks in use.
-        nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        # Zeroed and faulted in now (torch.zeros writes every page), not lazily (calloc): the
+        # prefix cache's LRU hands out every never-used block before it evicts a cached one, so
+        # under traffic a lazy pool was faulted in block by block and the resident size crept up
+        # for hours until the whole --kv-cache-memory was in (+150 MiB over a 20-minute soak,
+        # docs/benchmarks.md#soak); and a pool larger than the machine could hold failed as an
+        # OOM kill mid-traffic instead of at start. Costs 2-4 s per 2 GiB at start (2-core VM).
+        return torch.zeros(shape, dtype=dtype)
 
     def select_device(self, local_rank: int, device_ids: Sequence[int] | None) -> None:
         return None  # every rank computes on the host's cores (see prepare)
@@ -117,6 +120,9 @@ class CpuPlatform(Platform):
         # Tensor-parallel ranks on one machine share its cores: each gets an equal part.
         threads = num_threads or max(1, len(os.sched_getaffinity(0)) // local_world_size)
         torch.set_num_threads(threads)
+        # Before any matmul: oneDNN's per-shape caches otherwise grow to about 1 GB under a
+        # server's ever-new prefill row counts (kernels/cpu/onednn_cache.py).
+        bound_onednn_caches()
 
     def kernel_table(self) -> KernelTable:
         """A fresh table per model: its matmuls are fitted to that model's weights by

@@ -99,6 +99,25 @@ def test_cpu_kv_memory_is_zeroed() -> None:
         assert not t.any()
 
 
+def test_cpu_kv_memory_is_resident_from_the_start() -> None:
+    """The whole pool is faulted in at allocation: a lazily faulted pool showed up as resident
+    memory creeping up for hours under traffic, as the prefix cache's LRU reached every block."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    t = get_platform("cpu").allocate_zeros((2, 512, 16, 4, 64), torch.bfloat16)  # 8 MiB
+    page = mmap.PAGESIZE
+    start = t.data_ptr() - t.data_ptr() % page
+    end = t.data_ptr() + t.numel() * t.element_size()
+    pages = -(-(end - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0
+    assert sum(b & 1 for b in vec) == pages
+    assert not t.any()
+
+
 def test_unknown_device_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         get_platform("tpu")
