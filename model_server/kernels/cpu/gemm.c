@@ -320,19 +320,15 @@ int wick_gemm(int dtype, const void *x, int64_t x_stride, const void *w, const v
   int64_t xs = x_stride;
   float *converted = NULL;
   if (mode == MODE_BF16_SHIFT) {
-    converted = (float *)malloc(sizeof(float) * (size_t)M * (K > 0 ? K : 1));
+    converted = widen_bf16_rows((const bf16_t *)x, M, K, x_stride);
     if (converted == NULL) return -1;
-    for (int m = 0; m < M; m++)
-      bf16_to_f32_row((const bf16_t *)x + m * x_stride, converted + (int64_t)m * K, 1.f, K);
     xr = converted;
     xs = K;
   }
 
   /* Threads: no more than the work keeps busy (a fork/join costs microseconds, more on a
    * loaded machine); each takes a contiguous range of whole tiles of W rows. */
-  const int64_t work = (int64_t)M * N * K;
-  if (min_work_per_thread > 0 && work / min_work_per_thread < num_threads)
-    num_threads = work / min_work_per_thread > 1 ? (int)(work / min_work_per_thread) : 1;
+  num_threads = threads_for((int64_t)M * N * K, min_work_per_thread, num_threads);
   const int tiles = (N + TILE_N - 1) / TILE_N;
   if (num_threads > tiles) num_threads = tiles;
   if (num_threads < 1) num_threads = 1;

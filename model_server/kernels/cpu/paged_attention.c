@@ -243,8 +243,8 @@ static int grow(float **buf, int64_t *cap, int64_t need) {
 
 static inline int64_t round_up(const int64_t x, const int64_t m) { return (x + m - 1) / m * m; }
 
-/* For either path: decodes pad score rows to whole chunks of VW tokens and head rows to whole
- * vectors (head_dim rounded up to VW values). */
+/* Scratch of a decode item (prefill tiles take reserve_tile): score rows padded to whole chunks
+ * of VW tokens, head rows to whole vectors (head_dim rounded up to VW values). */
 static int reserve(Scratch *s, int64_t rows, int64_t len, int64_t head_dim) {
   const int64_t dp = round_up(head_dim, VW);
   return grow(&s->scores, &s->scores_cap, rows * round_up(len, VW)) |

@@ -6,6 +6,7 @@
 #define WICK_CPU_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 typedef uint16_t bf16_t;
 
@@ -93,6 +94,16 @@ static inline int threads_for(const int64_t work, const int64_t min_work_per_thr
   if (min_work_per_thread <= 0 || work / min_work_per_thread >= num_threads)
     return num_threads > 1 ? num_threads : 1;
   return work / min_work_per_thread > 1 ? (int)(work / min_work_per_thread) : 1;
+}
+
+/* x [m, k] bf16 (rows `x_stride` elements apart) as a new fp32 [m, k] buffer, for kernels that
+ * read x as fp32 rows: malloc'ed (the caller frees it), NULL when out of memory. */
+static inline float *widen_bf16_rows(const bf16_t *x, const int64_t m, const int64_t k,
+                                     const int64_t x_stride) {
+  float *rows = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1) * (k > 0 ? k : 1));
+  if (rows != NULL)
+    for (int64_t r = 0; r < m; r++) bf16_to_f32_row(x + r * x_stride, rows + r * k, 1.f, (int)k);
+  return rows;
 }
 
 #endif /* WICK_CPU_H */

@@ -370,16 +370,12 @@ int wick_wna16_gemm(int dtype, const void *x, int64_t x_stride, const uint8_t *c
   int64_t xs = x_stride;
   float *converted = NULL;
   if (dtype != 0 && !use_dp) {
-    converted = (float *)malloc(sizeof(float) * (size_t)M * (K > 0 ? K : 1));
+    converted = widen_bf16_rows((const bf16_t *)x, M, K, x_stride);
     if (converted == NULL) return -1;
-    for (int m = 0; m < M; m++)
-      bf16_to_f32_row((const bf16_t *)x + m * x_stride, converted + (int64_t)m * K, 1.f, K);
     xr = converted;
     xs = K;
   }
-  const int64_t work = (int64_t)M * N * K;
-  if (min_work_per_thread > 0 && work / min_work_per_thread < num_threads)
-    num_threads = work / min_work_per_thread > 1 ? (int)(work / min_work_per_thread) : 1;
+  num_threads = threads_for((int64_t)M * N * K, min_work_per_thread, num_threads);
   const int tiles = (N + TILE_N - 1) / TILE_N;
   if (num_threads > tiles) num_threads = tiles;
   if (num_threads < 1) num_threads = 1;
