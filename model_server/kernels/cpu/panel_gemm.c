@@ -12,8 +12,9 @@
  * (the [N, K] layout of gemm.c reduces every accumulator at the end), each weight vector loaded
  * once per MR rows and each x pair broadcast from memory once per NP panels; a panel is one
  * contiguous stream, which the hardware prefetcher follows. On a 2-thread Zen 4 with SmolLM2's
- * shapes, weights read from memory: 1.3x oneDNN's packed kernel at 16 rows, 1.15x at 64, and
- * about even (440 GFLOP/s) from 256 rows on.
+ * shapes, weights read from memory: 1.3x oneDNN's packed kernel at 16 rows, 1.15x at 64; from
+ * 128 rows on it falls 3-12 % behind (2048 rows, one weight in cache: 371-405 GFLOP/s against
+ * oneDNN's 432-452; no cache blocking of K or N yet).
  *
  * Shapes (contiguous unless said): x [M, K] bf16, rows `x_stride` elements apart; panels as
  * above; bias [N] bf16 or NULL; y [M, N] bf16. fp32 accumulation (pairs of exact products added
