@@ -50,7 +50,8 @@ class EngineConfig:
     hf_overrides: str | None = _D["hf_overrides"]  # JSON object of HF config fields
     max_model_len: int | None = _D["max_model_len"]
     max_num_seqs: int = _D["max_num_seqs"]
-    max_num_batched_tokens: int = _D["max_num_batched_tokens"]
+    # None: the platform's default (Platform.default_max_num_batched_tokens), set by EngineCore.
+    max_num_batched_tokens: int | None = _D["max_num_batched_tokens"]
     block_size: int = _D["block_size"]
     kv_cache_memory: int | None = _D["kv_cache_memory"]  # bytes
     enable_prefix_caching: bool = _D["enable_prefix_caching"]
@@ -74,7 +75,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )

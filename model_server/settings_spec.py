@@ -365,9 +365,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_num_batched_tokens",
         int,
-        2048,
+        None,
         "Token budget of one step, shared by decodes and prefill chunks.",
         "engine",
+        default_text="512 on CPU, 2048 on accelerators",
     ),
     Setting("block_size", int, 16, "Tokens per KV cache block.", "engine"),
     Setting(

@@ -107,10 +107,16 @@ def test_the_scheduler_takes_its_limits_from_the_declarations() -> None:
 
     # No defaults of its own: every limit comes from an EngineConfig, whose defaults are declared.
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(SchedulerConfig))
-    limits = SchedulerConfig.from_engine_config(EngineConfig(), max_model_len=4096)
+    # The token budget's default is the platform's (None until EngineCore resolves it).
+    limits = SchedulerConfig.from_engine_config(
+        EngineConfig(max_num_batched_tokens=777), max_model_len=4096
+    )
     declared = {s.name: s.default for s in SETTINGS}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "block_size"):
+    assert declared["max_num_batched_tokens"] is None and limits.max_num_batched_tokens == 777
+    for name in ("max_num_seqs", "enable_chunked_prefill", "block_size"):
         assert getattr(limits, name) == declared[name], name
+    with pytest.raises(ValueError, match="unresolved"):
+        SchedulerConfig.from_engine_config(EngineConfig(), max_model_len=4096)
 
 
 def test_attention_backend_choices_are_the_backends() -> None:

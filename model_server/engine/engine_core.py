@@ -31,6 +31,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         config.validate()
         self.platform = get_platform(config.device)
+        if config.max_num_batched_tokens is None:
+            config = dataclasses.replace(
+                config, max_num_batched_tokens=self.platform.default_max_num_batched_tokens
+            )
+            logger.info(
+                "token budget per step: %d (the %s default; --max-num-batched-tokens)",
+                config.max_num_batched_tokens,
+                self.platform.name,
+            )
         self.source = source or load_model_source(
             config.model, config.load_format, hf_overrides=config.hf_overrides
         )

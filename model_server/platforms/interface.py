@@ -74,6 +74,11 @@ class Platform(ABC):
     visible_devices_env: str | None = None
     # Device memory is the host's RAM (CPU): sizes that assume accelerator memory shrink.
     shares_host_memory: bool = False
+    # `--max-num-batched-tokens` when not given: the step's token budget. A burst of prompts
+    # is prefilled this many tokens per step, first come first; a request's first token waits
+    # for every step before its last chunk, so a budget larger than the device needs to run its
+    # matmuls at full rate only delays first tokens.
+    default_max_num_batched_tokens: int = 2048
 
     def __init__(self) -> None:
         # Index of this process's device among the visible ones (None: the runtime's default).

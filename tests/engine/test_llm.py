@@ -122,3 +122,15 @@ def test_request_bigger_than_whole_kv_cache_is_rejected(prompt) -> None:
     tiny = LLM(kv_cache_memory=4 * 46080 * 16, max_model_len=2048)  # 4 blocks of 16 tokens
     with pytest.raises(ValueError, match="KV cache"):
         tiny.generate([prompt], SamplingParams(max_tokens=200))
+
+
+def test_the_token_budget_defaults_to_the_platforms(llm: LLM) -> None:
+    from model_server.platforms.cpu import CpuPlatform
+
+    # Unset, the CPU's smaller budget (a burst of prompts gets first tokens sooner); the scheduler
+    # runs on the resolved value.
+    core = llm.engine.core
+    assert core.config.max_num_batched_tokens == CpuPlatform.default_max_num_batched_tokens == 512
+    assert core.scheduler.config.max_num_batched_tokens == 512
+    given = LLM(kv_cache_memory=16 * 1024**2, max_model_len=256, max_num_batched_tokens=96)
+    assert given.engine.core.scheduler.config.max_num_batched_tokens == 96

@@ -56,8 +56,11 @@ class SchedulerConfig:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
         """Build from an `EngineConfig` once the model's context length is known. Without chunked
-        prefill the budget is raised to `max_model_len`, as vLLM does."""
+        prefill the budget is raised to `max_model_len`, as vLLM does. The config's budget must
+        be resolved (EngineCore puts the platform's default in place of None)."""
         max_num_batched_tokens = config.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens is unresolved: the platform's default goes first")
         if not config.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         return cls(
