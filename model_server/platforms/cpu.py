@@ -51,11 +51,11 @@ class CpuPlatform(Platform):
     keeps_gguf_quantized = True  # kernels/cpu/gguf_gemm.c
     quantized_kv_cache_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2")
     shares_host_memory = True
-    # A CPU's matmuls reach their full rate well below 512 rows (docs/benchmarks.md, "The CPU token budget":
-    # 16 and 64 streams served the same tok/s at 512 as at 2048), and a 2048-token step takes
-    # 1.5 s on a 2-core box: 16 prompts arriving together got their first token after 1.43 s
-    # (median) at 2048 and 0.69 s at 512. Below 512 the step's decodes eat the budget's prefill
-    # share under load (64 streams: 1.45 s at 256 against 1.22 s at 512).
+    # A CPU's matmuls reach their full rate well below 512 rows: 16 and 64 streams served the
+    # same tok/s at 512 as at 2048 (docs/benchmarks.md, "The CPU token budget"). A 2048-token
+    # step takes 1.5 s on a 2-core box, so 16 prompts arriving together got their first token
+    # after 1.43 s (median) at 2048 and 0.69 s at 512. Below 512 the step's decodes eat the
+    # budget's prefill share under load (64 streams: 1.45 s at 256 against 1.22 s at 512).
     default_max_num_batched_tokens = 512
 
     @classmethod

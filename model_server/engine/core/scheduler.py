@@ -60,7 +60,9 @@ class SchedulerConfig:
         be resolved (EngineCore puts the platform's default in place of None)."""
         max_num_batched_tokens = config.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            raise ValueError("max_num_batched_tokens is unresolved: the platform's default goes first")
+            raise ValueError(
+                "max_num_batched_tokens is unresolved: the platform's default goes first"
+            )
         if not config.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
         return cls(
