@@ -184,6 +184,41 @@ def test_packed_exclusive_weight_is_relaid_out_in_place(
     assert any(f"{kind} [packed" in line for line in report.lines) == packs
 
 
+def test_a_shared_weight_runs_its_packed_copy_wherever_it_beats_dense(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache
+) -> None:
+    """The tied LM head: panels win buckets 1-4 and get the one packed copy; at 8 rows oneDNN
+    wins, but the panels still beat the best dense kernel there, so they run (not F.linear);
+    at 16 rows F.linear beats the panels and runs."""
+    per_bucket = [
+        {PANELS: 1.0, PACKED: 2.0, TORCH: 2.0},
+        {PANELS: 1.0, PACKED: 2.0, TORCH: 2.0},
+        {PANELS: 1.0, PACKED: 2.0, TORCH: 2.0},
+        {PANELS: 1.1, PACKED: 0.9, TORCH: 1.25},
+        {PANELS: 1.2, PACKED: 0.9, TORCH: 1.0},
+    ]
+
+    def fake(calls, pair_budget_s=0.0):
+        times = per_bucket[min(len(seen), len(per_bucket) - 1)]
+        seen.append(1)
+        return {name: times.get(name, 3.0) for name in calls}
+
+    seen: list[int] = []
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    shared = torch.randn(64, 32)
+    report = tune_cpu_linears(
+        [LinearSite(shared, 16, exclusive=False)],
+        torch.float32,
+        CpuLinear(),
+        CpuInt8Linear(),
+        cache,
+    )
+    assert len(seen) == len(per_bucket)
+    if default_kernels() is None:  # the panels cannot pack: dense throughout
+        return
+    assert any(f"rows 1-8 {PANELS}, 9-16 {TORCH} [packed + dense" in line for line in report.lines)
+
+
 @pytest.mark.parametrize("winner", [INT8_KERNEL, DEQUANT])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_int8_candidates_equal_the_portable_kernel(
