@@ -49,6 +49,12 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> [B] int64: each row's largest, the first on ties, a
+    NaN counting as the largest (torch.argmax)."""
+    return logits.argmax(dim=-1)
+
+
 def rotary_embedding_torch(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

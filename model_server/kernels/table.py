@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from model_server.kernels.fused_moe_torch import fused_experts_grouped
 from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequant
 from model_server.kernels.portable import (
+    argmax_torch,
     fused_add_rms_norm_torch,
     int8_linear_dequant,
     rms_norm_torch,
@@ -59,6 +60,9 @@ RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 
+# logits [B, V] -> [B] int64: greedy sampling (layers/sampler.py), ties to the lowest id
+ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
+
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int64,
 # the table) -> [T, H]: the mixture-of-experts experts (kernels/fused_moe_torch.py)
 FusedExpertsFn = Callable[..., torch.Tensor]
@@ -83,6 +87,7 @@ class KernelTable:
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch
     rotary_embedding: RotaryFn = rotary_embedding_torch
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
+    argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.

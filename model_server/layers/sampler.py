@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model_server.kernels.portable import argmax_torch
+from model_server.kernels.table import ArgmaxFn
 from model_server.layers.sampling.grammar_mask import apply_grammar_bitmask
 from model_server.layers.sampling.metadata import (
     SamplingMetadata,
@@ -73,8 +75,9 @@ class Sampler:
     same tokens whatever the batch around it. Call `release(request_id)` when a request finishes.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, argmax: ArgmaxFn = argmax_torch) -> None:
         self.device = torch.device(device)
+        self.argmax = argmax  # the kernel table's greedy argmax
         self._generators: dict[str, torch.Generator] = {}
 
     def release(self, request_id: str) -> None:
@@ -105,14 +108,25 @@ class Sampler:
         return generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [B, V] (float32; other dtypes are upcast). The input is modified in one way
-        only: on rows with a grammar, the tokens it forbids become -inf (in place, see
-        sampling/grammar_mask.py); the raw logprobs are taken before."""
+        """logits: [B, V] (float32; other dtypes are upcast, except in an all-greedy batch with
+        no logprobs, penalties, min_tokens or grammar: its argmax is taken as given). The input
+        is modified in one way only: on rows with a grammar, the tokens it forbids become -inf
+        (in place, see sampling/grammar_mask.py); the raw logprobs are taken before."""
         if logits.shape != (metadata.num_reqs, metadata.vocab_size):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match the metadata "
                 f"({metadata.num_reqs}, {metadata.vocab_size})"
             )
+        if (
+            metadata.all_greedy
+            and metadata.max_num_logprobs is None
+            and metadata.min_tokens_rows is None
+            and metadata.output_token_ids is None
+            and metadata.grammar_rows is None
+        ):
+            # Nothing changes the logits: their argmax in the model's dtype is the float32
+            # copy's (the upcast is exact and keeps the order), without making the copy.
+            return SamplerOutput(sampled_token_ids=self.argmax(logits))
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
 
@@ -147,13 +161,12 @@ class Sampler:
             top_logprobs=top_logprobs,
         )
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Penalized logits [B, V] -> [B] int64 token ids."""
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         # Taken before temperature and the filters, which would change nothing for these rows.
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else self.argmax(logits)
 
         candidates = select_candidates(
             logits,

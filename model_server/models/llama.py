@@ -219,7 +219,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] float32. Pass only the rows that are sampled. Under tensor
+        """[N, hidden] -> [N, vocab] in the model's dtype (the sampler upcasts where it must;
+        a greedy step needs no float32 copy). Pass only the rows that are sampled. Under tensor
         parallelism every rank calls it (the vocabulary is split); only rank 0 gets logits."""
-        logits = self.lm_head(hidden_states)
-        return None if logits is None else logits.float()
+        return self.lm_head(hidden_states)

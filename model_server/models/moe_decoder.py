@@ -144,9 +144,8 @@ class MoECausalLM(CheckpointLoading, nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N, vocab] float32 on rank 0 (None elsewhere under TP)."""
-        logits = self.lm_head(hidden_states)
-        return None if logits is None else logits.float()
+        """[N, hidden] -> [N, vocab] in the model's dtype on rank 0 (None elsewhere under TP)."""
+        return self.lm_head(hidden_states)
 
     def load_special_weight(
         self,

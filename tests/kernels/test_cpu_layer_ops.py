@@ -388,6 +388,33 @@ def _f16(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).half()
 
 
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 49152, 151_937])
+def test_argmax_is_torchs(isa, dtype, vocab, two_threads) -> None:
+    """Each row's largest, the first on ties (a bf16 row has many), a NaN the largest; rows
+    read in place from a strided view; 64 rows of a big vocabulary take the threaded path."""
+    rows = 64 if vocab >= 49152 else 5
+    logits = _randn(rows, vocab + 3, dtype=dtype, seed=vocab)[:, 2 : 2 + vocab]
+    if vocab > 1:
+        logits[1, :] = logits[1, 0]  # all tied: index 0
+        logits[2, vocab // 2] = logits[2, vocab - 1] = 1e4  # a tie at the top: the first
+        logits[3, vocab - 1] = float("nan")  # NaN wins, even last
+        logits[3, vocab // 3] = float("nan") if vocab > 2 else logits[3, 0]
+        logits[4, :] = float("-inf")  # all -inf: index 0
+    got = layer_ops.argmax(_kernels(isa), logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert torch.equal(got, logits.float().argmax(dim=-1))  # what the sampler used to take
+
+
+def test_argmax_other_inputs_run_torchs() -> None:
+    kernels = _kernels(RUNNABLE[0])
+    half = torch.randn(3, 10).half()
+    assert torch.equal(layer_ops.argmax(kernels, half), half.argmax(dim=-1))
+    assert layer_ops.argmax(kernels, torch.empty(0, 10)).shape == (0,)
+
+
 def test_cpu_platform_table_runs_the_native_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU platform's table: the C kernels of the loaded build in every slot but the
     matmuls, one table for every model when tuning is off (shared, compared with `is`)."""
@@ -400,6 +427,7 @@ def test_cpu_platform_table_runs_the_native_ops(monkeypatch: pytest.MonkeyPatch)
         ("fused_add_rms_norm", layer_ops.fused_add_rms_norm),
         ("silu_and_mul", layer_ops.silu_and_mul),
         ("rotary_embedding", layer_ops.rotary_embedding),
+        ("argmax", layer_ops.argmax),
     ):
         bound = getattr(table, slot)
         assert bound.func is fn and bound.args == (kernels,)

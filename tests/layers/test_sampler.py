@@ -157,6 +157,30 @@ def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
     assert out.logprobs is None and out.top_logprobs is None
 
 
+def test_greedy_takes_the_tables_argmax_on_the_logits_as_given() -> None:
+    """An all-greedy batch with nothing to apply hands bf16 logits to the kernel table's argmax
+    as they are (no float32 copy); a batch that must upcast (logprobs, a penalty) passes the
+    float32 logits; both answer what the float32 argmax would."""
+    seen: list[torch.dtype] = []
+
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        seen.append(logits.dtype)
+        return logits.argmax(dim=-1)
+
+    sampler = Sampler("cpu", argmax=argmax)
+    logits = (torch.randn(3, 40) * 4).bfloat16()
+    logits[1, 7] = logits[1, 30] = 100.0  # a tie: the lowest id
+    want = logits.float().argmax(dim=-1).tolist()
+    greedy = [make_req(str(i), temperature=0.0) for i in range(3)]
+    assert sample(logits, greedy, sampler).sampled_token_ids.tolist() == want
+    assert seen == [torch.bfloat16] and want[1] == 7
+    with_logprobs = [make_req(str(i), temperature=0.0, logprobs=1) for i in range(3)]
+    assert sample(logits, with_logprobs, sampler).sampled_token_ids.tolist() == want
+    penalized = [make_req(str(i), temperature=0.0, presence_penalty=0.0001) for i in range(3)]
+    sample(logits, penalized, sampler)
+    assert seen == [torch.bfloat16, torch.float32, torch.float32]
+
+
 def test_input_logits_not_modified() -> None:
     logits = torch.randn(2, 16)
     before = logits.clone()

@@ -162,7 +162,9 @@ class ModelRunner:
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         # Only rank 0 samples (it alone gets logits), so only it keeps sampler state.
-        self.sampler = Sampler(self.device) if get_tensor_model_parallel_rank() == 0 else None
+        self.sampler = (
+            Sampler(self.device, kernels.argmax) if get_tensor_model_parallel_rank() == 0 else None
+        )
         # One per layer: a tensor, or codes + scales for quantized --kv-cache-dtype.
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         # Set by `capture_graphs` once the KV cache exists (None: every step runs eagerly).

@@ -247,3 +247,49 @@ int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens,
   }
   return 0;
 }
+
+/* ---- Greedy sampling ---------------------------------------------------------------------- */
+
+/* The index of a row's largest value, the first one on ties, as torch.argmax: a NaN counts as
+ * the largest (the first NaN wins). Two vectorized passes, the max (and whether a NaN is there),
+ * then the first block of 64 holding it, scanned; n >= 1. */
+static inline __attribute__((always_inline)) int64_t argmax_row(const int is_bf16,
+                                                                const int64_t n,
+                                                                const void *restrict x) {
+  float best = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = 0; i < n; i++) {
+    const float v = load(x, i, is_bf16);
+    best = v > best ? v : best;
+    nan |= v != v;
+  }
+  for (int64_t i0 = 0; i0 < n; i0 += 64) {
+    const int64_t i1 = i0 + 64 < n ? i0 + 64 : n;
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t i = i0; i < i1; i++) {
+      const float v = load(x, i, is_bf16);
+      hit |= nan ? v != v : v == best;
+    }
+    if (hit)
+      for (int64_t i = i0; i < i1; i++) {
+        const float v = load(x, i, is_bf16);
+        if (nan ? v != v : v == best) return i;
+      }
+  }
+  return 0; /* not reached */
+}
+
+/* x [num_rows, n] (rows `x_stride` elements apart), n >= 1 -> out[r] = argmax of row r. */
+int wick_argmax(int dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t n,
+                int64_t *out, int num_threads, int64_t min_work_per_thread) {
+  const int is_bf16 = dtype == 1;
+  const int threads = threads_for(num_rows * n, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, r * x_stride, is_bf16);
+    out[r] = is_bf16 ? argmax_row(1, n, xr) : argmax_row(0, n, xr);
+  }
+  return 0;
+}

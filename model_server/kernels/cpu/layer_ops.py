@@ -1,7 +1,7 @@
 """The decoder layer's small ops on the native CPU library (kernels/cpu/layer_ops.c): RMSNorm,
 fused add + RMSNorm, SiLU-and-mul and the neox rotary embedding, each one ctypes call where
 PyTorch runs 3 to 17 ops (their dispatch, not their arithmetic, is most of a small decode
-step's host time).
+step's host time); and the sampler's greedy argmax.
 
 Each function takes the loaded library first (`native_kernel_table` binds it) and otherwise has
 its `KernelTable` slot's signature and the numerics of kernels/portable.py. Inputs the C kernels
@@ -19,6 +19,7 @@ import torch
 
 from model_server.kernels.cpu.native import NativeKernels
 from model_server.kernels.portable import (
+    argmax_torch,
     fused_add_rms_norm_torch,
     rms_norm_torch,
     rotary_embedding_torch,
@@ -237,6 +238,37 @@ def silu_and_mul(
     return out
 
 
+# ---- Greedy sampling ---------------------------------------------------------------------------
+
+
+def argmax(
+    kernels: NativeKernels,
+    logits: torch.Tensor,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """logits [B, V] fp32 or bf16 (rows may be strided) -> [B] int64, `argmax_torch`'s answer
+    (first index on ties, NaN the largest). torch.argmax took 1.4 ms on 64 rows of 49152 fp32
+    logits (2 threads, Zen 4), and 5.7 ms on bf16 ones."""
+    code = _dtype_code(logits)
+    if code is None or logits.dim() != 2 or logits.shape[1] == 0:
+        return argmax_torch(logits)  # other dtypes and shapes: PyTorch's, no warning needed
+    rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    if rows.shape[0]:
+        kernels.lib.wick_argmax(
+            code,
+            rows.data_ptr(),
+            rows.stride(0),
+            rows.shape[0],
+            rows.shape[1],
+            out.data_ptr(),
+            torch.get_num_threads(),
+            min_work_per_thread,
+        )
+    return out
+
+
 # ---- Rotary embedding --------------------------------------------------------------------------
 
 
@@ -326,11 +358,12 @@ def rotary_embedding(
 
 
 def native_kernel_table(kernels: NativeKernels, base: KernelTable) -> KernelTable:
-    """`base` with its norm, activation and rotary slots on `kernels`' C functions."""
+    """`base` with its norm, activation, rotary and argmax slots on `kernels`' C functions."""
     return replace(
         base,
         rms_norm=partial(rms_norm, kernels),
         fused_add_rms_norm=partial(fused_add_rms_norm, kernels),
         silu_and_mul=partial(silu_and_mul, kernels),
         rotary_embedding=partial(rotary_embedding, kernels),
+        argmax=partial(argmax, kernels),
     )

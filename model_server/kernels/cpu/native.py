@@ -208,6 +208,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.wick_silu_and_mul
     fn.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, i64]
     fn.restype = i32
+    fn = lib.wick_argmax
+    fn.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i64]
+    fn.restype = i32
     fn = lib.wick_rotary_neox
     fn.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
     fn.argtypes += [i32, i64]
