@@ -32,11 +32,13 @@ logger = logging.getLogger(__name__)
 # Values of the kernels' `dtype` argument (as in native.py).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Elements (read or written) worth another thread: these ops stream 1-5 elements per
-# nanosecond, so 2^20 is 0.2-1 ms of work, like paged attention's MIN_WORK_PER_THREAD. A fork/
-# join costs microseconds on an idle machine but a scheduler tick (milliseconds, measured) when
-# another process holds the second core: a decode step's rows and short prompts stay on the
-# calling thread.
-MIN_ELEMENTS_PER_THREAD = 1 << 20
+# nanosecond, so 2^14 is 3-16 us of work, a few times a fork/join of threads that are still
+# spinning from the step's last matmul (GOMP_SPINCOUNT, model_server/openmp_env.py). Single
+# rows stay on the calling thread; from about 16 decode rows on they split. At 2^20 (every
+# decode step on one thread) a batch-64 bf16 decode step took 72.4 ms against 71.4 ms now,
+# batch 16 26.9 against 26.4 (min of 3, 2-core Zen 4). On a box whose second core is busy the
+# step's matmuls wait for it anyway.
+MIN_ELEMENTS_PER_THREAD = 1 << 14
 
 
 @cache
