@@ -60,12 +60,25 @@ RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 
+# (x [M, K], a merged gate/up weight [2 I, K], bias) -> silu(x @ gate^T) * (x @ up^T) [M, I]
+# in one pass, or None where the table has no fused kernel for this weight (then the layer runs
+# `linear` and `silu_and_mul`)
+LinearSiluAndMulFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None
+]
 # logits [B, V] -> [B] int64: greedy sampling (layers/sampler.py), ties to the lowest id
 ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
 
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int64,
 # the table) -> [T, H]: the mixture-of-experts experts (kernels/fused_moe_torch.py)
 FusedExpertsFn = Callable[..., torch.Tensor]
+
+
+def no_fused_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The portable `linear_silu_and_mul`: no fused kernel, the layer runs both ops."""
+    return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,6 +101,7 @@ class KernelTable:
     rotary_embedding: RotaryFn = rotary_embedding_torch
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
     argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
+    linear_silu_and_mul: LinearSiluAndMulFn = no_fused_linear  # the SwiGLU MLP's first half
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from model_server.kernels.table import KernelTable
-from model_server.layers.activation import get_act_and_mul_fn
+from model_server.layers.activation import SiluAndMul, get_act_and_mul_fn
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.attention.layer import Attention
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -69,8 +69,15 @@ class GatedMLP(nn.Module):
             intermediate_size, hidden_size, bias=bias, kernels=kernels
         )
         self.act_fn = get_act_and_mul_fn(hidden_act, kernels)
+        self.kernels = kernels
+        # SwiGLU without bias: the table may fuse the SiLU into the gate/up matmul.
+        self.fuse_silu = isinstance(self.act_fn, SiluAndMul) and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse_silu:
+            fused = self.kernels.linear_silu_and_mul(x, self.gate_up_proj.weight, None)
+            if fused is not None:
+                return self.down_proj(fused)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -137,9 +137,13 @@ class CpuPlatform(Platform):
         kernels = native.load_kernels()
         if not tuning_enabled():
             return _fixed_table(kernels)
+        linear = CpuLinear()
         return _with_layer_ops(
             KernelTable(
-                linear=CpuLinear(), int8_linear=CpuInt8Linear(), wna16_linear=CpuWNA16Linear()
+                linear=linear,
+                linear_silu_and_mul=linear.linear_silu_and_mul,
+                int8_linear=CpuInt8Linear(),
+                wna16_linear=CpuWNA16Linear(),
             ),
             kernels,
         )

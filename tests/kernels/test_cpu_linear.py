@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_server.kernels import portable
 from model_server.kernels.cpu import dtype_choice, isa, linear_tuning
 from model_server.kernels.cpu.dtype_choice import AUTO_DTYPE_ENV, DtypeFigures
 from model_server.kernels.cpu.gemm import default_kernels
@@ -217,6 +218,47 @@ def test_a_shared_weight_runs_its_packed_copy_wherever_it_beats_dense(
     if default_kernels() is None:  # the panels cannot pack: dense throughout
         return
     assert any(f"rows 1-8 {PANELS}, 9-16 {TORCH} [packed + dense" in line for line in report.lines)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_swiglu_mlp_fuses_its_silu_into_the_panels(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """A SwiGLU MLP on the CPU platform's table, panels tuned in: in bf16 with the pair layout
+    its gate/up matmul and SiLU-and-mul run as one kernel, and its output equals the unfused
+    ops'; fp32 (and builds without the pair layout) run the two ops. A weight the table was not
+    tuned for, a bias or fp32 rows are never fused."""
+    from model_server.engine.execution.kernel_tuning import linear_sites
+    from model_server.kernels.cpu.panel_gemm import pairs_available
+    from model_server.models.decoder_parts import GatedMLP
+
+    monkeypatch.setenv(TUNING_ENV, "1")
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
+    force(monkeypatch, PANELS)
+    platform = get_platform("cpu")
+    table = platform.kernel_table()
+    mlp = GatedMLP(64, 48, "silu", False, table).to(dtype)
+    torch.manual_seed(0)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape).to(dtype) / 8
+    x = torch.randn(5, 64).to(dtype)
+    gate_up = mlp.gate_up_proj.weight.detach().clone()
+    down = mlp.down_proj.weight.detach().clone()
+    expected = F.linear(portable.silu_and_mul_torch(F.linear(x, gate_up)), down)
+    platform.tune_kernels(table, linear_sites(mlp, 16, 16), dtype)
+    calls: list[int] = []
+    fused_fn = linear_tuning.panel_silu_and_mul
+    monkeypatch.setattr(
+        linear_tuning, "panel_silu_and_mul", lambda *a: calls.append(1) or fused_fn(*a)
+    )
+    out = mlp(x)
+    fuses = dtype == torch.bfloat16 and default_kernels() is not None and pairs_available()
+    assert calls == ([1] if fuses else [])
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+    assert table.linear_silu_and_mul(x.float(), mlp.gate_up_proj.weight, None) is None
+    assert table.linear_silu_and_mul(x, gate_up, None) is None  # not a tuned weight
+    bias = torch.zeros(96, dtype=dtype)
+    assert table.linear_silu_and_mul(x, mlp.gate_up_proj.weight, bias) is None
 
 
 @pytest.mark.parametrize("winner", [INT8_KERNEL, DEQUANT])

@@ -51,7 +51,13 @@ from model_server.kernels.cpu.linear import (
     row_blocks,
     skinny_linear,
 )
-from model_server.kernels.cpu.panel_gemm import pack_panels, panel_linear
+from model_server.kernels.cpu.panel_gemm import (
+    Panels,
+    pack_panels,
+    panel_linear,
+    panel_silu_and_mul,
+    silu_and_mul_applies,
+)
 from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.kernels.cpu.wna16 import (
     wna16_dequantized_linear,
@@ -169,7 +175,7 @@ class CpuLinear:
     function per row bucket, set by `tune_cpu_linears`. Weights it was not tuned for run
     `skinny_linear`. Immutable for callers; one instance per kernel table, so per model."""
 
-    __slots__ = ("_by_shape", "_by_weight")
+    __slots__ = ("_by_shape", "_by_weight", "_silu_panels")
 
     def __init__(self) -> None:
         # id(weight) -> (weight, one function per bucket). The weight is held so its id stays
@@ -177,9 +183,31 @@ class CpuLinear:
         self._by_weight: dict[int, tuple[torch.Tensor, tuple[LinearFn, ...]]] = {}
         # (N, K, dtype) -> one dense function per bucket, for weights of a tuned shape.
         self._by_shape: dict[tuple[int, int, torch.dtype], tuple[LinearFn, ...]] = {}
+        # id(weight) -> (weight, its panels) for weights that run the panels at every bucket
+        # and could be a merged gate/up weight: `linear_silu_and_mul` serves them.
+        self._silu_panels: dict[int, tuple[torch.Tensor, Panels]] = {}
 
     def set_weight_plan(self, weight: torch.Tensor, fns: Sequence[LinearFn]) -> None:
         self._by_weight[id(weight)] = (weight, tuple(fns))
+
+    def set_panels(self, weight: torch.Tensor, panels: Panels) -> None:
+        """`weight` runs on `panels` at every row count (its plan says so): where their layout
+        allows, `linear_silu_and_mul` fuses the SiLU into them."""
+        if silu_and_mul_applies(panels):
+            self._silu_panels[id(weight)] = (weight, panels)
+
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """`KernelTable.linear_silu_and_mul`: silu_and_mul(self(x, weight)) in one pass
+        (kernels/cpu/panel_gemm.c) for a 2-D bf16 x and a merged gate/up weight on panels
+        without bias; None otherwise (the caller runs the two ops)."""
+        entry = self._silu_panels.get(id(weight))
+        if entry is None or entry[0] is not weight or bias is not None or x.dim() != 2:
+            return None
+        if x.dtype != torch.bfloat16:
+            return None
+        return panel_silu_and_mul(x, entry[1])
 
     def set_shape_plan(
         self, shape: tuple[int, int], dtype: torch.dtype, fns: Sequence[LinearFn]
@@ -579,6 +607,8 @@ def _plan_float(group: _Group, linear: CpuLinear, report: TuningReport) -> str:
             # The packed copy now holds the values: keep shape and dtype, drop the bytes.
             site.weight.data = torch.zeros((), dtype=site.weight.dtype).expand(group.shape)
             linear.set_weight_plan(site.weight, [call] * len(group.buckets))
+            if isinstance(packed, Panels):
+                linear.set_panels(site.weight, packed)
             layouts.append("packed")
         else:
             fns = [call if name == kind else DENSE_FNS[name] for name in shared_names]

@@ -232,6 +232,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.wick_panel_gemm
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
     fn.restype = i32
+    fn = lib.wick_panel_gemm_silu
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i32, i64]
+    fn.restype = i32
     # panel_gemm_f32.c
     lib.wick_panel_f32_lanes.restype = i32
     lib.wick_panel_f32_elements.argtypes = [i64, i64]

@@ -20,6 +20,7 @@
  * above; bias [N] bf16 or NULL; y [M, N] bf16. fp32 accumulation (pairs of exact products added
  * into fp32 lanes; bf16 denormals read as zero); the bias is added in fp32, then each output is
  * rounded once to nearest even. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -209,6 +210,29 @@ static inline void store_tile(const int mr, const int np, float tile[MR][NP * PA
     }
   }
 }
+
+/* Rows [0, mr) of y (rows `inter` apart, from column n0 on, np whole panels) = silu(gate) * up
+ * of the tiles, each rounded where the unfused path rounds: the matmul's bf16 outputs (+ 0 as
+ * store_tile adds a zero bias, so -0 reads as +0 there too), then layer_ops.c's SiLU-and-mul
+ * formula, exp included, so the result is that path's bit for bit (same -ffp-contract=off). */
+static inline void store_silu_tile(const int mr, const int np, float gate[MR][NP * PANEL],
+                                   float up[MR][NP * PANEL], const int64_t n0,
+                                   const int64_t inter, bf16_t *y) {
+  for (int i = 0; i < mr; i++) {
+    bf16_t *out = y + (int64_t)i * inter + n0;
+#pragma omp simd
+    for (int c = 0; c < np * PANEL; c++) {
+      const float g = round_to_bf16(gate[i][c] + 0.f), u = round_to_bf16(up[i][c] + 0.f);
+      const float e = exp_nonpositive(-fabsf(g));
+      const float silu = (g >= 0.f ? g : g * e) / (1.f + e);
+      union {
+        float f;
+        uint32_t u;
+      } v = {round_to_bf16(round_to_bf16(silu) * u)};
+      out[c] = (bf16_t)(v.u >> 16);
+    }
+  }
+}
 #endif
 
 /* y = x @ W^T (+ bias) from W's panels, on up to num_threads threads (each takes whole pairs of
@@ -241,6 +265,50 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
   return 0;
 #else
   (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)m, (void)n, (void)k;
+  (void)num_threads, (void)min_work_per_thread;
+  return -2;
+#endif
+}
+
+/* The MLP's gate/up projection and SiLU-and-mul in one pass: W [2 inter, K] is the merged
+ * weight (gate rows, then up rows) in panels, inter a multiple of PANEL, so gate panel j and
+ * its up panel inter / PANEL + j cover the same outputs; y [M, inter] = silu(x @ G^T) *
+ * (x @ U^T), equal to wick_panel_gemm then wick_silu_and_mul (bf16, no bias) without the
+ * [M, 2 inter] intermediate. Each tile runs the gate panels, then the up panels over the same
+ * rows of x (still in L1). Returns 0; -2 on a build without AVX512-BF16; -3 when inter is not
+ * a multiple of PANEL (nothing written). */
+int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels, bf16_t *y,
+                         int64_t m, int64_t inter, int64_t k, int num_threads,
+                         int64_t min_work_per_thread) {
+#if defined(__AVX512BF16__)
+  if (inter % PANEL != 0) return -3;
+  const int64_t gate_panels = inter / PANEL, panel_stride = (k + 1) / 2 * 2 * PANEL;
+  const bf16_t *up_panels = panels + gate_panels * panel_stride;
+  const TileShape shape = tile_shape(m);
+  const int per_group = tile_panels(shape), rows = tile_rows(shape);
+  const int64_t groups = (gate_panels + per_group - 1) / per_group;
+  const int threads = threads_for(m * 2 * inter * k, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t g = 0; g < groups; g++) {
+    const int64_t first = g * per_group;
+    const int in_group =
+        gate_panels - first < per_group ? (int)(gate_panels - first) : per_group;
+    const int np = in_group == per_group ? per_group : 1;
+    float gate[MR][NP * PANEL], up[MR][NP * PANEL];
+    for (int64_t p0 = first; p0 < first + in_group; p0 += np)
+      for (int64_t m0 = 0; m0 < m; m0 += rows) {
+        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+        const bf16_t *xm = x + m0 * x_stride;
+        panel_tile_any(shape, mr, np, xm, x_stride, k, panels + p0 * panel_stride, panel_stride,
+                       gate);
+        panel_tile_any(shape, mr, np, xm, x_stride, k, up_panels + p0 * panel_stride,
+                       panel_stride, up);
+        store_silu_tile(mr, np, gate, up, p0 * PANEL, inter, y + m0 * inter);
+      }
+  }
+  return 0;
+#else
+  (void)x, (void)x_stride, (void)panels, (void)y, (void)m, (void)inter, (void)k;
   (void)num_threads, (void)min_work_per_thread;
   return -2;
 #endif

@@ -19,6 +19,7 @@ from model_server.kernels.cpu import native
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD, default_kernels
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+PANEL = 16  # outputs per panel of the pair layout (panel_gemm.c)
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,4 +118,49 @@ def panel_linear(
         raise ValueError("the panel matmul's pair layout is not in this build (no AVX512-BF16)")
     if status != 0:
         raise MemoryError("the panel matmul could not allocate its scratch buffer")
+    return out
+
+
+def silu_and_mul_applies(panels: Panels) -> bool:
+    """Whether `panel_silu_and_mul` runs on these panels: the bf16 pair layout of a merged
+    gate/up weight [2 inter, K] whose halves start on a panel boundary."""
+    return panels.pairs and panels.n % (2 * PANEL) == 0
+
+
+def panel_silu_and_mul(
+    x: torch.Tensor,
+    panels: Panels,
+    kernels: native.NativeKernels | None = None,
+    min_work_per_thread: int = MIN_WORK_PER_THREAD,
+) -> torch.Tensor:
+    """x [M, K] bf16, the panels of a merged gate/up weight [2 inter, K] (no bias) -> a new
+    [M, inter] = silu(x @ gate^T) * (x @ up^T): `silu_and_mul(panel_linear(x, panels))` bit
+    for bit (layer_ops.c's SiLU), in one pass without the [M, 2 inter] intermediate."""
+    if not silu_and_mul_applies(panels):
+        raise ValueError(
+            f"fused SiLU: needs the bf16 pair layout and 2 * inter a multiple of {2 * PANEL} "
+            f"(pairs: {panels.pairs}, n: {panels.n})"
+        )
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != panels.k or not x.is_cpu:
+        raise ValueError(
+            f"fused SiLU: x must be bfloat16 [M, {panels.k}] on the CPU, not {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    kernels = kernels or default_kernels()
+    if kernels is None:
+        raise ValueError("the panel matmul needs the native kernels")
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
+    m, inter = x.shape[0], panels.n // 2
+    out = x.new_empty((m, inter))
+    if m == 0:
+        return out
+    status = kernels.lib.wick_panel_gemm_silu(
+        x.data_ptr(), x.stride(0), panels.data.data_ptr(), out.data_ptr(), m, inter, panels.k,
+        torch.get_num_threads(), min_work_per_thread,
+    )  # fmt: skip
+    if status == -2:
+        raise ValueError("the panel matmul's pair layout is not in this build (no AVX512-BF16)")
+    if status != 0:
+        raise ValueError(f"fused SiLU: inter {inter} is not a multiple of {PANEL}")
     return out
