@@ -101,39 +101,35 @@ FUSED_SHAPES = [(1, 16, 64), (2, 48, 577), (3, 1536, 576), (5, 32, 33), (7, 16, 
 
 
 @pytest.mark.parametrize(("m", "inter", "k"), FUSED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("min_work", [0, 1 << 40], ids=["all-threads", "one-thread"])
 def test_fused_silu_equals_the_matmul_then_silu_and_mul(
-    kernels: native.NativeKernels, m: int, inter: int, k: int, min_work: int
+    kernels: native.NativeKernels, m: int, inter: int, k: int, dtype: torch.dtype, min_work: int
 ) -> None:
-    """The MLP's gate/up matmul with the SiLU in its epilogue: bit for bit the unfused pair
-    (every register-tile shape, short last groups, odd K, strided x, zero rows of x: -0 and
-    +0 alike). Builds without the bf16 pair layout refuse it."""
+    """The MLP's gate/up matmul with the SiLU in its epilogue, in both panel layouts: bit for
+    bit the unfused pair (every register-tile shape, short last groups, odd K, strided x, a
+    zero row of x: -0 and +0 alike)."""
     torch.manual_seed(m * 1000 + inter + k)
-    w = torch.randn(2 * inter, k).bfloat16()
-    x = torch.randn(m, k + 3).bfloat16()[:, 1 : 1 + k]
+    w = torch.randn(2 * inter, k).to(dtype)
+    x = torch.randn(m, k + 3).to(dtype)[:, 1 : 1 + k]
     x[0] = 0.0
     panels = pack_panels(w, kernels)
-    if not panels.pairs:
-        assert not silu_and_mul_applies(panels)
-        with pytest.raises(ValueError, match="pair layout"):
-            panel_silu_and_mul(x, panels, kernels)
-        return
+    assert silu_and_mul_applies(panels, kernels)  # 16 | inter: whole panels in every layout
     unfused = layer_ops.silu_and_mul(kernels, panel_linear(x, panels, None, kernels))
     fused = panel_silu_and_mul(x, panels, kernels, min_work_per_thread=min_work)
     assert fused.shape == (m, inter) and torch.equal(fused, unfused)
 
 
 def test_fused_silu_refuses_what_it_cannot_run(kernels: native.NativeKernels) -> None:
-    panels = pack_panels(torch.randn(2 * 24, 32).bfloat16(), kernels)  # halves not on a panel
-    assert not silu_and_mul_applies(panels)
-    with pytest.raises(ValueError, match="multiple of 32"):
+    panels = pack_panels(torch.randn(2 * 18, 32).bfloat16(), kernels)  # halves not on a panel
+    assert not silu_and_mul_applies(panels, kernels)
+    with pytest.raises(ValueError, match="do not start on a panel boundary"):
         panel_silu_and_mul(torch.randn(2, 32).bfloat16(), panels, kernels)
     panels = pack_panels(torch.randn(64, 32).bfloat16(), kernels)
-    if panels.pairs:
-        with pytest.raises(ValueError, match=r"x must be bfloat16 \[M, 32\]"):
-            panel_silu_and_mul(torch.randn(2, 32), panels, kernels)
-        empty = panel_silu_and_mul(torch.empty(0, 32, dtype=torch.bfloat16), panels, kernels)
-        assert empty.shape == (0, 32)
+    with pytest.raises(ValueError, match=r"x must be torch.bfloat16 \[M, 32\]"):
+        panel_silu_and_mul(torch.randn(2, 32), panels, kernels)
+    empty = panel_silu_and_mul(torch.empty(0, 32, dtype=torch.bfloat16), panels, kernels)
+    assert empty.shape == (0, 32)
 
 
 @pytest.mark.parametrize(("readers", "copies"), [(4, 19), (5, 32), (2, 2), (6, 4)])

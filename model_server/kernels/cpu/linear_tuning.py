@@ -200,12 +200,12 @@ class CpuLinear:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor | None:
         """`KernelTable.linear_silu_and_mul`: silu_and_mul(self(x, weight)) in one pass
-        (kernels/cpu/panel_gemm.c) for a 2-D bf16 x and a merged gate/up weight on panels
-        without bias; None otherwise (the caller runs the two ops)."""
+        (kernels/cpu/panel_gemm.c, panel_gemm_f32.c) for a 2-D x and a merged gate/up weight
+        on panels of x's dtype, without bias; None otherwise (the caller runs the two ops)."""
         entry = self._silu_panels.get(id(weight))
         if entry is None or entry[0] is not weight or bias is not None or x.dim() != 2:
             return None
-        if x.dtype != torch.bfloat16:
+        if x.dtype != entry[1].dtype:
             return None
         return panel_silu_and_mul(x, entry[1])
 

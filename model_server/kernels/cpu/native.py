@@ -244,6 +244,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.wick_panel_f32_gemm
     fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
     fn.restype = i32
+    fn = lib.wick_panel_f32_gemm_silu
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i32, i64]
+    fn.restype = i32
     # wna16_gemm.c
     fn = lib.wick_wna16_gemm
     fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i64]

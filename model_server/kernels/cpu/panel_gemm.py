@@ -121,10 +121,15 @@ def panel_linear(
     return out
 
 
-def silu_and_mul_applies(panels: Panels) -> bool:
-    """Whether `panel_silu_and_mul` runs on these panels: the bf16 pair layout of a merged
-    gate/up weight [2 inter, K] whose halves start on a panel boundary."""
-    return panels.pairs and panels.n % (2 * PANEL) == 0
+def silu_and_mul_applies(panels: Panels, kernels: native.NativeKernels | None = None) -> bool:
+    """Whether `panel_silu_and_mul` runs on these panels: a merged gate/up weight [2 inter, K]
+    whose halves start on a panel boundary (16 outputs in the pair layout, the build's vector
+    width in the lanes layout)."""
+    kernels = kernels or default_kernels()
+    if kernels is None:
+        return False
+    unit = PANEL if panels.pairs else int(kernels.lib.wick_panel_f32_lanes())
+    return panels.n % (2 * unit) == 0
 
 
 def panel_silu_and_mul(
@@ -133,34 +138,43 @@ def panel_silu_and_mul(
     kernels: native.NativeKernels | None = None,
     min_work_per_thread: int = MIN_WORK_PER_THREAD,
 ) -> torch.Tensor:
-    """x [M, K] bf16, the panels of a merged gate/up weight [2 inter, K] (no bias) -> a new
-    [M, inter] = silu(x @ gate^T) * (x @ up^T): `silu_and_mul(panel_linear(x, panels))` bit
-    for bit (layer_ops.c's SiLU), in one pass without the [M, 2 inter] intermediate."""
-    if not silu_and_mul_applies(panels):
-        raise ValueError(
-            f"fused SiLU: needs the bf16 pair layout and 2 * inter a multiple of {2 * PANEL} "
-            f"(pairs: {panels.pairs}, n: {panels.n})"
-        )
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] != panels.k or not x.is_cpu:
-        raise ValueError(
-            f"fused SiLU: x must be bfloat16 [M, {panels.k}] on the CPU, not {x.dtype} "
-            f"{tuple(x.shape)}"
-        )
+    """x [M, K] in the panels' dtype, the panels of a merged gate/up weight [2 inter, K] (no
+    bias) -> a new [M, inter] = silu(x @ gate^T) * (x @ up^T): `silu_and_mul(panel_linear(x,
+    panels))` bit for bit (layer_ops.c's SiLU), in one pass without the [M, 2 inter]
+    intermediate."""
     kernels = kernels or default_kernels()
     if kernels is None:
         raise ValueError("the panel matmul needs the native kernels")
+    if not silu_and_mul_applies(panels, kernels):
+        raise ValueError(
+            f"fused SiLU: the gate and up halves of {panels.n} outputs do not start on a panel "
+            "boundary"
+        )
+    dtype = panels.dtype
+    if x.dim() != 2 or x.dtype != dtype or x.shape[1] != panels.k or not x.is_cpu:
+        raise ValueError(
+            f"fused SiLU: x must be {dtype} [M, {panels.k}] on the CPU, not {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
     if x.stride(1) != 1 and x.shape[1] > 1:
         x = x.contiguous()
     m, inter = x.shape[0], panels.n // 2
     out = x.new_empty((m, inter))
     if m == 0:
         return out
-    status = kernels.lib.wick_panel_gemm_silu(
-        x.data_ptr(), x.stride(0), panels.data.data_ptr(), out.data_ptr(), m, inter, panels.k,
-        torch.get_num_threads(), min_work_per_thread,
-    )  # fmt: skip
+    threads = torch.get_num_threads()
+    if panels.pairs:
+        status = kernels.lib.wick_panel_gemm_silu(
+            x.data_ptr(), x.stride(0), panels.data.data_ptr(), out.data_ptr(), m, inter,
+            panels.k, threads, min_work_per_thread,
+        )  # fmt: skip
+    else:
+        status = kernels.lib.wick_panel_f32_gemm_silu(
+            _DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), panels.data.data_ptr(),
+            out.data_ptr(), m, inter, panels.k, threads, min_work_per_thread,
+        )  # fmt: skip
     if status == -2:
         raise ValueError("the panel matmul's pair layout is not in this build (no AVX512-BF16)")
     if status != 0:
-        raise ValueError(f"fused SiLU: inter {inter} is not a multiple of {PANEL}")
+        raise MemoryError("the panel matmul could not allocate its scratch buffer")
     return out

@@ -11,6 +11,7 @@
  * bias and y in `dtype` (0 fp32, 1 bf16), W's panels too. fp32 products and sums; bf16 outputs
  * rounded once to nearest even (bias added first), as torch does. bf16 rows of x are widened
  * into a per-thread buffer, one register tile's rows at a time. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,17 +144,70 @@ static inline void tile_shape_f32(const int64_t m, int *rows, int *panels) {
 #endif
 }
 
-/* Returns 0; -1 when a thread's x buffer could not be allocated (y then partial). */
-int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *panels,
-                        const void *bias, void *y, int64_t m, int64_t n, int64_t k,
-                        int num_threads, int64_t min_work_per_thread) {
-  const int is_bf16 = dtype == 1;
+/* Output columns [n0, n0 + cols) of tile rows [0, mr) into y (rows `n` apart, from row m0):
+ * tile (+ bias) rounded once to y's dtype. */
+static inline void store_tile_f32(const int is_bf16, const int mr, const int cols,
+                                  float tile[MR_F32][NP_F32 * VW], const void *bias,
+                                  const int64_t n0, const int64_t n, const int64_t m0, void *y) {
+  for (int i = 0; i < mr; i++)
+    for (int c = 0; c < cols; c++) {
+      float v = tile[i][c];
+      if (bias != NULL)
+        v += is_bf16 ? bf16_to_f32(((const bf16_t *)bias)[n0 + c]) : ((const float *)bias)[n0 + c];
+      const int64_t at = (m0 + i) * n + n0 + c;
+      if (is_bf16)
+        ((bf16_t *)y)[at] = f32_to_bf16(v);
+      else
+        ((float *)y)[at] = v;
+    }
+}
+
+/* silu(gate) * up of the tiles into y's columns [n0, n0 + cols) (rows `inter` apart), rounded
+ * where the unfused pair rounds: the matmul's outputs (bf16: once), then layer_ops.c's
+ * SiLU-and-mul formula, exp included: that pair's result bit for bit (same -ffp-contract=off). */
+static inline void store_silu_tile_f32(const int is_bf16, const int mr, const int cols,
+                                       float gate[MR_F32][NP_F32 * VW],
+                                       float up[MR_F32][NP_F32 * VW], const int64_t n0,
+                                       const int64_t inter, const int64_t m0, void *y) {
+  for (int i = 0; i < mr; i++) {
+    const int64_t row = (m0 + i) * inter + n0;
+#pragma omp simd
+    for (int c = 0; c < cols; c++) {
+      const float g = is_bf16 ? round_to_bf16(gate[i][c]) : gate[i][c];
+      const float u = is_bf16 ? round_to_bf16(up[i][c]) : up[i][c];
+      const float e = exp_nonpositive(-fabsf(g));
+      const float silu = (g >= 0.f ? g : g * e) / (1.f + e);
+      const float v = (is_bf16 ? round_to_bf16(silu) : silu) * u;
+      if (is_bf16) {
+        union {
+          float f;
+          uint32_t u;
+        } b = {round_to_bf16(v)};
+        ((bf16_t *)y)[row + c] = (bf16_t)(b.u >> 16);
+      } else {
+        ((float *)y)[row + c] = v;
+      }
+    }
+  }
+}
+
+/* The matmul over panels [0, out_panels) of y's columns; `inter` > 0 instead multiplies gate
+ * panels [0, inter / VW) and their up panels (inter / VW further on) and stores silu(gate) * up
+ * (y [M, inter]). Returns 0; -1 when a thread's x buffer could not be allocated (y then
+ * partial). */
+static int panel_f32_run(const int is_bf16, const void *x, const int64_t x_stride,
+                         const void *panels, const void *bias, void *y, const int64_t m,
+                         const int64_t n, const int64_t inter, const int64_t k,
+                         const int num_threads, const int64_t min_work_per_thread) {
   const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
-  const int64_t num_panels = (n + VW - 1) / VW, panel_stride = k * VW;
+  const int64_t panel_stride = k * VW;
+  const int64_t num_panels = inter > 0 ? inter / VW : (n + VW - 1) / VW;
+  const char *up_panels = (const char *)panels + num_panels * panel_stride * (int64_t)elem;
   int rows, per_group;
   tile_shape_f32(m, &rows, &per_group);
   const int64_t groups = (num_panels + per_group - 1) / per_group;
-  const int threads = threads_for(m * n * k, min_work_per_thread, num_threads);
+  const int threads = threads_for(m * (inter > 0 ? 2 * inter : n) * k, min_work_per_thread,
+                                  num_threads);
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -170,7 +224,7 @@ int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *
       const int in_group =
           num_panels - first < per_group ? (int)(num_panels - first) : per_group;
       const int np = in_group == per_group ? per_group : 1; /* a short last group: one by one */
-      float tile[MR_F32][NP_F32 * VW];
+      float tile[MR_F32][NP_F32 * VW], up[MR_F32][NP_F32 * VW];
       for (int64_t m0 = 0; m0 < m; m0 += rows) {
         const int mr = m - m0 < rows ? (int)(m - m0) : rows;
         const float *xf;
@@ -185,27 +239,41 @@ int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *
           xs = x_stride;
         }
         for (int64_t p0 = first; p0 < first + in_group; p0 += np) {
-          tile_f32_any(mr, np, is_bf16, xf, xs, k,
-                       (const char *)panels + p0 * panel_stride * (int64_t)elem, panel_stride,
+          const int64_t offset = p0 * panel_stride * (int64_t)elem, n0 = p0 * VW;
+          tile_f32_any(mr, np, is_bf16, xf, xs, k, (const char *)panels + offset, panel_stride,
                        tile);
-          const int64_t n0 = p0 * VW;
-          const int cols = n - n0 < np * VW ? (int)(n - n0) : np * VW;
-          for (int i = 0; i < mr; i++)
-            for (int c = 0; c < cols; c++) {
-              float v = tile[i][c];
-              if (bias != NULL)
-                v += is_bf16 ? bf16_to_f32(((const bf16_t *)bias)[n0 + c])
-                             : ((const float *)bias)[n0 + c];
-              const int64_t at = (m0 + i) * n + n0 + c;
-              if (is_bf16)
-                ((bf16_t *)y)[at] = f32_to_bf16(v);
-              else
-                ((float *)y)[at] = v;
-            }
+          if (inter > 0) {
+            tile_f32_any(mr, np, is_bf16, xf, xs, k, up_panels + offset, panel_stride, up);
+            store_silu_tile_f32(is_bf16, mr, np * VW, tile, up, n0, inter, m0, y);
+          } else {
+            const int cols = n - n0 < np * VW ? (int)(n - n0) : np * VW;
+            store_tile_f32(is_bf16, mr, cols, tile, bias, n0, n, m0, y);
+          }
         }
       }
     }
     free(xbuf);
   }
   return failed ? -1 : 0;
+}
+
+/* Returns 0; -1 when a thread's x buffer could not be allocated (y then partial). */
+int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *panels,
+                        const void *bias, void *y, int64_t m, int64_t n, int64_t k,
+                        int num_threads, int64_t min_work_per_thread) {
+  return panel_f32_run(dtype == 1, x, x_stride, panels, bias, y, m, n, 0, k, num_threads,
+                       min_work_per_thread);
+}
+
+/* The MLP's gate/up matmul and SiLU-and-mul in one pass, as wick_panel_gemm_silu (panel_gemm.c)
+ * on these panels: W [2 inter, K] merged (gate rows, then up rows), inter a multiple of VW;
+ * y [M, inter] = silu(x @ G^T) * (x @ U^T), equal to wick_panel_f32_gemm then
+ * wick_silu_and_mul (no bias). Returns 0; -1 as wick_panel_f32_gemm; -3 when inter is not a
+ * multiple of VW (nothing written). */
+int wick_panel_f32_gemm_silu(int dtype, const void *x, int64_t x_stride, const void *panels,
+                             void *y, int64_t m, int64_t inter, int64_t k, int num_threads,
+                             int64_t min_work_per_thread) {
+  if (inter <= 0 || inter % VW != 0) return -3;
+  return panel_f32_run(dtype == 1, x, x_stride, panels, NULL, y, m, 0, inter, k, num_threads,
+                       min_work_per_thread);
 }
