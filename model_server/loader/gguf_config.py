@@ -365,12 +365,7 @@ def _deepseek2(
     rotates adjacent pairs for deepseek2): nothing to un-permute."""
     heads = kw["num_attention_heads"]
     rope = int(key("rope.dimension_count"))
-    if key("attention.key_length_mla", None) is not None:
-        qk_head_dim = int(key("attention.key_length_mla"))
-        v_head_dim = int(key("attention.value_length_mla"))
-    else:
-        qk_head_dim = int(key("attention.key_length"))
-        v_head_dim = int(key("attention.value_length"))
+    qk_head_dim, v_head_dim = _mla_head_dims(key, tensors, heads, rope)
     kw.pop("head_dim")  # HF derives it (the rope dims)
     kw.update(
         num_key_value_heads=heads,
@@ -414,6 +409,30 @@ def _deepseek2(
     # V2: the groups (V2 and V2.5: 8, 3 used) limit the softmax top-k; V2-Lite has none
     kw["topk_method"] = "group_limited_greedy" if kw["n_group"] > 1 else "greedy"
     return "deepseek_v2", "DeepseekV2ForCausalLM"
+
+
+def _mla_head_dims(
+    key: _Key, tensors: dict[str, GGUFTensorInfo], heads: int, rope: int
+) -> tuple[int, int]:
+    """(qk_nope + qk_rope, v) per head: from key/value_length_mla (today's files), else from
+    key/value_length (older ones), else from the tensors' shapes (q_b / q rows are heads x
+    (nope + rope); kv_b's heads x (nope + v); attn_v_b is [heads, v, L])."""
+    q = tensors.get("blk.0.attn_q_b.weight") or tensors.get("blk.0.attn_q.weight")
+    kv_b, v_b = tensors.get("blk.0.attn_kv_b.weight"), tensors.get("blk.0.attn_v_b.weight")
+    qk_head_dim = int(key("attention.key_length_mla", 0))
+    if not qk_head_dim and q is not None and (kv_b is None and v_b is not None):
+        qk_head_dim = q.shape[0] // heads  # split, yet no *_mla keys: key_length is the latent's
+    if not qk_head_dim:
+        qk_head_dim = int(key("attention.key_length", q.shape[0] // heads if q else ...))
+    if v_b is not None:
+        v_rows = v_b.shape[-2] if len(v_b.shape) == 3 else v_b.shape[0] // heads
+        v_head_dim = int(key("attention.value_length_mla", v_rows))
+    elif key("attention.value_length_mla", None) is not None:
+        v_head_dim = int(key("attention.value_length_mla"))
+    else:
+        v_rows = kv_b.shape[0] // heads - (qk_head_dim - rope) if kv_b else ...
+        v_head_dim = int(key("attention.value_length", v_rows))
+    return qk_head_dim, v_head_dim
 
 
 _FAMILY_CONFIG: dict[str, Any] = {
