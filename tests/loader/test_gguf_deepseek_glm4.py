@@ -64,6 +64,7 @@ def _deepseek_metadata(
     cfg: transformers.PretrainedConfig,
     split: bool,
     gating: gguf.ExpertGatingFuncType | None,
+    head_size_keys: bool,
 ) -> None:
     """What llama.cpp's DeepseekV2Model converter writes (today's when `split`, else the
     older one's: the real head sizes in key/value_length, no gating function key)."""
@@ -78,9 +79,10 @@ def _deepseek_metadata(
     if split:
         w.add_key_length(lora + rope)
         w.add_value_length(lora)
-        w.add_key_length_mla(nope + rope)
-        w.add_value_length_mla(v)
-    else:
+        if head_size_keys:
+            w.add_key_length_mla(nope + rope)
+            w.add_value_length_mla(v)
+    elif head_size_keys:
         w.add_key_length(nope + rope)
         w.add_value_length(v)
     w.add_expert_count(cfg.n_routed_experts)
@@ -132,10 +134,12 @@ def _write_gguf(
     qtype: gguf.GGMLQuantizationType | None = None,
     drop: tuple[str, ...] = (),
     gating: gguf.ExpertGatingFuncType | None = None,
+    head_size_keys: bool = True,
 ) -> None:
     """`qtype`: every matrix whose rows hold whole 32-value blocks in that type (the others,
     and the router, F32 as llama.cpp's quantizer leaves them); `drop`: GGUF names left out;
-    `gating`: deepseek2's expert_gating_func instead of the converter's."""
+    `gating`: deepseek2's expert_gating_func instead of the converter's; `head_size_keys`
+    False: no per-head key/value sizes (the *_mla keys, or the older files' key/value_length)."""
     cfg = hf.config
     arch = "glm4" if cfg.model_type == "glm4" else "deepseek2"
     state = {k: v.detach().float() for k, v in hf.state_dict().items()}
@@ -158,7 +162,7 @@ def _write_gguf(
         partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
         w.add_rope_dimension_count(int(cfg.head_dim * partial))
     else:
-        _deepseek_metadata(w, cfg, layout == "split", gating)
+        _deepseek_metadata(w, cfg, layout == "split", gating, head_size_keys)
     tokens = ["<unk>", "<s>", "</s>", "ab"] + [chr(ord("a") + i) for i in range(26)]
     tokens += [f"t{i}" for i in range(cfg.vocab_size - len(tokens))]
     w.add_tokenizer_model("gpt2")
@@ -244,6 +248,16 @@ def test_gguf_config_keeps_what_the_family_needs(gguf_pair) -> None:
             assert ours_rope.get(key) == pytest.approx(theirs_rope.get(key)), key
     for field in fields:
         assert getattr(ours, field) == getattr(theirs, field), (name, field)
+
+
+@pytest.mark.parametrize("layout", ["split", "kv_b"])
+def test_head_sizes_come_from_the_tensors_without_their_keys(layout: str, tmp_path: Path) -> None:
+    """Files without the per-head sizes: q_b's rows give nope + rope, attn_v_b / kv_b the v
+    size (a split file's key_length is the latent's, not a head's)."""
+    path = tmp_path / "sizes.gguf"
+    _write_gguf(path, _hf_model("deepseek_v3"), layout, head_size_keys=False)
+    config = load_model_source(str(path)).hf_config
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (16, 8, 12)
 
 
 # ---- kept quantized ------------------------------------------------------------------------
