@@ -25,6 +25,7 @@ from model_server.engine.llm import LLM
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.quantization.gguf import GGUFWeight
 from model_server.loader import ModelLoadError, load_model_source
+from model_server.loader.gguf_file import read_gguf
 from model_server.models import build_model
 from model_server.sampling_params import SamplingParams
 from tests.loader.test_gguf_families import _expert_tensors, _gguf_name
@@ -45,9 +46,11 @@ _Q8_0 = gguf.GGMLQuantizationType.Q8_0
 _OPTS = {"kv_cache_memory": 16 * 1024**2, "max_model_len": MAX_MODEL_LEN, "seed": 0}
 
 
-def _hf_model(config_name: str) -> torch.nn.Module:
+def _hf_model(config_name: str, **overrides: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = FAMILY_CONFIGS["glm4"]() if config_name == "glm4" else moe.MOE_CONFIGS[config_name]()
+    if overrides:  # rebuilt, so that the sizes HF derives follow
+        config = type(config)(**{**config.to_dict(), **overrides})
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # HF inits these to constants: perturbed so that mix-ups show
         for pname, p in hf.named_parameters():
@@ -269,10 +272,15 @@ def test_q8_0_kept_quantized_matches_dequantized(name: str, tmp_path: Path) -> N
     greedy token and its logprob (to 2e-3) agree. Matrices stay GGUFWeights, rows permuted in
     their blocks where the model de-interleaves rope rows (GLM-4's q/k, DeepSeek's q and
     kv_a_proj_with_mqa); DeepSeek's kv_b_proj (read by the attention itself, absorbed into the
-    queries) is always a float tensor, and llama.cpp's Q8_0 attn_v_b merges into it."""
+    queries) is always a float tensor, merged from llama.cpp's Q8_0 attn_k_b / attn_v_b."""
     config_name, layout = CASES[name]
     path = tmp_path / f"{name}-q8_0.gguf"
-    _write_gguf(path, _hf_model(config_name), layout, qtype=_Q8_0)
+    # V3 with 32 nope dims per head, so that attn_k_b ([H, L, nope]) is Q8_0 too
+    overrides = {"qk_nope_head_dim": 32} if name == "deepseek_v3_split" else {}
+    _write_gguf(path, _hf_model(config_name, **overrides), layout, qtype=_Q8_0)
+    if name == "deepseek_v3_split":
+        types = {t.name: t.ggml_type for t in read_gguf(str(path)).tensors}
+        assert types["blk.1.attn_k_b.weight"] == types["blk.1.attn_v_b.weight"] == _Q8_0
     kept = LLM(str(path), dtype="float32", gguf_weights="quantized", **_OPTS)
     ref = LLM(str(path), dtype="float32", gguf_weights="dequantized", **_OPTS)
     model = kept.engine.core.model_runner.model
