@@ -33,16 +33,18 @@ from tests.models import test_parity_moe as moe
 from tests.models.test_parity_families import CONFIGS as FAMILY_CONFIGS
 from tests.models.test_parity_tiny import MAX_MODEL_LEN
 
-# Our name -> (HF config: MOE_CONFIGS / the families' glm4, how kv_b_proj is written).
-CASES: dict[str, tuple[str, str | None]] = {
+_F16, _Q8_0 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0
+# Our name -> (HF config: MOE_CONFIGS / the families' glm4, how kv_b_proj is written, the
+# matrices' type: F32 when None).
+CASES: dict[str, tuple[str, str | None, gguf.GGMLQuantizationType | None]] = {
     # V2: q without LoRA (V2-Lite), softmax group-limited routing, yarn with mscale
-    "deepseek_v2_split": ("deepseek_v2", "split"),
-    "deepseek_v2_kv_b": ("deepseek_v2", "kv_b"),
+    "deepseek_v2_split": ("deepseek_v2", "split", None),
+    "deepseek_v2_kv_b_f16": ("deepseek_v2", "kv_b", _F16),
     # V3: q LoRA, sigmoid routing with the correction bias, grouped top-k, norm_topk_prob
-    "deepseek_v3_split": ("deepseek_v3", "split"),
-    "glm4": ("glm4", None),
+    "deepseek_v3_split": ("deepseek_v3", "split", None),
+    "deepseek_v3_split_f16": ("deepseek_v3", "split", _F16),
+    "glm4": ("glm4", None, None),
 }
-_Q8_0 = gguf.GGMLQuantizationType.Q8_0
 _OPTS = {"kv_cache_memory": 16 * 1024**2, "max_model_len": MAX_MODEL_LEN, "seed": 0}
 
 
@@ -139,8 +141,8 @@ def _write_gguf(
     gating: gguf.ExpertGatingFuncType | None = None,
     head_size_keys: bool = True,
 ) -> None:
-    """`qtype`: every matrix whose rows hold whole 32-value blocks in that type (the others,
-    and the router, F32 as llama.cpp's quantizer leaves them); `drop`: GGUF names left out;
+    """`qtype`: F16 matrices, or every matrix whose rows hold whole 32-value blocks in that
+    type (the others, and the router, F32 as llama.cpp leaves them); `drop`: GGUF names left out;
     `gating`: deepseek2's expert_gating_func instead of the converter's; `head_size_keys`
     False: no per-head key/value sizes (the *_mla keys, or the older files' key/value_length)."""
     cfg = hf.config
@@ -187,12 +189,10 @@ def _write_gguf(
             if gguf_name in drop:
                 continue
             array = np.ascontiguousarray(data.numpy())
-            if (
-                qtype is not None
-                and array.ndim >= 2
-                and array.shape[-1] % 32 == 0
-                and "ffn_gate_inp" not in gguf_name
-            ):
+            matrix = array.ndim >= 2 and "ffn_gate_inp" not in gguf_name
+            if matrix and qtype == _F16:
+                w.add_tensor(gguf_name, array.astype(np.float16))
+            elif matrix and qtype is not None and array.shape[-1] % 32 == 0:
                 w.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
             else:
                 w.add_tensor(gguf_name, array)
@@ -204,10 +204,17 @@ def _write_gguf(
 
 @pytest.fixture(scope="module", params=list(CASES))
 def gguf_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    config_name, layout = CASES[request.param]
+    config_name, layout, qtype = CASES[request.param]
     hf = _hf_model(config_name)
+    if qtype == _F16:  # HF runs the weights the file holds (fp32 compute on both sides)
+        with torch.no_grad():
+            for pname, p in hf.named_parameters():
+                if p.dim() >= 2 and not pname.endswith("mlp.gate.weight"):
+                    p.copy_(p.half().float())
     path = tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf"
-    _write_gguf(path, hf, layout)
+    _write_gguf(path, hf, layout, qtype=qtype)
+    types = {t.name: t.ggml_type for t in read_gguf(str(path)).tensors}
+    assert types["blk.1.attn_output.weight"] == (qtype or gguf.GGMLQuantizationType.F32)
     source = load_model_source(str(path))
     assert source.format == "gguf"
     config = source.hf_config
@@ -266,19 +273,24 @@ def test_head_sizes_come_from_the_tensors_without_their_keys(layout: str, tmp_pa
 # ---- kept quantized ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2_kv_b", "deepseek_v3_split", "glm4"])
-def test_q8_0_kept_quantized_matches_dequantized(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("config_name", "layout"),
+    [("deepseek_v2", "kv_b"), ("deepseek_v3", "split"), ("glm4", None)],
+    ids=["deepseek_v2_kv_b", "deepseek_v3_split", "glm4"],
+)
+def test_q8_0_kept_quantized_matches_dequantized(
+    config_name: str, layout: str | None, tmp_path: Path
+) -> None:
     """One Q8_0 file, two layouts: fp32 activations, so only summation orders differ and every
     greedy token and its logprob (to 2e-3) agree. Matrices stay GGUFWeights, rows permuted in
     their blocks where the model de-interleaves rope rows (GLM-4's q/k, DeepSeek's q and
     kv_a_proj_with_mqa); DeepSeek's kv_b_proj (read by the attention itself, absorbed into the
     queries) is always a float tensor, merged from llama.cpp's Q8_0 attn_k_b / attn_v_b."""
-    config_name, layout = CASES[name]
-    path = tmp_path / f"{name}-q8_0.gguf"
+    path = tmp_path / "q8_0.gguf"
     # V3 with 32 nope dims per head, so that attn_k_b ([H, L, nope]) is Q8_0 too
-    overrides = {"qk_nope_head_dim": 32} if name == "deepseek_v3_split" else {}
+    overrides = {"qk_nope_head_dim": 32} if config_name == "deepseek_v3" else {}
     _write_gguf(path, _hf_model(config_name, **overrides), layout, qtype=_Q8_0)
-    if name == "deepseek_v3_split":
+    if config_name == "deepseek_v3":
         types = {t.name: t.ggml_type for t in read_gguf(str(path)).tensors}
         assert types["blk.1.attn_k_b.weight"] == types["blk.1.attn_v_b.weight"] == _Q8_0
     kept = LLM(str(path), dtype="float32", gguf_weights="quantized", **_OPTS)
@@ -287,7 +299,7 @@ def test_q8_0_kept_quantized_matches_dequantized(name: str, tmp_path: Path) -> N
     attn = model.model.layers[1].self_attn
     assert isinstance(model.lm_head.weight, GGUFWeight)
     assert isinstance(model.model.layers[0].mlp.gate_up_proj.weight, GGUFWeight)
-    if name == "glm4":
+    if config_name == "glm4":
         assert isinstance(attn.qkv_proj.weight, GGUFWeight)
     else:
         assert isinstance(attn.kv_a_proj_with_mqa.weight, GGUFWeight)
