@@ -29,9 +29,15 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "stablelm": ("stablelm", "StableLmForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "glm4": ("glm4", "Glm4ForCausalLM"),
+    # DeepSeek-V2 and V3 share one llama.cpp architecture: _deepseek2 tells them apart by the
+    # router's gating function (V3: sigmoid).
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 # Architectures whose files hold experts (stacked `ffn_*_exps` tensors) that we load.
-_MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
+_MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe", "deepseek2"})
+# gguf.ExpertGatingFuncType: llama.cpp's default for files without the key is softmax.
+_GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 # llama.cpp's Gemma 3 converter keeps neither the local layers' rope base nor their pattern in
 # the file (its runtime hard-codes both): HF's values for every released Gemma 3.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -82,7 +88,8 @@ def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
         "vocab_size": vocab_size,
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        # Multi-token-prediction layers (GLM-OCR, DeepSeek-V3.2 files) follow the decoder's.
+        "num_hidden_layers": int(key("block_count")) - int(key("nextn_predict_layers", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -101,7 +108,10 @@ def gguf_hf_config(gf: GGUFFile) -> transformers.PretrainedConfig:
     if rope_scaling is not None:
         kwargs["rope_scaling"] = rope_scaling
     if arch in _FAMILY_CONFIG:
-        _FAMILY_CONFIG[arch](gf, key, tensors, kwargs)
+        variant = _FAMILY_CONFIG[arch](gf, key, tensors, kwargs)
+        if variant is not None:  # one llama.cpp architecture for several HF ones
+            model_type, architecture = variant
+            kwargs["architectures"] = [architecture]
 
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config._name_or_path = gf.path
@@ -141,6 +151,10 @@ def _rope_scaling(
         original = md.get(f"{arch}.rope.scaling.original_context_length")
         if original:
             scaling["original_max_position_embeddings"] = int(original)
+        for beta in ("beta_fast", "beta_slow"):  # yarn's ramp ends, when not HF's 32 and 1
+            value = md.get(f"{arch}.rope.scaling.yarn_{beta}")
+            if kind == "yarn" and value:
+                scaling[beta] = float(value)
         return scaling
     if "rope_freqs.weight" in tensors:
         return _llama3_scaling(gf, tensors["rope_freqs.weight"], head_dim, theta)
@@ -334,6 +348,93 @@ def _qwen_moe(
         kw["norm_topk_prob"] = bool(key("expert_weights_norm", True))
 
 
+def _glm4(gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]) -> None:
+    # Stored as HF has it: llama.cpp's GLM-4 rope is the interleaved (GPT-J) one HF uses, so
+    # its converter does not permute q/k (models/glm4.py makes the neox layout at load).
+    _partial_rotary(key, kw)
+
+
+def _deepseek2(
+    gf: GGUFFile, key: _Key, tensors: dict[str, GGUFTensorInfo], kw: dict[str, Any]
+) -> tuple[str, str]:
+    """DeepSeek-V2 / V2-Lite / V3 / R1. Multi-head latent attention: llama.cpp's converter
+    writes the file as MQA over the latent since it splits kv_b_proj (head_count_kv 1,
+    key_length kv_lora_rank + rope dims, the real per-head sizes in key/value_length_mla);
+    older files with one attn_kv_b have head_count_kv = heads and the per-head sizes in
+    key/value_length. The rope dims are interleaved in the file as in HF's checkpoints (llama.cpp
+    rotates adjacent pairs for deepseek2): nothing to un-permute."""
+    heads = kw["num_attention_heads"]
+    rope = int(key("rope.dimension_count"))
+    qk_head_dim, v_head_dim = _mla_head_dims(key, tensors, heads, rope)
+    kw.pop("head_dim")  # HF derives it (the rope dims)
+    kw.update(
+        num_key_value_heads=heads,
+        q_lora_rank=int(key("attention.q_lora_rank", 0)) or None,  # V2-Lite: a plain q_proj
+        kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=qk_head_dim - rope,
+        v_head_dim=v_head_dim,
+        attention_bias="blk.0.attn_kv_a_mqa.bias" in tensors,
+        n_routed_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        n_shared_experts=int(key("expert_shared_count", 0)),
+        first_k_dense_replace=int(key("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(key("expert_weights_scale", 0.0)) or 1.0,
+        # written only when true by today's converter
+        norm_topk_prob=bool(key("expert_weights_norm", False)),
+        n_group=int(key("expert_group_count", 1)),
+        topk_group=int(key("expert_group_used_count", 1)),
+    )
+    scaling = kw.get("rope_scaling")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        # llama.cpp keeps only 0.1 * mscale_all_dim (yarn_log_multiplier) and takes HF's mscale
+        # to equal it (every released config): cos/sin unscaled, softmax scale times
+        # mscale(factor, mscale_all_dim)^2. Without the key it scales neither.
+        log_mul = key("rope.scaling.yarn_log_multiplier", None)
+        if log_mul:
+            scaling["mscale"] = scaling["mscale_all_dim"] = round(10 * float(log_mul), 6)
+        else:
+            scaling["attention_factor"] = 1.0
+    gating = int(key("expert_gating_func", _GATING_SOFTMAX))
+    has_bias = any(name.endswith(".exp_probs_b.bias") for name in tensors)
+    if gating == _GATING_SIGMOID:  # V3: sigmoid scores, correction bias, grouped top-k
+        return "deepseek_v3", "DeepseekV3ForCausalLM"
+    if gating != _GATING_SOFTMAX or has_bias:
+        raise ModelLoadError(
+            f"{gf.path}: deepseek2 GGUF with expert_gating_func {gating}"
+            f"{' and an expert correction bias (exp_probs_b)' if has_bias else ''} is not "
+            "supported (DeepSeek-V2: softmax without a bias; V3: sigmoid with one)"
+        )
+    # V2: the groups (V2 and V2.5: 8, 3 used) limit the softmax top-k; V2-Lite has none
+    kw["topk_method"] = "group_limited_greedy" if kw["n_group"] > 1 else "greedy"
+    return "deepseek_v2", "DeepseekV2ForCausalLM"
+
+
+def _mla_head_dims(
+    key: _Key, tensors: dict[str, GGUFTensorInfo], heads: int, rope: int
+) -> tuple[int, int]:
+    """(qk_nope + qk_rope, v) per head: from key/value_length_mla (today's files), else from
+    key/value_length (older ones), else from the tensors' shapes (q_b / q rows are heads x
+    (nope + rope); kv_b's heads x (nope + v); attn_v_b is [heads, v, L])."""
+    q = tensors.get("blk.0.attn_q_b.weight") or tensors.get("blk.0.attn_q.weight")
+    kv_b, v_b = tensors.get("blk.0.attn_kv_b.weight"), tensors.get("blk.0.attn_v_b.weight")
+    qk_head_dim = int(key("attention.key_length_mla", 0))
+    if not qk_head_dim and q is not None and (kv_b is None and v_b is not None):
+        qk_head_dim = q.shape[0] // heads  # split, yet no *_mla keys: key_length is the latent's
+    if not qk_head_dim:
+        qk_head_dim = int(key("attention.key_length", q.shape[0] // heads if q else ...))
+    if v_b is not None:
+        v_rows = v_b.shape[-2] if len(v_b.shape) == 3 else v_b.shape[0] // heads
+        v_head_dim = int(key("attention.value_length_mla", v_rows))
+    elif key("attention.value_length_mla", None) is not None:
+        v_head_dim = int(key("attention.value_length_mla"))
+    else:
+        v_rows = kv_b.shape[0] // heads - (qk_head_dim - rope) if kv_b else ...
+        v_head_dim = int(key("attention.value_length", v_rows))
+    return qk_head_dim, v_head_dim
+
+
 _FAMILY_CONFIG: dict[str, Any] = {
     "phi2": _phi2,
     "phi3": _phi3,
@@ -343,4 +444,6 @@ _FAMILY_CONFIG: dict[str, Any] = {
     "stablelm": _stablelm,
     "qwen2moe": _qwen_moe,
     "qwen3moe": _qwen_moe,
+    "glm4": _glm4,
+    "deepseek2": _deepseek2,
 }

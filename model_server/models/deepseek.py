@@ -42,6 +42,7 @@ from model_server.layers.attention.mla import MLAAttention
 from model_server.layers.fused_moe import FusedMoE, grouped_topk
 from model_server.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_server.layers.norm import RMSNorm
+from model_server.layers.quantization.gguf import GGUFTensor
 from model_server.layers.rotary import get_rope, rope_parameters_from_config
 from model_server.layers.rotary_yarn import (
     ScaledRotaryEmbedding,
@@ -294,20 +295,24 @@ class DeepseekForCausalLM(MoECausalLM):
         return match is not None and int(match.group(1)) >= self.config.num_hidden_layers
 
     def transform_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """De-interleave the rope rows (see the module doc) of q and of kv_a_proj_with_mqa."""
+        """De-interleave the rope rows (see the module doc) of q and of kv_a_proj_with_mqa: a
+        row gather, so a GGUF matrix kept quantized (whole rows of blocks) takes it too."""
         if not _rope_interleaved(self.config):
             return tensor
         rope = self.config.qk_rope_head_dim
         perm = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
         if name.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            per_head = self.config.qk_nope_head_dim + rope
-            t = tensor.view(-1, per_head, *tensor.shape[1:]).clone()
             nope = self.config.qk_nope_head_dim
-            t[:, nope:] = t[:, nope:][:, perm]
-            return t.view(tensor.shape)
+            index = torch.arange(tensor.shape[0]).view(-1, nope + rope)
+            index[:, nope:] = index[:, nope:][:, perm]
+            return _gather_rows(tensor, index.reshape(-1))
         if name.endswith(("self_attn.kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias")):
-            t = tensor.clone()
             lora = self.config.kv_lora_rank
-            t[lora:] = tensor[lora:][perm]
-            return t
+            return _gather_rows(tensor, torch.cat((torch.arange(lora), lora + perm)))
         return tensor
+
+
+def _gather_rows(tensor: torch.Tensor | GGUFTensor, index: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, GGUFTensor):  # --gguf-weights quantized
+        return tensor.permute_rows(index)  # type: ignore[return-value]
+    return tensor[index]

@@ -19,6 +19,7 @@ from torch import nn
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.norm import RMSNorm
+from model_server.layers.quantization.gguf import GGUFTensor
 from model_server.layers.rotary import get_rope, rope_parameters_from_config
 from model_server.models.decoder_parts import (
     DecoderLayer,
@@ -38,9 +39,12 @@ _NORM_NAMES = (
 )
 
 
-def interleaved_to_neox(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+def interleaved_to_neox(
+    rows: torch.Tensor | GGUFTensor, head_dim: int, rotary_dim: int
+) -> torch.Tensor:
     """Permute the output rows ([heads * head_dim, ...]) of a q or k projection so that each
-    head's rotary dims (0, 2, 4, ... then 1, 3, 5, ...) pair as neox halves."""
+    head's rotary dims (0, 2, 4, ... then 1, 3, 5, ...) pair as neox halves. A row gather, so a
+    GGUF matrix kept quantized (whole rows of blocks) takes it too."""
     perm = torch.cat(
         (
             torch.arange(0, rotary_dim, 2),
@@ -49,8 +53,10 @@ def interleaved_to_neox(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> t
         )
     )
     heads = rows.shape[0] // head_dim
-    shaped = rows.reshape(heads, head_dim, *rows.shape[1:])
-    return shaped[:, perm].reshape(rows.shape)
+    index = (torch.arange(heads)[:, None] * head_dim + perm).reshape(-1)
+    if isinstance(rows, GGUFTensor):  # --gguf-weights quantized
+        return rows.permute_rows(index)  # type: ignore[return-value]
+    return rows[index]
 
 
 class Glm4Model(DecoderModel):

@@ -227,30 +227,27 @@ def test_chunked_prefill_and_mixed_batch_match_hf(pair: Pair) -> None:
 
 
 def test_moe_gguf_files_are_refused_in_one_line(tmp_path: Path) -> None:
-    """GGUF MoE files we do not load: Mixtral's (arch "llama" with expert tensors) and
-    DeepSeek-V2/V3's are refused clearly, not loaded as something else (Qwen2/3-MoE files load:
-    tests/loader/test_gguf_families.py)."""
+    """GGUF MoE files we do not load: Mixtral's (arch "llama" with expert tensors) are refused
+    clearly, not loaded as something else (Qwen2/3-MoE files load:
+    tests/loader/test_gguf_families.py; DeepSeek-V2/V3's: test_gguf_deepseek_glm4.py)."""
     import gguf
 
     from model_server.loader import ModelLoadError, load_model_source
 
-    for arch, extra in (("llama", 8), ("deepseek2", 0)):
-        path = tmp_path / f"{arch}.gguf"
-        writer = gguf.GGUFWriter(str(path), arch)
-        writer.add_block_count(1)
-        writer.add_embedding_length(16)
-        writer.add_feed_forward_length(32)
-        writer.add_head_count(2)
-        if extra:
-            writer.add_expert_count(extra)
-            writer.add_expert_used_count(2)
-        writer.add_tensor("token_embd.weight", torch.zeros(8, 16).numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with pytest.raises(ModelLoadError) as info:
-            load_model_source(str(path))
-        message = str(info.value)
-        assert "\n" not in message
-        assert ("8 experts" in message) if extra else ("'deepseek2' is not supported" in message)
+    path = tmp_path / "llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(2)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 16).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as info:
+        load_model_source(str(path))
+    message = str(info.value)
+    assert "\n" not in message and "8 experts" in message
