@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepOutput:
-    logits: torch.Tensor | None  # [N, vocab] float32 on rank 0 when N > 0, else None
+    logits: torch.Tensor | None  # [N, vocab], the model's dtype, on rank 0 when N > 0; else None
     sample_indices: list[int]  # row j of logits belongs to chunk sample_indices[j]
 
 
