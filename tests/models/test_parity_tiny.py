@@ -314,7 +314,7 @@ def test_dummy_weights_and_bf16_build() -> None:
     harness = PagedHarness(model)
     harness.kv_caches = [c.to(torch.bfloat16) for c in harness.kv_caches]
     logits = harness.last_logits([(Seq(_prompt(6, seed=8)), 6)])
-    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()  # the model's dtype
 
 
 def test_rope_config_conventions() -> None:
