@@ -1,6 +1,7 @@
 """GPTQ and AWQ mixture-of-experts checkpoints served with the experts kept quantized, through
-the whole engine (`LLM`): tiny random Mixtral and Qwen2-MoE models saved by transformers, then
-quantized by `wick quantize` (GPTQ w4 g32 symmetric, asymmetric with act-order, AWQ w4 g32),
+the whole engine (`LLM`): tiny random Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2 models
+saved by transformers, then quantized by `wick quantize` (GPTQ w4 g32 symmetric, asymmetric
+with act-order, AWQ w4 g32),
 against the same model saved as float with every quantized matrix replaced by its reference
 dequantization (tests/layers/quantization/checkpoints.py, code by code from the format). The
 logprobs of 32 greedy tokens agree to float rounding and the tokens are equal; the experts hold
@@ -56,6 +57,14 @@ CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         shared_expert_intermediate_size=64,
         norm_topk_prob=False,
         mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
     ),
     # MLA attention (its projections quantized too; kv_b_proj dequantized at load, the rope
     # rows of q and kv_a de-interleaved in the packed layout), a dense first layer, shared
@@ -148,7 +157,8 @@ def float_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _check_layout(model: torch.nn.Module, name: str, fmt: Format) -> None:
     config = CONFIGS[name]()
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    assert len(experts) == (2 if name == "mixtral" else 1)  # the others: one dense layer
+    dense = {"qwen2_moe": 1, "deepseek_v2": 1}.get(name, 0)  # mlp_only_layers, first_k_dense
+    assert len(experts) == 2 - dense
     h = config.hidden_size
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     num_experts = next(
