@@ -42,8 +42,8 @@ from model_server.layers.attention.mla import MLAAttention
 from model_server.layers.fused_moe import FusedMoE, grouped_topk
 from model_server.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_server.layers.norm import RMSNorm
-from model_server.layers.quantization.gguf import GGUFTensor
 from model_server.layers.quantization.base import linear_quant_method
+from model_server.layers.quantization.gguf import GGUFTensor
 from model_server.layers.quantization.wna16 import WNA16Config, WNA16Weight
 from model_server.layers.rotary import get_rope, rope_parameters_from_config
 from model_server.layers.rotary_yarn import (
