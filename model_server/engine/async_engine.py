@@ -105,6 +105,12 @@ class EngineClient(ABC):
         return None
 
     @property
+    def kv_cache_dtype(self) -> str | None:
+        """The KV cache's dtype once it is allocated (`--kv-cache-dtype` resolved: "bfloat16",
+        "int8", "fp8_e4m3", ...); None before."""
+        return None
+
+    @property
     def is_ready(self) -> bool:
         return self.phase is EnginePhase.READY
 
@@ -251,6 +257,7 @@ class AsyncLLM(EngineClient):
         self._tokenizer: Any = None
         self._max_model_len: int | None = None
         self._quantization: str | None = None
+        self._kv_cache_dtype: str | None = None
         self._phase = EnginePhase.LOADING
         self._error: str | None = None
         self._accepting = True
@@ -290,6 +297,10 @@ class AsyncLLM(EngineClient):
     @property
     def quantization(self) -> str | None:
         return self._quantization
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        return self._kv_cache_dtype
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -515,6 +526,7 @@ class AsyncLLM(EngineClient):
                 set_model_info(self._quantization)
         info = getattr(engine, "cache_config_info", None)  # test doubles may have none
         if info is not None:
+            self._kv_cache_dtype = info.cache_dtype
             record_cache_config(self.stat_loggers, info)
         logger.info("model loaded in %.1fs", time.perf_counter() - start)
 

@@ -95,7 +95,14 @@ def _quantize(args: argparse.Namespace) -> int:
 
     source = load_model_source(args.model, revision=args.revision)
     folder = write_quantized_folder(
-        source, args.output, args.method, args.bits, args.group_size, not args.asym
+        source,
+        args.output,
+        args.method,
+        args.bits,
+        args.group_size,
+        not args.asym,
+        desc_act=args.desc_act,
+        modules_to_not_convert=args.modules_to_not_convert or (),
     )
     sys.stdout.write(f"{folder}\n")
     return 0
@@ -172,7 +179,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help="Write a GPTQ- or AWQ-format HF folder of a model (round-to-nearest, no "
         "calibration), which `serve --model FOLDER` serves kept quantized.",
         description="Quantize the decoder layers' projections of --model (default: the "
-        "embedded SmolLM2-135M) per group of input features, round-to-nearest, and write them "
+        "embedded SmolLM2-135M), and a mixture-of-experts model's experts one by one, per group "
+        "of input features, round-to-nearest, and write them "
         "as AutoGPTQ (checkpoint_format gptq) or AutoAWQ (GEMM) store them, with the other "
         "tensors in float16, config.json's quantization_config and the tokenizer. No "
         "calibration data: quality is below the real tools'; meant for benchmarks and tests.",
@@ -189,6 +197,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     quant.add_argument(
         "--asym", action="store_true", help="gptq: zero points per group (awq always has them)."
+    )
+    quant.add_argument(
+        "--desc-act",
+        action="store_true",
+        help="gptq: act-order (g_idx); without calibration a fixed pseudo-random order per "
+        "input, for trying the permuted path.",
+    )
+    quant.add_argument(
+        "--modules-to-not-convert",
+        action="append",
+        metavar="NAME",
+        help="Leave the modules matching NAME in float (repeatable; recorded in the config as "
+        "the tools do).",
     )
     quant.set_defaults(func=_quantize)
 

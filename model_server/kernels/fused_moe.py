@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from model_server.kernels.attention_tile import dot_config
+from model_server.kernels.fused_moe_torch import fused_experts_grouped
 
 if TYPE_CHECKING:
     from model_server.kernels.table import KernelTable
@@ -162,7 +163,12 @@ def fused_experts_triton(
     block_m: int = 16,
 ) -> torch.Tensor:
     """The `KernelTable.fused_experts` contract (kernels/fused_moe_torch.py) in two grouped
-    Triton GEMMs; the activation is the table's `silu_and_mul`."""
+    Triton GEMMs; the activation is the table's `silu_and_mul`. Experts kept quantized (GPTQ,
+    AWQ: not a float tensor) run grouped per expert through the table's Triton `wna16_linear`
+    (`fused_experts_grouped`: it reads each expert's token count on the host, so such models
+    run decode steps eagerly, see `MoECausalLM.supports_graphs`)."""
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        return fused_experts_grouped(x, w13, w2, topk_weights, topk_ids, kernels)
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k

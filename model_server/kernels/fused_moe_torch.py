@@ -12,16 +12,28 @@ intermediate dim and the caller all-reduces):
 two matmuls run once per step over all of its tokens (a [n_e, H] block, not n_e single rows),
 then puts the weighted rows back in (token, slot) order and sums each token's k rows in float32
 (transformers' loop adds them in expert order in the activation dtype: equal to fp32 rounding).
+
+w13 / w2 may also be a GPTQ / AWQ checkpoint's experts kept quantized (layers/quantization/
+wna16_moe.py `WNA16Experts`, with the same (E, N, K) `shape`): each expert's matmul is then
+their `expert_linear`, the table's `wna16_linear` on that expert's codes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from model_server.kernels.table import KernelTable
+
+
+def expert_linear(x: torch.Tensor, w: Any, expert: int, kernels: KernelTable) -> torch.Tensor:
+    """x [M, K] @ W_expert^T -> [M, N]: a stacked float weight [E, N, K] through the table's
+    `linear`, or stacked quantized experts through their own `expert_linear`."""
+    if isinstance(w, torch.Tensor):
+        return kernels.linear(x, w[expert], None)
+    return w.expert_linear(expert, x, kernels)
 
 
 def sort_by_expert(
@@ -37,8 +49,8 @@ def sort_by_expert(
 
 def fused_experts_grouped(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Any,
+    w2: Any,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     kernels: KernelTable,
@@ -56,8 +68,8 @@ def fused_experts_grouped(
         if n == 0:
             continue
         rows = xs[start : start + n]
-        h = kernels.silu_and_mul(kernels.linear(rows, w13[expert], None))  # [n, I]
-        ys[start : start + n] = kernels.linear(h, w2[expert], None)  # [n, H]
+        h = kernels.silu_and_mul(expert_linear(rows, w13, expert, kernels))  # [n, I]
+        ys[start : start + n] = expert_linear(h, w2, expert, kernels)  # [n, H]
         start += n
     weights = topk_weights.reshape(-1).index_select(0, order)  # [T*k] float32
     # Back to (token, slot) order and summed over the k slots in float32. Not index_add_: on
@@ -69,8 +81,8 @@ def fused_experts_grouped(
 
 def fused_experts_per_token(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Any,
+    w2: Any,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     kernels: KernelTable,
@@ -83,7 +95,7 @@ def fused_experts_per_token(
         row = x[t : t + 1]
         acc = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
         for j, expert in enumerate(ids[t]):
-            h = kernels.silu_and_mul(kernels.linear(row, w13[expert], None))
-            acc += kernels.linear(h, w2[expert], None).float() * topk_weights[t, j]
+            h = kernels.silu_and_mul(expert_linear(row, w13, expert, kernels))
+            acc += expert_linear(h, w2, expert, kernels).float() * topk_weights[t, j]
         out[t] = acc[0].to(x.dtype)
     return out

@@ -104,8 +104,7 @@ class LinearBase(nn.Module):
         if self.quant_method is not None:
             self.quant_method.create_weights(self)
         else:
-            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-            self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            self.make_float_weights()
         if bias:
             self.bias: nn.Parameter | None = nn.Parameter(
                 torch.empty(output_size), requires_grad=False
@@ -113,6 +112,18 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
+
+    def make_float_weights(self) -> None:
+        """A float `weight` [output_size, input_size] (also in place of a quantized
+        checkpoint's tensors, for a layer it left unquantized: `modules_to_not_convert`)."""
+        for name in [n for n in self._parameters if n != "bias"]:
+            del self._parameters[name]
+        self.__dict__.pop("_g_idx_parts", None)
+        self.quant_method = None
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size, self.input_size), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)

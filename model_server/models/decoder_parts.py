@@ -289,9 +289,11 @@ class CheckpointLoading:
         tensor: torch.Tensor,
         loaded: set[str],
         loaded_shards: dict[str, set[Any]],
+        checkpoint_name: str | None = None,
     ) -> bool:
         """Load a tensor the stacking table does not describe (the MoE experts); True when it
-        was one. Whole params go into `loaded`, shards of one into `loaded_shards[target]`."""
+        was one. Whole params go into `loaded`, shards of one into `loaded_shards[target]`.
+        `name` is after `CHECKPOINT_RENAMES`; `checkpoint_name` as the checkpoint has it."""
         return False
 
     def expected_shards(self, target: str, modules: dict[str, nn.Module]) -> set[Any]:
@@ -313,10 +315,11 @@ class CheckpointLoading:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied to model.embed_tokens.weight
+            original = name
             for old, new in self.CHECKPOINT_RENAMES:
                 name = name.replace(old, new)
             tensor = self.transform_weight(name, tensor)
-            if self.load_special_weight(params, name, tensor, loaded, loaded_shards):
+            if self.load_special_weight(params, name, tensor, loaded, loaded_shards, original):
                 continue
             for fused, part, shard_id in self.STACKED_PARAMS:
                 if part not in name:
@@ -337,7 +340,14 @@ class CheckpointLoading:
         missing = sorted(set(params) - loaded)
         if missing:
             partial = {t: sorted(map(str, s)) for t, s in loaded_shards.items() if t in missing}
-            detail = f" (fused params with only shards {partial})" if partial else ""
+            absent = {
+                t: sorted(map(str, self.expected_shards(t, modules) - s))
+                for t, s in loaded_shards.items()
+                if t in missing
+            }
+            detail = (
+                f" (fused params with only shards {partial}; missing {absent})" if partial else ""
+            )
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing)}{detail}")
         return loaded
 

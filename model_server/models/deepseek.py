@@ -42,7 +42,9 @@ from model_server.layers.attention.mla import MLAAttention
 from model_server.layers.fused_moe import FusedMoE, grouped_topk
 from model_server.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_server.layers.norm import RMSNorm
+from model_server.layers.quantization.base import linear_quant_method
 from model_server.layers.quantization.gguf import GGUFTensor
+from model_server.layers.quantization.wna16 import WNA16Config, WNA16Weight
 from model_server.layers.rotary import get_rope, rope_parameters_from_config
 from model_server.layers.rotary_yarn import (
     ScaledRotaryEmbedding,
@@ -66,7 +68,9 @@ def _rope_interleaved(config: Any) -> bool:
 class KVBProj(nn.Module):
     """kv_b_proj's weight, this rank's heads: [H_local * (Dn + Dv), L]. Not a linear layer: MLA
     reads the matrix itself (absorbed into the query for decodes), so it is neither tuned nor
-    quantized."""
+    kept quantized: a GPTQ / AWQ checkpoint's kv_b_proj is loaded as such (the loaders of
+    layers/quantization/wna16.py, this object answering where its rows lie as a column-parallel
+    layer does) and dequantized into the float weight after loading (`quant_method`)."""
 
     def __init__(self, kv_lora_rank: int, num_heads: int, per_head: int) -> None:
         super().__init__()
@@ -74,10 +78,25 @@ class KVBProj(nn.Module):
         self.local_heads = divide(num_heads, tp_size, "num_attention_heads")
         self.rows_total = num_heads * per_head
         self.row_start = get_tensor_model_parallel_rank() * self.local_heads * per_head
+        self.output_size = self.local_heads * per_head
+        self.input_size = kv_lora_rank
+        self.dtype = torch.get_default_dtype()
+        quant = linear_quant_method()
+        self.quant_method: _DequantizedAfterLoading | None = None
+        if isinstance(quant, WNA16Config):
+            self.quant_method = _DequantizedAfterLoading(quant)
+            quant.create_weights(self)
+            return
         self.weight = nn.Parameter(
             torch.empty(self.local_heads * per_head, kv_lora_rank), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def input_shard(self) -> tuple[int, int, int]:
+        return 0, self.input_size, self.input_size
+
+    def output_shard(self, shard_id: int | str | None = None) -> tuple[int, int, int, int]:
+        return 0, self.output_size, self.row_start, self.rows_total
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         expected = (self.rows_total, param.shape[1])
@@ -86,6 +105,32 @@ class KVBProj(nn.Module):
                 f"kv_b_proj: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}"
             )
         param.data.copy_(loaded[self.row_start : self.row_start + param.shape[0]])
+
+
+class _DequantizedAfterLoading:
+    """kv_b_proj of a GPTQ / AWQ checkpoint: repacked as a linear layer's, then dequantized
+    into the float `weight` MLA reads."""
+
+    def __init__(self, config: WNA16Config) -> None:
+        self.config = config
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.config.process_weights_after_loading(layer)
+        weight = layer.weight.dequantize(layer.dtype)
+        del layer.weight
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def _deinterleave_rows(weight: WNA16Weight, per_head: int, rope: int) -> None:
+    """Apply the rope de-interleave (module doc) to the output rows of a quantized q / q_b /
+    kv_a projection: the last `rope` rows of each `per_head` block (the wNa16 layout is one row
+    of codes, scales and offsets per output feature)."""
+    perm = torch.cat((torch.arange(0, rope, 2), torch.arange(1, rope, 2)))
+    rows = torch.arange(weight.shape[0]).view(-1, per_head)
+    rows[:, per_head - rope :] = rows[:, per_head - rope :][:, perm]
+    order = rows.flatten().to(weight.codes.device)
+    for tensor in (weight.codes, weight.scales, weight.offsets):
+        tensor.data = tensor.data.index_select(0, order)
 
 
 class DeepseekAttention(nn.Module):
@@ -232,13 +277,6 @@ class DeepseekForCausalLM(MoECausalLM):
         max_model_len: int | None = None,
         kernels: KernelTable | None = None,
     ) -> None:
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(
-                f"{config.model_type}: checkpoint quantization {method!r} is not supported "
-                "(load a bf16/fp16 checkpoint)"
-            )
         extra = {} if kernels is None else {"kernels": kernels}
         super().__init__(config, attn_backend, max_model_len, **extra)
 
@@ -293,6 +331,22 @@ class DeepseekForCausalLM(MoECausalLM):
     def skip_weight(self, name: str) -> bool:
         match = _LAYER_RE.match(name)
         return match is not None and int(match.group(1)) >= self.config.num_hidden_layers
+
+    def process_weights_after_loading(self) -> None:
+        """The rope de-interleave of `transform_weight`, for the q and kv_a projections a GPTQ /
+        AWQ checkpoint keeps quantized (once repacked)."""
+        if not _rope_interleaved(self.config):
+            return
+        c = self.config
+        rope = c.qk_rope_head_dim
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            q = attn.q_proj if attn.q_lora_rank is None else attn.q_b_proj
+            if isinstance(q.weight, WNA16Weight):
+                _deinterleave_rows(q.weight, c.qk_nope_head_dim + rope, rope)
+            kv_a = attn.kv_a_proj_with_mqa
+            if isinstance(kv_a.weight, WNA16Weight):
+                _deinterleave_rows(kv_a.weight, c.kv_lora_rank + rope, rope)
 
     def transform_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """De-interleave the rope rows (see the module doc) of q and of kv_a_proj_with_mqa: a

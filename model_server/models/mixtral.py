@@ -20,6 +20,7 @@ from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.fused_moe import FusedMoE, softmax_topk
 from model_server.layers.linear import ReplicatedLinear
+from model_server.layers.quantization.base import building_quantized_linears
 from model_server.layers.rotary import get_rope
 from model_server.models.llama import LlamaAttention, get_head_dim, get_num_kv_heads
 from model_server.models.moe_decoder import MoECausalLM
@@ -40,7 +41,9 @@ class SparseMoEBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, kernels=kernels)
+        # The router stays float in GPTQ / AWQ checkpoints (the tools never quantize it).
+        with building_quantized_linears(None):
+            self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, kernels=kernels)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, kernels=kernels)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,8 +29,9 @@ from model_server.models.decoder_parts import (
     param_for,
 )
 
-# `...experts.<id>.<proj>.weight` of per-expert checkpoints (Qwen, DeepSeek; Mixtral's w1/w3/w2).
-_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# `...experts.<id>.<proj>.weight` of per-expert checkpoints (Qwen, DeepSeek; Mixtral's w1/w3/w2),
+# or a GPTQ / AWQ checkpoint's `.qweight`, `.qzeros`, `.scales`, `.g_idx` of that projection.
+_EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|qweight|qzeros|scales|g_idx)$")
 # `...experts.<proj>.weight` holding every expert, [num_experts, ...] (GGUF files' `ffn_*_exps`).
 _STACKED_EXPERT_RE = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_SHARDS = {
@@ -154,10 +155,11 @@ class MoECausalLM(CheckpointLoading, nn.Module):
         tensor: torch.Tensor,
         loaded: set[str],
         loaded_shards: dict[str, set[Any]],
+        checkpoint_name: str | None = None,
     ) -> bool:
-        """The experts, into the stacked w13 / w2 params: one expert's projection at a time,
-        transformers 5's stacked gate_up / down, or one tensor per projection holding every
-        expert (GGUF's `ffn_*_exps`)."""
+        """The experts, into the stacked w13 / w2 params: one expert's projection at a time
+        (float, or a GPTQ / AWQ checkpoint's tensors of it), transformers 5's stacked gate_up /
+        down, or one tensor per projection holding every expert (GGUF's `ffn_*_exps`)."""
         if (match := _STACKED_EXPERT_RE.match(name)) and tensor.dim() == 3:
             prefix, shard = match.groups()
             shard_id = _EXPERT_SHARDS[shard]
@@ -168,12 +170,15 @@ class MoECausalLM(CheckpointLoading, nn.Module):
                 loaded_shards.setdefault(target, set()).add((expert, shard_id))
             return True
         if (match := _EXPERT_RE.match(name)) and match.group(3) in _EXPERT_SHARDS:
-            prefix, expert, shard = match.group(1), int(match.group(2)), match.group(3)
+            prefix, expert, shard, kind = match.groups()
             shard_id = _EXPERT_SHARDS[shard]
-            target = f"{prefix}.{'w2_weight' if shard_id == DOWN else 'w13_weight'}"
-            param = param_for(params, target, name)
-            param.weight_loader(param, tensor, shard_id, expert)  # type: ignore[attr-defined]
-            loaded_shards.setdefault(target, set()).add((expert, shard_id))
+            # w13_weight / w2_weight, or a quantized checkpoint's w13_qweight, w2_scales, ...
+            target = f"{prefix}.{'w2' if shard_id == DOWN else 'w13'}_{kind}"
+            param = param_for(params, target, checkpoint_name or name)
+            param.weight_loader(  # type: ignore[attr-defined]
+                param, tensor, shard_id, int(expert), checkpoint_name=checkpoint_name or name
+            )
+            loaded_shards.setdefault(target, set()).add((int(expert), shard_id))
             return True
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             prefix, part = name.rsplit(".", 1)
@@ -184,9 +189,17 @@ class MoECausalLM(CheckpointLoading, nn.Module):
             return True
         return False
 
+    @property
+    def supports_graphs(self) -> bool:
+        """Whether decode steps may be captured as device graphs: not with experts kept
+        quantized, whose grouped path reads each expert's token count on the host."""
+        return not any(
+            isinstance(m, FusedMoE) and m.quant_method is not None for m in self.modules()
+        )
+
     def expected_shards(self, target: str, modules: dict[str, nn.Module]) -> set[Any]:
         owner = modules.get(target.rsplit(".", 1)[0])
         if isinstance(owner, FusedMoE):
-            parts = (DOWN,) if target.endswith("w2_weight") else (GATE, UP)
+            parts = (DOWN,) if target.rsplit(".", 1)[1].startswith("w2_") else (GATE, UP)
             return {(e, p) for e in range(owner.num_experts) for p in parts}
         return super().expected_shards(target, modules)

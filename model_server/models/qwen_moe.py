@@ -23,6 +23,7 @@ from model_server.distributed.partition import divide
 from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.linear import ReplicatedLinear
+from model_server.layers.quantization.base import building_quantized_linears
 from model_server.layers.rotary import get_rope
 from model_server.models.llama import LlamaAttention, LlamaMLP, get_head_dim
 from model_server.models.mixtral import SparseMoEBlock, check_attention_split
@@ -47,9 +48,10 @@ class QwenMoEBlock(SparseMoEBlock):
             self.shared_expert = LlamaMLP(
                 config.hidden_size, shared, config.hidden_act, bias=False, kernels=kernels
             )
-            self.shared_expert_gate = ReplicatedLinear(
-                config.hidden_size, 1, bias=False, kernels=kernels
-            )
+            with building_quantized_linears(None):  # float, like the router
+                self.shared_expert_gate = ReplicatedLinear(
+                    config.hidden_size, 1, bias=False, kernels=kernels
+                )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

@@ -20,6 +20,7 @@ from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.quantization.base import building_quantized_linears
 from model_server.layers.quantization.wna16 import checkpoint_quantization
+from model_server.models.quantization import keep_float_modules
 
 # architecture -> (module under model_server.models, class name); imported on first use.
 _MODELS: dict[str, tuple[str, str]] = {
@@ -96,6 +97,8 @@ def build_model(
     try:
         with torch.device(device), building_quantized_linears(quant):
             model = cls(config, attn_backend, max_model_len=max_model_len, kernels=kernels)
+            if quant is not None and quant.modules_to_not_convert:
+                keep_float_modules(model, quant.modules_to_not_convert)
     finally:
         torch.set_default_dtype(previous)
     if quant is not None:

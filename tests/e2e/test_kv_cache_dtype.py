@@ -1,7 +1,7 @@
 """The real model server with `--kv-cache-dtype int8` (subprocess, embedded SmolLM2, the CPU's
 native attention kernel on codes + scales), driven by the openai client: answers, streams, the
-cache's dtype and its ~3.8x the blocks of the fp32 cache in the startup log and in
-`vllm:cache_config_info`, every block back after the requests."""
+cache's dtype (in /v1/models too) and its ~3.8x the blocks of the fp32 cache in the startup log
+and in `vllm:cache_config_info`, every block back after the requests."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def test_int8_kv_cache_server(tmp_path: Path) -> None:
         server.wait_ready()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
+        # The model card says which cache is in use, beside the weights' quantization.
+        card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+        assert card["kv_cache_dtype"] == "int8" and card["quantization"] is None
         answer = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "What is the capital of France?"}],

@@ -60,6 +60,7 @@ def test_health_version_models(api: AppClient) -> None:
     assert card["id"] == MODEL_NAME and card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
     assert card["quantization"] is None  # float weights
+    assert card["kv_cache_dtype"] in ("float32", "bfloat16")  # auto: the model's dtype
 
 
 def test_models_root_is_the_model_path(api: AppClient, tiny_config: Path) -> None:

@@ -3,11 +3,14 @@ reference, transformers' own expert loop, and the Triton grouped-GEMM kernel (un
 TRITON_INTERPRET=1 on CPUs), on the same random experts and routings.
 
 Routings include experts that get no token, one that gets most of them, and T = 1 (a decode).
+GPTQ/AWQ experts kept quantized run on the triton table per expert through its wNa16 kernel.
 fp32 results agree to fp32 rounding (the sums run in another order); the Triton kernel's
 alignment puts every pair in exactly one padded tile of its own expert.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,8 +24,11 @@ from model_server.kernels.fused_moe_torch import (
     fused_experts_per_token,
     sort_by_expert,
 )
-from model_server.kernels.table import TORCH_KERNELS
+from model_server.kernels.portable import pack_int4
+from model_server.kernels.table import TORCH_KERNELS, triton_kernels
+from model_server.kernels.wna16_linear import wna16_linear
 from model_server.layers.fused_moe import FusedMoE, grouped_topk, softmax_topk
+from model_server.layers.quantization.wna16_moe import WNA16Experts
 
 pytestmark = pytest.mark.kernels
 
@@ -150,3 +156,38 @@ def test_deepseek_v3_routing_uses_bias_to_choose_and_scores_to_weigh() -> None:
     assert sorted(ids[0].tolist()) == [2, 3]
     probs = F.softmax(logits[0], dim=-1)
     torch.testing.assert_close(weights[0].sort().values, probs[[3, 2]].sort().values)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_triton_table_runs_quantized_experts_through_its_wna16_kernel(
+    bits: int, num_tokens: int, device: str
+) -> None:
+    """GPTQ/AWQ experts kept quantized (layers/quantization/wna16_moe.py) on the triton table:
+    grouped per expert, each matmul the Triton wNa16 kernel, equal to the float experts of the
+    same dequantized weights."""
+    gen = torch.Generator().manual_seed(bits + num_tokens)
+
+    def experts(n: int, k: int, group_size: int = 32) -> WNA16Experts:
+        q = torch.randint(0, 1 << bits, (E, n, k), generator=gen, dtype=torch.uint8)
+        scales = torch.rand(E, n, k // group_size, generator=gen) * 0.02 + 0.001
+        offsets = -scales * (1 << (bits - 1))
+        codes = torch.stack([pack_int4(q[e]) for e in range(E)]) if bits == 4 else q
+        return WNA16Experts("gptq", bits, group_size, codes, scales, offsets, None).to(device)
+
+    inter = 64  # 4-bit codes come in blocks of 32 along K
+    w13, w2 = experts(2 * inter, H), experts(H, inter)
+    x, weights, ids = _routing(num_tokens, seed=num_tokens, skew=num_tokens > 1)
+    x, weights, ids = x.to(device), weights.to(device), ids.to(device)
+    calls = []
+
+    def counting_wna16(*args):
+        calls.append(args[1].shape)
+        return wna16_linear(*args)
+
+    kernels = replace(triton_kernels(), wna16_linear=counting_wna16)
+    got = fused_experts_triton(x, w13, w2, weights, ids, kernels)
+    want = fused_experts_grouped(x, w13.dequantize(), w2.dequantize(), weights, ids, TORCH_KERNELS)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    used = len(set(ids.flatten().tolist()))
+    assert len(calls) == 2 * used  # gate_up and down of each expert that has tokens

@@ -318,11 +318,13 @@ class ModelRunner:
 
     def graphs_enabled(self) -> bool:
         """Decode steps replay device graphs unless `enforce_eager`, the platform cannot
-        capture, or the attention backend reads host values that change every step."""
+        capture, or the attention backend or the model (quantized MoE experts) reads host
+        values that change every step."""
         return (
             not self.config.enforce_eager
             and self.platform.supports_graphs
             and self.attn_backend.supports_graphs
+            and getattr(self.model, "supports_graphs", True)
             and not self.kv_groups.hybrid  # the graphs bind one block table per step
         )
 

@@ -147,6 +147,7 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
             root=root,
             max_model_len=engine_client.max_model_len,
             quantization=engine_client.quantization,
+            kv_cache_dtype=engine_client.kv_cache_dtype,
         )
         return ModelList(data=[card])
 

@@ -96,6 +96,9 @@ class ModelCard(OpenAIBaseModel):
     # Wick's addition: the weights' quantization ("gptq w4 g128", "awq w4 g64", "int8"), None
     # for float weights.
     quantization: str | None = None
+    # Wick's addition, named after vLLM's `--kv-cache-dtype`: the KV cache's dtype as resolved
+    # ("bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"; vLLM's `cache_dtype` label).
+    kv_cache_dtype: str | None = None
 
 
 class ModelList(OpenAIBaseModel):

@@ -10,6 +10,12 @@ slice, all-reduced here, exactly like a row-parallel down projection.
 Checkpoints name the experts one by one (`experts.N.gate_proj` / `up_proj` / `down_proj`,
 Mixtral's `experts.N.w1` / `w3` / `w2`) or, as transformers 5 keeps them in memory, stacked
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]); `weight_loader` takes both.
+
+A GPTQ / AWQ checkpoint (built under `building_quantized_linears`) keeps the experts quantized:
+the checkpoint's tensors are registered instead (`w13_qweight`, ..., layers/quantization/
+wna16_moe.py), and once loaded `quant_method.process_weights_after_loading` sets `w13_weight`
+and `w2_weight` to `WNA16Experts`, which the kernel table's `fused_experts` runs expert by
+expert through `wna16_linear`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from model_server.distributed.parallel_state import (
 )
 from model_server.distributed.partition import divide
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.layers.quantization.base import linear_quant_method
+from model_server.layers.quantization.wna16 import WNA16Config
+from model_server.layers.quantization.wna16_moe import ExpertShard, WNA16MoEMethod
 
 # Checkpoint shard names -> which part of which stacked weight.
 GATE, UP, DOWN = "gate", "up", "down"
@@ -50,19 +59,53 @@ class FusedMoE(nn.Module):
             intermediate_size, self.tp_size, "moe_intermediate_size (each expert's)"
         )
         self.reduce_results = reduce_results
+        # A GPTQ / AWQ checkpoint: its experts' tensors instead of float weights (module doc).
+        self.quant_method: WNA16MoEMethod | None = None
+        quant = linear_quant_method()
+        if quant is None:
+            self.make_float_weights()
+        elif isinstance(quant, WNA16Config):
+            self.quant_method = WNA16MoEMethod(quant)
+            self.quant_method.create_weights(self, num_experts, self.expert_shards())
+        else:
+            raise ValueError(
+                f"{quant.method} checkpoints: mixture-of-experts experts cannot be kept in "
+                "that format"
+            )
+
+    def make_float_weights(self) -> None:
+        """The stacked float weights (also where a checkpoint leaves the experts unquantized:
+        `modules_to_not_convert`); drops a quantized checkpoint's tensors."""
+        for name in list(self._parameters):
+            del self._parameters[name]
+        self.quant_method = None
         i = self.local_intermediate
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False
+            torch.empty(self.num_experts, 2 * i, self.hidden_size), requires_grad=False
         )
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.num_experts, self.hidden_size, i), requires_grad=False
+        )
         self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def _check(self, what: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    def expert_shards(self) -> dict[str, ExpertShard]:
+        """Where this rank's slices of an expert's checkpoint matrices go: gate and up split
+        along their output (N), down along its input (K), at r * I_local."""
+        i_all, i, h = self.intermediate_size, self.local_intermediate, self.hidden_size
+        start = self.tp_rank * i
+        return {
+            "w13": ExpertShard(0, h, h, {GATE: (0, i, start, i_all), UP: (i, i, start, i_all)}),
+            "w2": ExpertShard(start, i, i_all, {DOWN: (0, h, 0, h)}),
+        }
+
+    def _check(
+        self, what: str, loaded: torch.Tensor, expected: tuple[int, ...], name: str | None
+    ) -> None:
         if tuple(loaded.shape) != expected:
             raise ValueError(
-                f"experts {what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                f"expected {expected}"
+                f"{name or f'experts {what}'}: checkpoint tensor has shape "
+                f"{tuple(loaded.shape)}, expected {expected}"
             )
 
     def weight_loader(
@@ -71,34 +114,37 @@ class FusedMoE(nn.Module):
         loaded_weight: torch.Tensor,
         shard_id: str | None = None,
         expert_id: int | None = None,
+        checkpoint_name: str | None = None,
     ) -> None:
         """One expert's gate / up [I, H] or down [H, I] (`shard_id`, `expert_id`), or with
         `expert_id=None` every expert's at once: gate_up [E, 2I, H] into w13, down [E, H, I] into
-        w2 (`shard_id` None). Copies this rank's slice of the intermediate dim."""
+        w2 (`shard_id` None). Copies this rank's slice of the intermediate dim. Errors name
+        `checkpoint_name` where given."""
         i_all, i, r, h = (
             self.intermediate_size,
             self.local_intermediate,
             self.tp_rank,
             self.hidden_size,
         )
+        name = checkpoint_name
         if expert_id is None:
             if param is self.w13_weight:
-                self._check("gate_up_proj", loaded_weight, (self.num_experts, 2 * i_all, h))
+                self._check("gate_up_proj", loaded_weight, (self.num_experts, 2 * i_all, h), name)
                 gate, up = loaded_weight[:, :i_all], loaded_weight[:, i_all:]
                 param.data[:, :i].copy_(gate[:, r * i : (r + 1) * i])
                 param.data[:, i:].copy_(up[:, r * i : (r + 1) * i])
             else:
-                self._check("down_proj", loaded_weight, (self.num_experts, h, i_all))
+                self._check("down_proj", loaded_weight, (self.num_experts, h, i_all), name)
                 param.data.copy_(loaded_weight[:, :, r * i : (r + 1) * i])
             return
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} out of range (the model has {self.num_experts})")
         if shard_id in (GATE, UP):
-            self._check(f"{expert_id}.{shard_id}", loaded_weight, (i_all, h))
+            self._check(f"{expert_id}.{shard_id}", loaded_weight, (i_all, h), name)
             offset = 0 if shard_id == GATE else i
             param.data[expert_id, offset : offset + i].copy_(loaded_weight[r * i : (r + 1) * i])
         elif shard_id == DOWN:
-            self._check(f"{expert_id}.down", loaded_weight, (h, i_all))
+            self._check(f"{expert_id}.down", loaded_weight, (h, i_all), name)
             param.data[expert_id].copy_(loaded_weight[:, r * i : (r + 1) * i])
         else:
             raise ValueError(f"unknown expert shard {shard_id!r}")

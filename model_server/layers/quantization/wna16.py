@@ -34,7 +34,8 @@ Tensor parallelism: column-parallel layers split N (a rank's part of an N-packed
 start on a whole int32: N / tp a multiple of 8 codes); row-parallel layers split K along whole
 groups (refused where a group would straddle two ranks, and for act-order checkpoints, whose
 groups are scattered over K). The LM head and the embeddings stay float (the tools leave them
-unquantized); so do the layers of a model this module does not build (MoE experts).
+unquantized), and so do the MoE routers and the modules a checkpoint lists in
+`modules_to_not_convert`. MoE experts: wna16_moe.py, with the same tensors per expert.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class WNA16Config:
     desc_act: bool = False
     # GPTQ "v1": the stored zero is zero - 1 (see the module docstring).
     zeros_minus_one: bool = False
+    # Modules the checkpoint keeps in float (transformers' matching: models/quantization.py).
+    modules_to_not_convert: tuple[str, ...] = ()
 
     @property
     def pack(self) -> int:
@@ -171,6 +174,12 @@ class WNA16Config:
                 f"quantization_config.group_size {group_size!r} is not supported "
                 f"(-1 for per-channel, or a multiple of {WNA16_BLOCK}: 32, 64, 128, ...)"
             )
+        skip = _field(qc, "modules_to_not_convert") or []
+        if not isinstance(skip, list | tuple) or not all(isinstance(m, str) for m in skip):
+            raise ValueError(
+                f"quantization_config.modules_to_not_convert {skip!r} is not a list of names"
+            )
+        skip = tuple(skip)
         if method == "awq":
             version = str(_field(qc, "version", "gemm")).lower()
             if version != "gemm":
@@ -179,26 +188,26 @@ class WNA16Config:
                 )
             if not _field(qc, "zero_point", True):
                 raise ValueError("quantization_config.zero_point false is not supported for awq")
-            return WNA16Config("awq", bits, group_size)
+            return WNA16Config("awq", bits, group_size, modules_to_not_convert=skip)
         fmt = str(_field(qc, "checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(
                 f"quantization_config.checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)"
             )
         desc_act = bool(_field(qc, "desc_act", False))
-        return WNA16Config("gptq", bits, group_size, desc_act, zeros_minus_one=fmt == "gptq")
+        return WNA16Config(
+            "gptq", bits, group_size, desc_act, fmt == "gptq", modules_to_not_convert=skip
+        )
 
     # ---- LinearQuantMethod ------------------------------------------------------------------
 
     def _groups(self, k: int) -> int:
         return 1 if self.group_size == -1 else -(-k // self.group_size)
 
-    def create_weights(self, layer: nn.Module) -> None:
-        """The checkpoint's tensors for this rank's shard of `layer` (a LinearBase), int32
-        codes and float32 scales, each with a loader that slices the whole checkpoint tensor."""
-        n, k = layer.output_size, layer.input_size
-        k_start, _, k_total = layer.input_shard()
-        where = f"{type(layer).__name__} ({n} outputs, {k} inputs on this rank)"
+    def check_split(self, k_start: int, k: int, k_total: int, where: str) -> None:
+        """ValueError unless this rank's input features [k_start, k_start + k) of k_total
+        start a group (only the last rank may end in a short one) and, for act-order
+        checkpoints, are all of them."""
         # Every rank's features start a group; only the last rank may end in a short group.
         last = k_start + k == k_total
         if self.group_size != -1 and (
@@ -206,28 +215,32 @@ class WNA16Config:
         ):
             raise ValueError(
                 f"{self.description}: a group of {self.group_size} input features would "
-                f"straddle two tensor-parallel ranks in {where}; use fewer ranks"
+                f"straddle two tensor-parallel ranks in {where} (this rank's input features "
+                f"{k_start}-{k_start + k} of {k_total}); use fewer ranks"
             )
         if self.desc_act and k != k_total:
             raise ValueError(
                 f"{self.description}: act-order (desc_act) checkpoints cannot split a "
                 f"row-parallel layer's input features over ranks ({where}); use one rank"
             )
+
+    def checkpoint_shapes(self, n: int, k: int) -> dict[str, tuple[int, ...]]:
+        """The checkpoint tensors of a [n, k] matrix (this rank's shard) and their shapes."""
         pack, groups = self.pack, self._groups(k)
         if self.method == "gptq":
-            shapes = {
+            return {
                 "qweight": (k // pack, n),
                 "qzeros": (groups, n // pack),
                 "scales": (groups, n),
                 "g_idx": (k,),
             }
-        else:
-            shapes = {
-                "qweight": (k, n // pack),
-                "qzeros": (groups, n // pack),
-                "scales": (groups, n),
-            }
-        for name, shape in shapes.items():
+        return {"qweight": (k, n // pack), "qzeros": (groups, n // pack), "scales": (groups, n)}
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """The checkpoint's tensors for this rank's shard of `layer` (a LinearBase), int32
+        codes and float32 scales, each with a loader that slices the whole checkpoint tensor."""
+        n, k = layer.output_size, layer.input_size
+        for name, shape in self.checkpoint_shapes(n, k).items():
             dtype = torch.float32 if name == "scales" else torch.int32
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             param.weight_loader = partial(self._load, layer, name)  # type: ignore[attr-defined]
@@ -257,11 +270,31 @@ class WNA16Config:
         label = getattr(param, "checkpoint_name", name) + (
             f" (part {shard_id})" if shard_id is not None else ""
         )
+        seen: set[int | str] = layer.__dict__.setdefault("_g_idx_parts", set())
+        self.load_tensor(layer, name, param.data, loaded, label, shard_id, seen)
+
+    def load_tensor(
+        self,
+        geometry: Any,
+        name: str,
+        target: torch.Tensor,
+        loaded: torch.Tensor,
+        label: str,
+        shard_id: int | str | None,
+        g_idx_parts: set[int | str],
+    ) -> None:
+        """Copy this rank's part of checkpoint tensor `name` ("qweight", "qzeros", "scales",
+        "g_idx") of a matrix into `target`. `geometry` says where this rank's shard lies, as a
+        LinearBase does (`input_shard()`, `output_shard(shard_id)`); `g_idx_parts`: the parts
+        of the fused matrix whose g_idx was loaded (they must agree). ValueError naming `label`
+        for a tensor that does not fit."""
         per_k, per_n = self._units(name)
-        k_start, k_size, k_total = layer.input_shard()
+        k_start, k_size, k_total = geometry.input_shard()
+        # Checked here, not at construction: the layer may yet be left float
+        # (`modules_to_not_convert`, applied once the model is built).
+        self.check_split(k_start, k_size, k_total, label)
         expected: list[int] = []
         source = loaded
-        target = param.data
         grouped = name in ("qzeros", "scales")  # one row per group, the last may be short
         if per_k:
             if k_total % per_k and not grouped:
@@ -273,7 +306,7 @@ class WNA16Config:
         else:
             expected.append(1)
         if per_n:
-            offset, size, start, total = layer.output_shard(shard_id)
+            offset, size, start, total = geometry.output_shard(shard_id)
             for what, value in (("output features", total), ("this rank's share", size)):
                 if value % per_n:
                     raise ValueError(
@@ -302,13 +335,13 @@ class WNA16Config:
         if name == "g_idx" and shard_id is not None:
             # One g_idx per fused layer: the parts share their input, so act-order gives them
             # the same order (GPTQ sorts by the input's Hessian diagonal).
-            seen: set[int | str] = layer.__dict__.setdefault("_g_idx_parts", set())
-            if seen and not torch.equal(target, source.to(target.dtype)):
+            if g_idx_parts and not torch.equal(target, source.to(target.dtype)):
                 raise ValueError(
                     f"{label}: differs from the g_idx of the layer's other parts "
-                    f"({', '.join(map(str, sorted(seen, key=str)))}), which it is fused with"
+                    f"({', '.join(map(str, sorted(g_idx_parts, key=str)))}), which it is fused "
+                    "with"
                 )
-            seen.add(shard_id)
+            g_idx_parts.add(shard_id)
         if name != "scales" and source.is_floating_point():
             raise ValueError(f"{label}: expected an int32 tensor, got {source.dtype}")
         if name == "scales" and not source.is_floating_point():
