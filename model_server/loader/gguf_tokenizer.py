@@ -3,6 +3,9 @@
 The vocabulary-to-`tokenizers` conversion is transformers' own (`convert_gguf_tokenizer`, the
 code behind `AutoTokenizer.from_pretrained(..., gguf_file=...)`), fed with the metadata our
 reader already parsed, so the ids match transformers' GGUF tokenizer without its slow reader.
+A byte-level vocabulary then gets the pre-tokenizer its `tokenizer.ggml.pre` names
+(`gguf_pretokenizer.py`): transformers knows only some of those names and cuts text the GPT-2
+way for the rest, which changes the ids of digit runs, CJK text and newlines.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from model_server.loader.gguf_file import GGUFFile
+from model_server.loader.gguf_pretokenizer import gguf_pre_tokenizer
 from model_server.loader.source import ModelLoadError
 
 if TYPE_CHECKING:
@@ -46,6 +50,8 @@ def gguf_tokenizer(gf: GGUFFile) -> transformers.PreTrainedTokenizerFast | None:
         backend, extra = convert(gf.architecture, tokenizer_dict)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ModelLoadError(f"{gf.path}: cannot build the tokenizer: {exc}") from exc
+    if md.get("tokenizer.ggml.model") == "gpt2":
+        _set_pre_tokenizer(gf, backend)
 
     kwargs: dict[str, Any] = dict(extra)
     for attr, key in _SPECIAL_TOKEN_KEYS.items():
@@ -67,6 +73,34 @@ def gguf_tokenizer(gf: GGUFFile) -> transformers.PreTrainedTokenizerFast | None:
         **kwargs,
     )
     return tokenizer
+
+
+def _set_pre_tokenizer(gf: GGUFFile, backend: Any) -> None:
+    """Split text the way this vocabulary's merges were learned, named by `tokenizer.ggml.pre`."""
+    pre = gf.metadata.get("tokenizer.ggml.pre")
+    if pre is None:
+        return  # older files: transformers' GPT-2 split, as llama.cpp's "default" roughly does
+    pre_tokenizer = gguf_pre_tokenizer(str(pre))
+    if pre_tokenizer is not None:
+        backend.pre_tokenizer = pre_tokenizer
+    elif str(pre) not in _transformers_pre_names():
+        logger.warning(
+            "%s: tokenizer.ggml.pre %r is not a pre-tokenizer Wick knows; splitting text the "
+            "GPT-2 way, so ids of digits, CJK text or newlines may differ from the model's own",
+            gf.path,
+            pre,
+        )
+
+
+def _transformers_pre_names() -> frozenset[str]:
+    """The `tokenizer.ggml.pre` names transformers' converter gives their own split regex."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_PRE_TOKENIZER_SPLITS,
+        )
+    except ImportError:  # a transformers without them
+        return frozenset()
+    return frozenset(GGUF_PRE_TOKENIZER_SPLITS)
 
 
 def _converter() -> tuple[dict[str, str], Callable[[str, dict], tuple[Any, dict]]]:
