@@ -149,7 +149,10 @@ def test_pieces_match_hf_tokenizers(text: str) -> None:
         assert _pieces(gguf_pre_tokenizer(pre), text) == _pieces(llama3, text), pre
     # SmolLM2's / StarCoder's tokenizer.json: Digits(individual) then GPT-2's ByteLevel
     smollm = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     assert _pieces(gguf_pre_tokenizer("smollm"), text) == _pieces(smollm, text)
 
