@@ -114,11 +114,16 @@ def panel_linear(
             _DTYPE_CODES[dtype], x.data_ptr(), row_stride, panels.data.data_ptr(), bias_ptr,
             out.data_ptr(), m, panels.n, k, threads, min_work_per_thread,
         )  # fmt: skip
+    _check(status)
+    return out
+
+
+def _check(status: int) -> None:
+    """A panel kernel's return code as an exception (0: fine)."""
     if status == -2:
         raise ValueError("the panel matmul's pair layout is not in this build (no AVX512-BF16)")
     if status != 0:
         raise MemoryError("the panel matmul could not allocate its scratch buffer")
-    return out
 
 
 def silu_and_mul_applies(panels: Panels, kernels: native.NativeKernels | None = None) -> bool:
@@ -173,8 +178,5 @@ def panel_silu_and_mul(
             _DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), panels.data.data_ptr(),
             out.data_ptr(), m, inter, panels.k, threads, min_work_per_thread,
         )  # fmt: skip
-    if status == -2:
-        raise ValueError("the panel matmul's pair layout is not in this build (no AVX512-BF16)")
-    if status != 0:
-        raise MemoryError("the panel matmul could not allocate its scratch buffer")
+    _check(status)
     return out

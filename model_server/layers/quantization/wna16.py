@@ -58,10 +58,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
-class WNA16Weight(QuantizedWeight):
-    """W [N, K] as 4- or 8-bit codes with per-group float32 scales and offsets (the wNa16 layout
-    of kernels/portable.py); `perm` [K] int64 (act-order checkpoints): the matmul multiplies
-    x[:, perm], the K order the codes are stored in."""
+class WNA16Codes(QuantizedWeight):
+    """The tensors of the wNa16 layout (kernels/portable.py): 4- or 8-bit `codes` uint8 with
+    per-group float32 `scales` and `offsets`, and `perm` int64 for act-order checkpoints (the
+    K order the codes are stored in), for one matrix (`WNA16Weight`) or stacked over experts
+    (`WNA16Experts`)."""
 
     def __init__(
         self,
@@ -78,9 +79,14 @@ class WNA16Weight(QuantizedWeight):
         self.bits = bits
         self.group_size = group_size  # K for per-channel
         self.codes = nn.Parameter(codes, requires_grad=False)
-        self.scales = nn.Parameter(scales, requires_grad=False)  # [N, G] float32
-        self.offsets = nn.Parameter(offsets, requires_grad=False)  # [N, G] float32
+        self.scales = nn.Parameter(scales, requires_grad=False)
+        self.offsets = nn.Parameter(offsets, requires_grad=False)
         self.perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
+
+
+class WNA16Weight(WNA16Codes):
+    """W [N, K]: codes [N, K / 2] (4 bits) or [N, K] (8 bits), scales and offsets [N, G];
+    `perm` [K] (act-order): the matmul multiplies x[:, perm]."""
 
     @property
     def shape(self) -> torch.Size:

@@ -27,33 +27,13 @@ from torch import nn
 
 from model_server.kernels.portable import dequantize_wna16
 from model_server.kernels.table import KernelTable
-from model_server.layers.quantization.base import QuantizedWeight
-from model_server.layers.quantization.wna16 import WNA16Config, repack
+from model_server.layers.quantization.wna16 import WNA16Codes, WNA16Config, repack
 
 
-class WNA16Experts(QuantizedWeight):
+class WNA16Experts(WNA16Codes):
     """One projection of every expert, W_e [N, K], in the wNa16 layout stacked over experts:
     codes [E, N, K / 2] (4 bits) or [E, N, K] (8 bits) uint8, scales and offsets [E, N, G]
     float32, perm [E, K] int64 (act-order: expert e's codes are stored in K order perm[e])."""
-
-    def __init__(
-        self,
-        method: str,
-        bits: int,
-        group_size: int,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        offsets: torch.Tensor,
-        perm: torch.Tensor | None,
-    ) -> None:
-        super().__init__()
-        self.method = method
-        self.bits = bits
-        self.group_size = group_size
-        self.codes = nn.Parameter(codes, requires_grad=False)
-        self.scales = nn.Parameter(scales, requires_grad=False)
-        self.offsets = nn.Parameter(offsets, requires_grad=False)
-        self.perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
 
     @property
     def shape(self) -> torch.Size:
