@@ -18,7 +18,9 @@ class LinearSite:
     `scale` its scales [N, G], `offsets`, `bits` and `group_size`. `max_rows`: the most rows
     of x per call (the step's token budget; the number of sampled rows for the LM head).
     `exclusive`: no other module reads the weight (a tied embedding does), so a platform may
-    move its values into another layout and keep only that.
+    move its values into another layout and keep only that. A GGUF weight kept in its blocks
+    gives one site per row segment: `weight` its blocks (uint8 [N, row_bytes]), `ggml_type`
+    their type and `k` the float matrix's K (for `KernelTable.gguf_linear`).
     """
 
     weight: torch.Tensor
@@ -29,3 +31,5 @@ class LinearSite:
     offsets: torch.Tensor | None = None  # wNa16 only
     bits: int = 0  # wNa16 only: 4 or 8
     group_size: int = 0  # wNa16 only
+    ggml_type: int | None = None  # GGUF only
+    k: int = 0  # GGUF only

@@ -12,11 +12,12 @@ import torch
 
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
-from model_server.kernels.cpu.gguf_linear import gguf_dequantize, gguf_linear
+from model_server.kernels.cpu.gguf_linear import fixed_gguf_linear, gguf_dequantize, int8_dot_mode
 from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
 from model_server.kernels.cpu.layer_ops import native_kernel_table
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
 from model_server.kernels.cpu.linear_tuning import (
+    CpuGGUFLinear,
     CpuInt8Linear,
     CpuLinear,
     CpuWNA16Linear,
@@ -135,10 +136,11 @@ class CpuPlatform(Platform):
         `tune_kernels` (one shared fixed table with WICK_CPU_LINEAR_TUNING=0). Norms, SiLU-and-
         mul and rotary are the native C kernels (built on first call, like the attention's)."""
         kernels = native.load_kernels()
+        int8_dot = int8_dot_mode()  # GGUF blocks: may x be rounded to int8 (gguf_linear.py)
         if not tuning_enabled():
-            return _fixed_table(kernels)
+            return _fixed_table(kernels, int8_dot)
         linear = CpuLinear()
-        return _with_layer_ops(
+        table = _with_layer_ops(
             KernelTable(
                 linear=linear,
                 linear_silu_and_mul=linear.linear_silu_and_mul,
@@ -146,7 +148,11 @@ class CpuPlatform(Platform):
                 wna16_linear=CpuWNA16Linear(),
             ),
             kernels,
+            int8_dot,
         )
+        if kernels is not None:  # GGUF blocks have native kernels to choose from
+            table = replace(table, gguf_linear=CpuGGUFLinear(int8_dot))
+        return table
 
     def tune_kernels(
         self, kernels: KernelTable, sites: Sequence[LinearSite], dtype: torch.dtype
@@ -158,7 +164,7 @@ class CpuPlatform(Platform):
             kernels.int8_linear, CpuInt8Linear
         ):
             return  # the fixed table (tuning off) or a table from elsewhere
-        wna16 = kernels.wna16_linear
+        wna16, gguf = kernels.wna16_linear, kernels.gguf_linear
         report = tune_cpu_linears(
             sites,
             dtype,
@@ -166,6 +172,7 @@ class CpuPlatform(Platform):
             kernels.int8_linear,
             self._tuning_cache(),
             wna16=wna16 if isinstance(wna16, CpuWNA16Linear) else None,
+            gguf=gguf if isinstance(gguf, CpuGGUFLinear) else None,
         )
         logger.info(
             "cpu linear kernels for %d shapes: %d timed in %.2fs, %d cached%s",
@@ -191,17 +198,20 @@ class CpuPlatform(Platform):
 
 
 @cache
-def _fixed_table(kernels: native.NativeKernels | None) -> KernelTable:
+def _fixed_table(kernels: native.NativeKernels | None, int8_dot: str = "auto") -> KernelTable:
     """One table per build: every model with tuning off shares it (and `is` compares it)."""
-    return _with_layer_ops(_FIXED_CPU_KERNELS, kernels)
+    return _with_layer_ops(_FIXED_CPU_KERNELS, kernels, int8_dot)
 
 
-def _with_layer_ops(base: KernelTable, kernels: native.NativeKernels | None) -> KernelTable:
-    """`base` with the native norms, SiLU-and-mul and rotary, or as it is (portable ops) after
-    one warning when the library could not be built."""
+def _with_layer_ops(
+    base: KernelTable, kernels: native.NativeKernels | None, int8_dot: str = "auto"
+) -> KernelTable:
+    """`base` with the native norms, SiLU-and-mul and rotary, and the native GGUF matmuls, or
+    as it is (portable ops) after one warning when the library could not be built."""
     if kernels is None:
         _warn_no_layer_ops()
         return base
+    gguf_linear = fixed_gguf_linear(int8_dot)
     base = replace(base, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize)
     return native_kernel_table(kernels, base)
 

@@ -13,6 +13,7 @@ from model_server.kernels.linear_sites import LinearSite
 from model_server.layers.embedding import ParallelLMHead
 from model_server.layers.linear import LinearBase
 from model_server.layers.quantization import Int8Weight
+from model_server.layers.quantization.gguf import GGUFWeight
 from model_server.layers.quantization.wna16 import WNA16Weight
 from model_server.models.llama import get_head_dim, get_num_kv_heads
 
@@ -41,7 +42,8 @@ def config_linear_shapes(config: Any, tp_size: int = 1) -> list[tuple[int, int, 
 def linear_sites(model: nn.Module, max_rows: int, max_head_rows: int) -> list[LinearSite]:
     """Every linear layer's weight and the LM head's, with the most rows each multiplies: the
     step's token budget, or the rows a step samples for the head. A weight also registered
-    in another module (a tied embedding) is not exclusive."""
+    in another module (a tied embedding) is not exclusive. A GGUF weight kept quantized gives
+    a site per row segment (its blocks are never re-laid out, so sharing does not matter)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -66,6 +68,11 @@ def linear_sites(model: nn.Module, max_rows: int, max_head_rows: int) -> list[Li
                     group_size=weight.group_size,
                 )
             )
+        elif isinstance(weight, GGUFWeight):
+            for i, (ggml_type, blocks) in enumerate(weight.segments()):
+                part = f"{name}.blocks{i}"
+                site = LinearSite(blocks, rows, True, None, part, ggml_type=ggml_type, k=weight.k)
+                sites.append(site)
         elif isinstance(weight, torch.Tensor):
             sites.append(LinearSite(weight, rows, uses.get(id(weight), 0) == 1, None, name))
     return sites

@@ -19,11 +19,11 @@
  * Many rows (prefills) are served by dequantize-then-GEMM instead (gguf_linear.py), which
  * `wick_gguf_dequant` feeds.
  *
- * Why widen to float rather than quantize x to int8 and use integer dot products (llama.cpp's
- * way, vpdpbusd on AVX-512-VNNI): one decoder per format serves all ten types and every ISA
- * build, and the results stay those of the dequantized model (rounding x to 8 bits per block
- * would move the logits away from it, and with them some greedy tokens). The integer path is
- * the next step where decode speed needs it; README's GGUF section has the measured speed.
+ * Beside it, gguf_q8.c quantizes x to int8 per 32 values and uses integer dot products
+ * (llama.cpp's way, vpdpbusd on AVX-512 VNNI): fewer instructions per weight, at the price of
+ * rounding x to 8 bits per block. This kernel keeps the dequantized model's products exactly,
+ * serves every type (Q2_K and Q3_K have no integer path) and is what the startup tuner
+ * (kernels/cpu/linear_tuning.py) times against it per shape and row count.
  *
  * Vector paths: compiled once per ISA (kernels/cpu/native.py); the vector extension width of
  * wick_vec.h (16 floats on AVX-512, 8 on AVX2, 4 otherwise) and the byte-widening intrinsics of
@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_gguf.h"
 #include "wick_vec.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -41,69 +42,6 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
-
-/* ggml type ids (gguf.GGMLQuantizationType) */
-enum {
-  T_F32 = 0,
-  T_F16 = 1,
-  T_Q4_0 = 2,
-  T_Q4_1 = 3,
-  T_Q5_0 = 6,
-  T_Q5_1 = 7,
-  T_Q8_0 = 8,
-  T_Q2_K = 10,
-  T_Q3_K = 11,
-  T_Q4_K = 12,
-  T_Q5_K = 13,
-  T_Q6_K = 14,
-  T_BF16 = 30,
-};
-
-/* IEEE half (little-endian bytes) -> float. */
-static inline float f16_at(const uint8_t *p) {
-  uint16_t h;
-  memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  union {
-    uint32_t u;
-    float f;
-  } v;
-  if (exp == 0) {
-    v.f = (float)mant * (1.f / 16777216.f); /* zero or subnormal: mant * 2^-24 */
-    v.u |= sign;
-  } else if (exp == 31) {
-    v.u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    v.u = sign | ((exp + 112u) << 23) | (mant << 13);
-  }
-  return v.f;
-#endif
-}
-
-/* Elements and bytes per block; 0 for a type this file does not know. Float types are read in
- * "blocks" of 32 values so that one loop serves every type. */
-static int block_shape(const int type, int *elems, int *bytes) {
-  switch (type) {
-    case T_F32: *elems = 32, *bytes = 128; return 1;
-    case T_F16: *elems = 32, *bytes = 64; return 1;
-    case T_BF16: *elems = 32, *bytes = 64; return 1;
-    case T_Q4_0: *elems = 32, *bytes = 18; return 1;
-    case T_Q4_1: *elems = 32, *bytes = 20; return 1;
-    case T_Q5_0: *elems = 32, *bytes = 22; return 1;
-    case T_Q5_1: *elems = 32, *bytes = 24; return 1;
-    case T_Q8_0: *elems = 32, *bytes = 34; return 1;
-    case T_Q2_K: *elems = 256, *bytes = 84; return 1;
-    case T_Q3_K: *elems = 256, *bytes = 110; return 1;
-    case T_Q4_K: *elems = 256, *bytes = 144; return 1;
-    case T_Q5_K: *elems = 256, *bytes = 176; return 1;
-    case T_Q6_K: *elems = 256, *bytes = 210; return 1;
-    default: return 0;
-  }
-}
 
 /* ---- block decoders: one block at b -> its values at y (fp32) ----------------------------- */
 
@@ -218,17 +156,6 @@ static inline void dq_q3_k(const uint8_t *restrict b, float *restrict y) {
       m <<= 1;
     }
     q += 32;
-  }
-}
-
-/* The j-th 6-bit (scale, min) pair of a Q4_K / Q5_K block's 12 packed bytes. */
-static inline void scale_min_k4(const int j, const uint8_t *restrict q, int *d, int *m) {
-  if (j < 4) {
-    *d = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
 }
 
@@ -354,19 +281,6 @@ static inline float hsum_vf(const vf v) {
   for (int i = 0; i < VW; i++) s += v[i];
   return s;
 }
-
-static inline void store(void *y, const int dtype, const int64_t idx, const float v) {
-  if (dtype == 0)
-    ((float *)y)[idx] = v;
-  else
-    ((bf16_t *)y)[idx] = f32_to_bf16(v);
-}
-
-static inline float load_bias(const void *bias, const int dtype, const int64_t j) {
-  if (bias == NULL) return 0.f;
-  return dtype == 0 ? ((const float *)bias)[j] : bf16_to_f32(((const bf16_t *)bias)[j]);
-}
-
 
 /* ---- few rows of x: blocks decoded in registers ----------------------------------------------
  * For up to FUSED_MAX_ROWS rows of x and the 32-value formats with 4- or 8-bit codes (Q4_0,

@@ -1,15 +1,26 @@
 """GGUF weights kept quantized on CPU: `KernelTable.gguf_linear` and `gguf_dequantize` on the
-native kernels of gguf_gemm.c.
+native kernels of gguf_gemm.c and gguf_q8.c.
 
-Few rows of x (decode steps): `wick_gguf_gemm` reads W in its packed size and decodes each row
-once into L1 for all rows of x. Many rows (prefills): W is dequantized DEQUANT_CHUNK_ROWS rows
-at a time (in x's dtype) and multiplied by PyTorch's GEMM, whose blocking beats a row-at-a-time
-loop once the decoding is amortized over many rows of x; `GGUF_GEMM_MAX_ROWS` is where the
-switch happens (measured: README's GGUF section). Inputs the kernel does not take (another
-dtype or device, no native build) go to the portable dequantize-then-matmul.
+Three ways to multiply: `gguf_q8_gemm` (x rounded to int8 per 32 values, integer dot products
+with W's codes: the fewest instructions per weight, for the types in Q8_TYPES); `gguf_gemm`
+(codes widened to fp32: the dequantized model's products exactly, every type); and
+`dequant_gemm` (W dequantized DEQUANT_CHUNK_ROWS rows at a time, then PyTorch's GEMM, whose
+blocking wins once the decoding is amortized over many rows of x). The startup tuner
+(linear_tuning.py, `CpuGGUFLinear`) times them per shape and row bucket; `gguf_linear` is the
+fixed choice for untuned shapes and tuning off (Q8_MAX_ROWS, GGUF_GEMM_MAX_ROWS). Inputs the
+kernels do not take (another dtype or device, no native build) go to the portable
+dequantize-then-matmul.
+
+`WICK_GGUF_INT8_DOT` (INT8_DOT_ENV) says whether the int8 kernel may run: `auto` (default:
+where it times fastest), `off` (never: the products of the dequantized model, at some speed)
+or `on` (always, for the types it takes, untimed: tests pin the numerics with it).
 """
 
 from __future__ import annotations
+
+import logging
+import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +28,9 @@ import torch.nn.functional as F
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequant
+from model_server.kernels.table import GGUFLinearFn
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Rows of x up to which the native kernel runs; above, dequantize-then-GEMM. Measured on a
@@ -29,17 +43,38 @@ GGUF_GEMM_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 16}
 DEQUANT_CHUNK_ROWS = 512
 # Multiply-adds worth another thread (as gemm.py's MIN_WORK_PER_THREAD).
 MIN_WORK_PER_THREAD = 1 << 17
+# ggml types the int8 dot-product kernel takes (gguf_q8.c: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K
+# Q6_K); Q2_K, Q3_K and float segments run the float kernel.
+Q8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# Rows of x up to which the fixed choice runs the int8 kernel (types in Q8_TYPES, mode auto).
+Q8_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 16}
+INT8_DOT_ENV = "WICK_GGUF_INT8_DOT"
+INT8_DOT_MODES = ("auto", "on", "off")
 
 
-def gguf_gemm(
+def int8_dot_mode() -> str:
+    """`WICK_GGUF_INT8_DOT` (auto | on | off; 1/0, true/false too), auto when unset or unknown
+    (one warning)."""
+    value = os.environ.get(INT8_DOT_ENV, "auto").strip().lower()
+    value = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
+        value, value
+    )
+    if value not in INT8_DOT_MODES:
+        logger.warning("%s=%s is not one of %s: auto", INT8_DOT_ENV, value, INT8_DOT_MODES)
+        return "auto"
+    return value
+
+
+def _native_gemm(
+    entry_name: str,
     x: torch.Tensor,
     blocks: torch.Tensor,
     ggml_type: int,
     bias: torch.Tensor | None,
-    kernels: native.NativeKernels | None = None,
+    kernels: native.NativeKernels | None,
 ) -> torch.Tensor:
-    """x [M, K] (fp32 or bf16) @ W^T + bias with W the GGUF rows `blocks` [N, row_bytes], on the
-    native kernel whatever M (tests and the tuner call it directly)."""
+    """x [M, K] (fp32 or bf16) @ W^T + bias on the native entry point `entry_name` (the
+    arguments of wick_gguf_gemm); the portable dequantize-then-matmul where it cannot run."""
     kernels = kernels or default_kernels()
     code = _DTYPE_CODES.get(x.dtype)
     if kernels is None or code is None or not x.is_cpu:
@@ -53,7 +88,7 @@ def gguf_gemm(
     blocks = blocks.contiguous()
     out = x.new_empty((m, n))
     # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
-    status = kernels.lib.wick_gguf_gemm(
+    status = getattr(kernels.lib, entry_name)(
         ggml_type,
         code,
         x.data_ptr(),
@@ -72,6 +107,61 @@ def gguf_gemm(
     if status != 0:
         raise MemoryError("the gguf matmul could not allocate its scratch rows")
     return out
+
+
+def gguf_gemm(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    bias: torch.Tensor | None,
+    kernels: native.NativeKernels | None = None,
+) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) @ W^T + bias with W the GGUF rows `blocks` [N, row_bytes], on the
+    native float kernel (gguf_gemm.c: codes widened to fp32) whatever M (tests and the tuner
+    call it directly)."""
+    return _native_gemm("wick_gguf_gemm", x, blocks, ggml_type, bias, kernels)
+
+
+def q8_supports(ggml_type: int) -> bool:
+    """Whether the int8 dot-product kernel (gguf_q8.c) takes this ggml type."""
+    return ggml_type in Q8_TYPES
+
+
+def gguf_q8_gemm(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    bias: torch.Tensor | None,
+    kernels: native.NativeKernels | None = None,
+) -> torch.Tensor:
+    """As `gguf_gemm` on the int8 dot-product kernel (gguf_q8.c): x rounded to int8 per block of
+    32 values (one scale each), integer products with W's codes. Raises ValueError for the
+    types it does not take (`q8_supports`)."""
+    if not q8_supports(ggml_type):
+        raise ValueError(f"gguf int8 matmul: ggml type {ggml_type} is not supported")
+    return _native_gemm("wick_gguf_q8_gemm", x, blocks, ggml_type, bias, kernels)
+
+
+def quantize_activations(
+    x: torch.Tensor, kernels: native.NativeKernels | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's rounding of x [M, K] (K a multiple of 32): codes [M, K] int8 and
+    scales [M, K / 32] fp32 with x ~ codes * scales per block (tests)."""
+    kernels = kernels or default_kernels()
+    if kernels is None:
+        raise RuntimeError("the native CPU kernels are not available")
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    codes = torch.empty((m, k), dtype=torch.int8)
+    scales = torch.empty((m, k // 32), dtype=torch.float32)
+    status = kernels.lib.wick_gguf_q8_quantize(
+        _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, codes.data_ptr(),
+        scales.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"gguf int8 activations: K={k} is not a multiple of 32")
+    return codes, scales
 
 
 def gguf_dequantize(
@@ -121,12 +211,26 @@ def dequant_gemm(
 
 
 def gguf_linear(
-    x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    ggml_type: int,
+    bias: torch.Tensor | None,
+    int8_dot: str = "auto",
 ) -> torch.Tensor:
-    """The CPU `KernelTable.gguf_linear`: the native kernel for up to GGUF_GEMM_MAX_ROWS rows
-    of x, dequantize-then-GEMM above."""
-    if x.shape[0] <= GGUF_GEMM_MAX_ROWS.get(x.dtype, 0):
+    """The fixed CPU `KernelTable.gguf_linear` (tuning off, untuned shapes): the int8 kernel
+    for up to Q8_MAX_ROWS rows of x (its types, `int8_dot` auto; always with on, never with
+    off), else the float kernel up to GGUF_GEMM_MAX_ROWS rows, dequantize-then-GEMM above."""
+    rows = x.shape[0]
+    q8 = int8_dot != "off" and ggml_type in Q8_TYPES and x.dtype in _DTYPE_CODES
+    if q8 and (int8_dot == "on" or rows <= Q8_MAX_ROWS[x.dtype]):
+        return gguf_q8_gemm(x, blocks, ggml_type, bias)
+    if rows <= GGUF_GEMM_MAX_ROWS.get(x.dtype, 0):
         return gguf_gemm(x, blocks, ggml_type, bias)
     if x.dtype not in _DTYPE_CODES or not x.is_cpu:
         return gguf_linear_dequant(x, blocks, ggml_type, bias)
     return dequant_gemm(x, blocks, ggml_type, bias)
+
+
+def fixed_gguf_linear(int8_dot: str) -> GGUFLinearFn:
+    """`gguf_linear` with the int8 mode read at table construction (not once per call)."""
+    return gguf_linear if int8_dot == "auto" else partial(gguf_linear, int8_dot=int8_dot)

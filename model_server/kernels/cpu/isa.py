@@ -37,10 +37,12 @@ _AVX2_FLAGS = frozenset({"avx2", "fma", "f16c"})
 _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 # Best first; `generic` is plain -O3 for the compiler's default target (any architecture).
 ISAS: tuple[Isa, ...] = (
+    # Every CPU with avx512_bf16 (Cooper Lake, Sapphire Rapids, Zen 4) has avx512_vnni, which
+    # the GGUF int8 matmul uses (gguf_q8.c); the plain avx512 build does without.
     Isa(
         "avx512_bf16",
-        (*_AVX512, "-mavx512bf16", "-mprefer-vector-width=512"),
-        _AVX512_FLAGS | {"avx512_bf16"},
+        (*_AVX512, "-mavx512bf16", "-mavx512vnni", "-mprefer-vector-width=512"),
+        _AVX512_FLAGS | {"avx512_bf16", "avx512_vnni"},
     ),
     Isa("avx512", (*_AVX512, "-mprefer-vector-width=512"), _AVX512_FLAGS),
     Isa("avx2", _AVX2, _AVX2_FLAGS),

@@ -12,8 +12,10 @@ matmul (kernels/cpu/gemm.py, where its library builds), and two kernels on a wei
 once (PACKED_KINDS): oneDNN with a prepacked weight, and in bf16 on AVX512-BF16 builds the
 native panel matmul (kernels/cpu/panel_gemm.py); for int8 weights PyTorch's int8 kernel and
 dequantize-then-matmul; for GPTQ/AWQ (wNa16) weights the native kernel that dequantizes in
-registers (kernels/cpu/wna16_gemm.c) and blocked dequantize-then-matmul. A candidate that
-raises is dropped (debug log).
+registers (kernels/cpu/wna16_gemm.c) and blocked dequantize-then-matmul; for GGUF weights kept
+in their blocks (`CpuGGUFLinear`, the table's `gguf_linear`) the int8 dot-product kernel
+(kernels/cpu/gguf_q8.c), the float kernel (gguf_gemm.c) and chunked dequantize-then-matmul. A
+candidate that raises is dropped (debug log).
 
 Memory: a packed weight holds the same bytes in another layout. Where only the layer reads the
 weight (`LinearSite.exclusive`) and one packed kind at every bucket beats the best dense kernel
@@ -38,6 +40,13 @@ import torch.nn.functional as F
 
 from model_server.kernels.cpu.cpu_load import LoadWindow
 from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
+from model_server.kernels.cpu.gguf_linear import (
+    dequant_gemm,
+    fixed_gguf_linear,
+    gguf_gemm,
+    gguf_q8_gemm,
+    q8_supports,
+)
 from model_server.kernels.cpu.linear import (
     _BLOCK_BYTES,
     bmm_row_split,
@@ -64,8 +73,9 @@ from model_server.kernels.cpu.wna16 import (
     wna16_linear,
     wna16_native_linear,
 )
+from model_server.kernels.gguf_blocks import type_name
 from model_server.kernels.linear_sites import LinearSite
-from model_server.kernels.table import Int8LinearFn, LinearFn, WNA16LinearFn
+from model_server.kernels.table import GGUFLinearFn, Int8LinearFn, LinearFn, WNA16LinearFn
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +140,19 @@ WNA16_NATIVE = "wna16_native"
 WNA16_FNS: dict[str, WNA16LinearFn] = {
     WNA16_NATIVE: wna16_native_linear,
     DEQUANT: wna16_dequantized_linear,
+}
+
+# GGUF weights kept in their blocks: the int8 dot-product kernel (kernels/cpu/gguf_q8.c, x
+# rounded to int8 per 32 values; the types `q8_supports`), the float kernel (gguf_gemm.c, codes
+# widened to fp32) and dequantize-then-matmul in chunks of W rows. No dense copy is kept: that
+# is `--gguf-weights dequantized`, and keeping one beside the blocks would cost more memory
+# than either.
+GGUF_Q8 = "gguf_q8"
+GGUF_FLOAT = "gguf_float"
+GGUF_FNS: dict[str, GGUFLinearFn] = {
+    GGUF_Q8: gguf_q8_gemm,
+    GGUF_FLOAT: gguf_gemm,
+    DEQUANT: dequant_gemm,
 }
 
 # Timings of one shape: per bucket, candidate name -> best seconds.
@@ -292,6 +315,37 @@ class CpuWNA16Linear:
         )
 
 
+class CpuGGUFLinear:
+    """`KernelTable.gguf_linear` on CPUs: per (ggml type, N, row bytes, activation dtype) one
+    function per row bucket; untuned shapes run the fixed `gguf_linear`. `int8_dot`
+    (gguf_linear.py's WICK_GGUF_INT8_DOT): auto lets the timings choose the int8 kernel, off
+    never offers it, on plans it for every bucket of the types it takes."""
+
+    __slots__ = ("_by_shape", "_fixed", "int8_dot")
+
+    def __init__(self, int8_dot: str = "auto") -> None:
+        self._by_shape: dict[tuple[int, int, int, torch.dtype], tuple[GGUFLinearFn, ...]] = {}
+        self.int8_dot = int8_dot
+        self._fixed = fixed_gguf_linear(int8_dot)
+
+    def set_shape_plan(
+        self, key: tuple[int, int, int], dtype: torch.dtype, fns: Sequence[GGUFLinearFn]
+    ) -> None:
+        self._by_shape[(*key, dtype)] = tuple(fns)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        ggml_type: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        fns = self._by_shape.get((ggml_type, blocks.shape[0], blocks.shape[1], x.dtype))
+        if fns is None or x.shape[0] == 0:
+            return self._fixed(x, blocks, ggml_type, bias)
+        return fns[bucket_index(x.shape[0], len(fns))](x, blocks, ggml_type, bias)
+
+
 # ---- timing -------------------------------------------------------------------------------
 
 
@@ -353,6 +407,7 @@ class _Group:
     times: BucketTimes = field(default_factory=list)
     from_cache: bool = False
     inherited_from: int | None = None  # first bucket index that copied a smaller one's times
+    int8_dot: str = "auto"  # GGUF only: CpuGGUFLinear.int8_dot
 
     @property
     def int8(self) -> bool:
@@ -363,11 +418,17 @@ class _Group:
         return self.sites[0].bits > 0
 
     @property
+    def gguf(self) -> bool:
+        return self.sites[0].ggml_type is not None
+
+    @property
     def shape(self) -> tuple[int, int]:
         """(N, K) of the float matrix the weight stands for."""
         n, k = self.sites[0].weight.shape
         if self.wna16:
             k = k * 8 // self.sites[0].bits
+        if self.gguf:
+            k = self.sites[0].k
         return int(n), int(k)
 
 
@@ -416,7 +477,7 @@ def _time_group(group: _Group, deadline: float) -> None:
     n, k = group.shape
     copies = [weight] if group.int8 or group.wna16 else _cold_copies(weight)
     packed: dict[str, list[Any]] = {}
-    if not (group.int8 or group.wna16):
+    if not (group.int8 or group.wna16 or group.gguf):
         for kind, (pack, _) in PACKED_KINDS.items():
             try:
                 packed[kind] = [pack(w) for w in copies]
@@ -431,7 +492,22 @@ def _time_group(group: _Group, deadline: float) -> None:
             break
         x = torch.randn(rows, k, generator=gen).to(group.act_dtype)
         calls: dict[str, Callable[[], object]]
-        if group.wna16:
+        if group.gguf:
+            # Timed cold like float weights: a decode step streams each layer's blocks.
+            ggml_type = site.ggml_type
+            assert ggml_type is not None
+            q8 = q8_supports(ggml_type) and group.int8_dot != "off"
+            names = [name for name in GGUF_FNS if name != GGUF_Q8 or q8]
+            calls = {
+                name: _Rotating(
+                    functools.partial(_gguf_call, GGUF_FNS[name], ggml_type),
+                    x,
+                    copies,
+                    j * len(copies) // len(names),
+                )
+                for j, name in enumerate(names)
+            }
+        elif group.wna16:
             calls = {
                 name: functools.partial(
                     fn, x, weight, site.scale, site.offsets, site.bits, site.group_size, None
@@ -457,6 +533,16 @@ def _time_group(group: _Group, deadline: float) -> None:
                 calls[kind] = _Rotating(PACKED_KINDS[kind][1], x, kind_copies)
         # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
         group.times.append(time_candidates(calls) or {TORCH: float("inf")})
+
+
+def _gguf_call(
+    fn: GGUFLinearFn,
+    ggml_type: int,
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return fn(x, blocks, ggml_type, bias)
 
 
 def _valid_entry(entry: Any, buckets: tuple[int, ...]) -> BucketTimes | None:
@@ -541,7 +627,7 @@ def _runnable_times(group: _Group) -> BucketTimes:
     smaller bucket's times (the budget ran out) holds kernels timed at fewer rows, and one of
     them may be valid there only: `bmm_split` runs exactly one row, and chosen for a 16-row
     bucket it failed every step that had 16 rows."""
-    if group.int8 or group.wna16:
+    if group.int8 or group.wna16 or group.gguf:
         return group.times
     weight = group.sites[0].weight
     runnable: BucketTimes = []
@@ -564,6 +650,21 @@ def _plan_wna16(group: _Group, wna16: CpuWNA16Linear) -> str:
     n, stored_k = site.weight.shape
     key = (int(n), int(stored_k), site.bits, site.group_size)
     wna16.set_shape_plan(key, group.act_dtype, [WNA16_FNS[name] for name in names])
+    return _ranges(group.buckets, names)
+
+
+def _plan_gguf(group: _Group, gguf: CpuGGUFLinear) -> str:
+    site = group.sites[0]
+    assert site.ggml_type is not None
+    if gguf.int8_dot == "on" and q8_supports(site.ggml_type):
+        names = [GGUF_Q8] * len(group.buckets)
+    else:
+        names = [
+            _best(t, lambda name: name != GGUF_Q8 or gguf.int8_dot != "off") for t in group.times
+        ]
+    n, row_bytes = site.weight.shape
+    key = (site.ggml_type, int(n), int(row_bytes))
+    gguf.set_shape_plan(key, group.act_dtype, [GGUF_FNS[name] for name in names])
     return _ranges(group.buckets, names)
 
 
@@ -630,6 +731,7 @@ def tune_cpu_linears(
     cache: TuningCache,
     budget_s: float | None = None,
     wna16: CpuWNA16Linear | None = None,
+    gguf: CpuGGUFLinear | None = None,
 ) -> TuningReport:
     """Time the candidates for every distinct (kind, shape) of `sites` in `act_dtype` (or read
     their timings from `cache`), then set `linear`'s and `int8`'s plans. Exclusive weights for
@@ -640,19 +742,29 @@ def tune_cpu_linears(
     for site in sites:
         is_int8 = site.weight.dtype == torch.int8
         is_wna16 = site.bits > 0
-        if is_wna16 and wna16 is None:
+        is_gguf = site.ggml_type is not None
+        if (is_wna16 and wna16 is None) or (is_gguf and gguf is None):
             continue  # no plan to set: the fixed choice serves it
-        if site.weight.dim() != 2 or (not (is_int8 or is_wna16) and site.weight.dtype != act_dtype):
+        quantized = is_int8 or is_wna16 or is_gguf
+        if site.weight.dim() != 2 or (not quantized and site.weight.dtype != act_dtype):
             continue  # not a matmul weight of this model's dtype: the fallback serves it
         act = str(act_dtype).removeprefix("torch.")
         n, k = site.weight.shape
-        if is_wna16:
+        if is_gguf:
+            assert site.ggml_type is not None and gguf is not None
+            k = site.k
+            # int8 off: its own key, so that cached timings with the int8 kernel stay apart
+            off = "-noint8" if gguf.int8_dot == "off" else ""
+            kind = f"gguf-{type_name(site.ggml_type).lower()}{off}-{act}"
+        elif is_wna16:
             k = k * 8 // site.bits
             kind = f"w{site.bits}g{site.group_size}-{act}"
         else:
             kind = f"int8-{act}" if is_int8 else act
         key = f"linear/{kind}/{n}x{k}"
         group = groups.setdefault(key, _Group(key, [], act_dtype))
+        if is_gguf and gguf is not None:
+            group.int8_dot = gguf.int8_dot
         group.sites.append(site)
     for group in groups.values():
         group.buckets = row_buckets(max(site.max_rows for site in group.sites))
@@ -679,7 +791,10 @@ def tune_cpu_linears(
         cache.save()
     for group in groups.values():
         group.times = _runnable_times(group)
-        if group.wna16:
+        if group.gguf:
+            assert gguf is not None
+            text = _plan_gguf(group, gguf)
+        elif group.wna16:
             assert wna16 is not None
             text = _plan_wna16(group, wna16)
         elif group.int8:

@@ -2,8 +2,8 @@
 decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
 kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on panel-packed
 weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py; the wNa16 matmul of
-GPTQ/AWQ weights, wrapped in wna16.py; the GGUF block-quantized matmul, wrapped in
-gguf_linear.py), compiled together into one library on first use with the
+GPTQ/AWQ weights, wrapped in wna16.py; the GGUF block-quantized matmuls, float and int8 dot
+products, wrapped in gguf_linear.py), compiled together into one library on first use with the
 system's C compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded
 through ctypes (no torch headers, so a build takes a few seconds). `NativeKernels.lib` binds
 every file's entry points (`_bind`).
@@ -46,8 +46,14 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "panel_gemm_f32.c",
     _HERE / "wna16_gemm.c",
     _HERE / "gguf_gemm.c",
+    _HERE / "gguf_q8.c",
 )
-HEADERS: tuple[Path, ...] = (_HERE / "wick_cpu.h", _HERE / "wick_vec.h", _HERE / "wick_kv.h")
+HEADERS: tuple[Path, ...] = (
+    _HERE / "wick_cpu.h",
+    _HERE / "wick_vec.h",
+    _HERE / "wick_kv.h",
+    _HERE / "wick_gguf.h",
+)
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;
 # -ffp-contract=off: no fused multiply-adds, every product rounded as PyTorch's ops round it
@@ -264,6 +270,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.wick_gguf_dequant
     fn.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
     fn.restype = i32
+    # gguf_q8.c
+    fn = lib.wick_gguf_q8_gemm
+    fn.argtypes = list(lib.wick_gguf_gemm.argtypes)
+    fn.restype = i32
+    fn = lib.wick_gguf_q8_quantize
+    fn.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr]
+    fn.restype = i32
+    lib.wick_gguf_q8_supports.argtypes = [i32]
+    lib.wick_gguf_q8_supports.restype = i32
+    lib.wick_gguf_q8_has_vnni.restype = i32
     return lib
 
 
