@@ -9,7 +9,7 @@ within the bound the rounding allows (|x - xq| <= scale / 2 per value, so each o
 by at most sum |W| * scale / 2). Every type it takes, on every ISA path this machine runs
 (AVX-512 VNNI, AVX-512 and AVX2 forced on an AVX-512 machine, generic), fp32 and bf16 x,
 odd row counts (tiles of 4 end short), odd N, K an odd number of blocks (not a multiple of 256
-for the 32-value formats)."""
+for the 32-value formats: the blocks after the last group of 8 take their own path)."""
 
 from __future__ import annotations
 
@@ -61,10 +61,10 @@ def _kernels(isa: str) -> native.NativeKernels:
 
 
 def _case(qtype: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Random valid blocks [n, row_bytes], their fp32 values [n, k], and k: 7 blocks of 32
-    (224, not a multiple of 256) or 3 super-blocks of 256."""
+    """Random valid blocks [n, row_bytes], their fp32 values [n, k], and k: 11 blocks of 32
+    (352: one group of 8 blocks, transposed, and 3 in order) or 3 super-blocks of 256."""
     elems, _ = block_shape(qtype)
-    k = 3 * elems if elems == 256 else 7 * elems
+    k = 3 * elems if elems == 256 else 11 * elems
     raw = random_blocks(qtype, n, k, seed)
     values = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
     return torch.from_numpy(raw), values, k

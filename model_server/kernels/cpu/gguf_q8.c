@@ -5,26 +5,34 @@
  * x quantization (`quantize_x`, also exported for the tests as wick_gguf_q8_quantize): per
  * row and block of 32 values, dx = max|x| / 127 and qx = round-to-nearest-even(x * (1 / dx)),
  * so x ~ xq = dx * qx with |qx| <= 127 (an all-zero block has dx = 0, qx = 0). Each block also
- * keeps sx = dx * sum(qx). The kernel computes W @ xq exactly up to fp32 rounding of the
- * per-block terms: the only approximation is x -> xq (half a step of 1/254 of the block's
- * largest |x| per value), the same rounding as llama.cpp's Q8_0 / Q8_1 activations.
+ * keeps sx = dx * sum(qx) (and per 16 values, for Q6_K). The kernel computes W @ xq exactly
+ * up to fp32 rounding of the per-block terms: the only approximation is x -> xq (at most half
+ * a step of 1/127 of the block's largest |x| per value), the rounding of llama.cpp's Q8_0 /
+ * Q8_1 activations.
  *
- * Per weight block of 32 values (a K-quant super-block is 8 of them) the codes are unpacked
- * to 32 bytes c with w = a * c + o (a: the block's scale, or d * sub-block scale; o: the
- * offset, 0 for the signed formats), then for every row of x:
- *     sum_i w_i xq_i = a * dx * sum_i c_i qx_i + o * sx.
- * The integer sum is one vpdpbusd (u8 x s8 -> 8 int32 lanes) on AVX-512 VNNI builds,
- * vpmaddubsw + vpmaddwd on AVX2 (and AVX-512 without VNNI); the lanes are scaled by a * dx in
- * fp32 and accumulated in 8 float lanes, summed once per output. Signed codes (Q8_0, Q6_K's
- * q - 32) use the sign trick: |c| as the unsigned operand, qx negated where c < 0 (|qx| <= 127,
- * so vpmaddubsw never saturates: 2 * 128 * 127 < 2^15). The generic build does the same sums
- * in plain integer loops.
+ * Every W block of 32 values (a K-quant super-block is 8 of them) is unpacked to 32 unsigned
+ * codes c with w = a * c + o (a: the block's scale, or d * sub-block scale; o: its offset), so
+ *     sum_i w_i xq_i = a * dx * sum_i c_i qx_i + o * sx,
+ * an integer dot product, one multiply-add per block, and an offset term per block.
+ *
+ * Vector builds (AVX2, AVX-512, AVX-512 VNNI): per W row, the codes of each group of 8 blocks
+ * (256 values) are stored transposed in 4-byte chunks: chunk j holds bytes 4j..4j+3 of block
+ * 0, then of block 1, ..., block 7. x's codes are stored the same way. (The last K % 256
+ * values, if any, stay in order and are multiplied block by block.) A common permutation
+ * leaves dot products unchanged, and now lane i of each
+ * u8 x s8 -> int32 instruction (vpdpbusd, or vpmaddubsw + vpmaddwd without VNNI) sums block i's
+ * bytes: 8 instructions give the 8 blocks' integer sums in one vector, with no horizontal
+ * reduction, converted and scaled by (a * dx) of the 8 blocks in one multiply-add. Each W row
+ * is unpacked once per call (into L1) and serves every row of x, 4 rows of x at a time.
+ * Q6_K's codes (0..63) carry a scale per 16 values: its pairs of int16 sums are scaled by
+ * vpmaddwd (vpdpwssd on VNNI). Q8_0 without VNNI multiplies |w| by qx with w's signs
+ * (vpmaddubsw would saturate on w + 128); with VNNI its codes are w + 128.
+ * The generic build does the same sums in plain integer loops, block by block.
  *
  * Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (wick_gguf_q8_supports); others (Q2_K,
  * Q3_K, floats) return -1 and run the float kernels of gguf_gemm.c.
  *
- * Threads: contiguous ranges of W's rows (W read once per call in its packed size); each W
- * block is unpacked once per 4 rows of x (register tiles of 1 W row x up to 4 x rows).
+ * Threads: contiguous ranges of W's rows, so W is read once per call in its packed size.
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,10 +68,12 @@ int wick_gguf_q8_has_vnni(void) {
 #endif
 }
 
-/* x [m, k] (fp32 or bf16, rows x_stride apart) -> q [m, k] int8, d [m, k/32], s [m, k/32]. */
+/* x [m, k] (fp32 or bf16, rows x_stride apart) -> q [m, kp] int8 (natural order, zeros past k),
+ * d and s [m, kp / 32], s16 [m, kp / 16] (zeros past k). */
 static void quantize_x(const int dtype, const void *x, const int64_t x_stride, const int64_t m,
-                       const int64_t k, int8_t *restrict q, float *restrict d, float *restrict s) {
-  const int64_t nb = k / 32;
+                       const int64_t k, const int64_t kp, int8_t *restrict q, float *restrict d,
+                       float *restrict s, float *restrict s16) {
+  const int64_t nb = k / 32, nbp = kp / 32;
   for (int64_t i = 0; i < m; i++) {
     for (int64_t b = 0; b < nb; b++) {
       float v[32];
@@ -74,64 +84,102 @@ static void quantize_x(const int dtype, const void *x, const int64_t x_stride, c
       float amax = 0.f;
       for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(v[e]));
       const float dx = amax / 127.f, inv = dx > 0.f ? 1.f / dx : 0.f;
-      int8_t *restrict qb = q + i * k + b * 32;
-      int sum = 0;
+      int8_t *restrict qb = q + i * kp + b * 32;
 #if defined(__AVX2__)
       const __m256 iv = _mm256_set1_ps(inv);
       __m256i r[4];
-      for (int h = 0; h < 4; h++)  /* round to nearest even (MXCSR default), as rintf */
+      for (int h = 0; h < 4; h++) /* round to nearest even (MXCSR default), as rintf */
         r[h] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * h), iv));
       const __m256i p16 = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
       /* packs interleave 128-bit lanes: restore the order with one permute */
       const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b),
                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256((__m256i *)qb, p8);
-      for (int e = 0; e < 32; e++) sum += qb[e];
 #else
-      for (int e = 0; e < 32; e++) {
-        const int c = (int)rintf(v[e] * inv);
-        qb[e] = (int8_t)c;
-        sum += c;
-      }
+      for (int e = 0; e < 32; e++) qb[e] = (int8_t)rintf(v[e] * inv);
 #endif
-      d[i * nb + b] = dx;
-      s[i * nb + b] = dx * (float)sum;
+      int lo = 0, hi = 0;
+      for (int e = 0; e < 16; e++) lo += qb[e], hi += qb[e + 16];
+      d[i * nbp + b] = dx;
+      s[i * nbp + b] = dx * (float)(lo + hi);
+      s16[2 * (i * nbp + b)] = dx * (float)lo;
+      s16[2 * (i * nbp + b) + 1] = dx * (float)hi;
     }
+    for (int64_t b = nb; b < nbp; b++)
+      d[i * nbp + b] = s[i * nbp + b] = s16[2 * (i * nbp + b)] = s16[2 * (i * nbp + b) + 1] = 0.f;
+    memset(q + i * kp + k, 0, (size_t)(kp - k));
   }
 }
 
-/* For the tests: the quantization above, q [m, k] int8 and d [m, k/32] fp32. Returns -1 when
- * k is not a multiple of 32, -2 without memory. */
+/* For the tests: the quantization above, q [m, k] int8 (natural order) and d [m, k/32] fp32.
+ * Returns -1 when k is not a multiple of 32, -2 without memory. */
 int wick_gguf_q8_quantize(const int dtype, const void *x, const int64_t x_stride, const int64_t m,
                           const int64_t k, int8_t *q, float *d) {
   if (k % 32) return -1;
-  float *s = malloc(sizeof(float) * (size_t)(m * (k / 32) + 1));
+  float *s = malloc(sizeof(float) * (size_t)(3 * m * (k / 32) + 1));
   if (s == NULL) return -2;
-  quantize_x(dtype, x, x_stride, m, k, q, d, s);
+  quantize_x(dtype, x, x_stride, m, k, k, q, d, s, s + m * (k / 32));
   free(s);
   return 0;
 }
 
-/* The quantized x of one call: row t of q at q + t * k; d and s at t * nb. */
+/* The quantized x of one call: row t of q at q + t * kp (vector builds: groups transposed,
+ * see the top); d and s at t * nbp, s16 (dx times the code sums of each 16 values) at
+ * 2 t nbp. k: the row stride kp; nb: nbp. */
 typedef struct {
   const int8_t *q;
-  const float *d, *s;
+  const float *d, *s, *s16;
   int64_t k, nb;
 } xq_t;
 
 #if defined(__AVX2__)
-/* ---- AVX2 / AVX-512 builds: 32 codes in one ymm ------------------------------------------- */
-
-/* sum of u[i] * s[i] over each group of 4 bytes -> 8 int32 lanes (u unsigned, s signed). */
-static inline __m256i dot_u8s8(const __m256i u, const __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
+/* ---- AVX2 / AVX-512 builds ----------------------------------------------------------------- */
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void store32(void *p, const __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+
+/* r[i] = 8 dwords of row i -> r[j] = dword j of rows 0..7. */
+static inline void transpose8(__m256i r[8]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+  r[0] = _mm256_permute2x128_si256(u0, u4, 0x20), r[4] = _mm256_permute2x128_si256(u0, u4, 0x31);
+  r[1] = _mm256_permute2x128_si256(u1, u5, 0x20), r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
+  r[2] = _mm256_permute2x128_si256(u2, u6, 0x20), r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
+  r[3] = _mm256_permute2x128_si256(u3, u7, 0x20), r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+/* Each group of 8 blocks of 32 bytes at p (groups bytes) transposed in 4-byte chunks. */
+static inline void transpose_groups(void *p, const int64_t groups) {
+  uint8_t *g = (uint8_t *)p;
+  for (int64_t i = 0; i < groups; i++, g += 256) {
+    __m256i r[8];
+    for (int b = 0; b < 8; b++) r[b] = load32(g + 32 * b);
+    transpose8(r);
+    for (int b = 0; b < 8; b++) store32(g + 32 * b, r[b]);
+  }
+}
+
+/* How a block's codes meet qx: u8 x s8 sums (DOT_U), the same with Q6_K's sub-block scales
+ * applied to int16 pair sums (DOT_SCALED), or Q8_0's |w| times qx with w's signs (DOT_SIGNED,
+ * builds without VNNI). */
+enum { DOT_U = 0, DOT_SCALED = 1, DOT_SIGNED = 2 };
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_VNNI 1
+#else
+#define Q8_VNNI 0
+#endif
+
+static inline int dot_kind(const int type) {
+  if (type == T_Q6_K) return DOT_SCALED;
+  if (type == T_Q8_0 && !Q8_VNNI) return DOT_SIGNED;
+  return DOT_U;
+}
 
 /* 16 bytes of nibbles -> 32 codes: byte j's low nibble at j, its high nibble at j + 16. */
 static inline __m256i nibbles16(const uint8_t *qs) {
@@ -155,104 +203,367 @@ static inline float hsum8(const __m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* acc[t] += (a * dx_t) * sum(c * qx_t) and off[t] += o * sx_t for x block xb of every tile row.
- * `a` is a vector (Q6_K's two 16-value scales differ within a block); o == 0: no offset. */
-#define APPLY_UNSIGNED(C, A, O, XB)                                                             \
-  do {                                                                                          \
-    for (int t = 0; t < MT; t++) {                                                              \
-      const __m256i p_ = dot_u8s8((C), load32(xq->q + (t0 + t) * xq->k + (XB) * 32));           \
-      const __m256 scale_ = _mm256_mul_ps((A), _mm256_set1_ps(xq->d[(t0 + t) * xq->nb + (XB)]));   \
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_), scale_, acc[t]);                              \
-      off[t] += (O) * xq->s[(t0 + t) * xq->nb + (XB)];                                          \
-    }                                                                                           \
-  } while (0)
-
-/* The same for signed codes C (as int8): |C| times qx with C's signs. */
-#define APPLY_SIGNED(C, A, XB)                                                                  \
-  do {                                                                                          \
-    const __m256i u_ = _mm256_abs_epi8(C);                                                       \
-    for (int t = 0; t < MT; t++) {                                                              \
-      const __m256i sx_ = _mm256_sign_epi8(load32(xq->q + (t0 + t) * xq->k + (XB) * 32), (C));   \
-      const __m256 scale_ = _mm256_mul_ps((A), _mm256_set1_ps(xq->d[(t0 + t) * xq->nb + (XB)]));   \
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u_, sx_)), scale_, acc[t]);                \
-    }                                                                                           \
-  } while (0)
-
-/* One W row (`nblocks` blocks of `type`) against x rows t0 .. t0 + MT -> out[0 .. MT). MT and
- * type are compile-time constants after inlining (see q8_rows). */
-static inline __attribute__((always_inline)) void q8_row(const int type, const uint8_t *restrict w,
-                                                         const int64_t nblocks, const xq_t *xq,
-                                                         const int64_t t0, const int MT,
-                                                         float *out) {
-  __m256 acc[Q8_TILE];
-  float off[Q8_TILE];
-  for (int t = 0; t < Q8_TILE; t++) acc[t] = _mm256_setzero_ps(), off[t] = 0.f;
-  for (int64_t b = 0; b < nblocks; b++) {
-    if (type == T_Q4_0 || type == T_Q4_1) {
-      const uint8_t *blk = w + b * (type == T_Q4_0 ? 18 : 20);
-      const float d = f16_at(blk), o = type == T_Q4_0 ? -8.f * d : f16_at(blk + 2);
-      const __m256i c = nibbles16(blk + (type == T_Q4_0 ? 2 : 4));
-      APPLY_UNSIGNED(c, _mm256_set1_ps(d), o, b);
-    } else if (type == T_Q5_0 || type == T_Q5_1) {
-      const uint8_t *blk = w + b * (type == T_Q5_0 ? 22 : 24);
-      const float d = f16_at(blk), o = type == T_Q5_0 ? -16.f * d : f16_at(blk + 2);
-      const uint8_t *p = blk + (type == T_Q5_0 ? 2 : 4);
-      uint32_t qh;
-      memcpy(&qh, p, 4);
-      const __m256i c = _mm256_or_si256(nibbles16(p + 4), fifth_bits(qh));
-      APPLY_UNSIGNED(c, _mm256_set1_ps(d), o, b);
-    } else if (type == T_Q8_0) {
-      const uint8_t *blk = w + b * 34;
-      APPLY_SIGNED(load32(blk + 2), _mm256_set1_ps(f16_at(blk)), b);
-    } else if (type == T_Q4_K || type == T_Q5_K) {
-      const int five = type == T_Q5_K;
-      const uint8_t *blk = w + b * (five ? 176 : 144);
-      const float d = f16_at(blk), dmin = f16_at(blk + 2);
-      const uint8_t *scales = blk + 4, *qs = blk + (five ? 48 : 16);
-      const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-      const __m256i qh = five ? load32(blk + 16) : _mm256_setzero_si256();
-      for (int pair = 0; pair < 4; pair++) {
-        const __m256i v = load32(qs + 32 * pair);
-        __m256i c0 = _mm256_and_si256(v, lo4), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-        if (five) {
-          const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pair), one);
-          const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pair + 1), one);
-          c0 = _mm256_or_si256(c0, _mm256_slli_epi16(h0, 4));
-          c1 = _mm256_or_si256(c1, _mm256_slli_epi16(h1, 4));
-        }
-        int sc, mn;
-        scale_min_k4(2 * pair, scales, &sc, &mn);
-        APPLY_UNSIGNED(c0, _mm256_set1_ps(d * (float)sc), -dmin * (float)mn, b * 8 + 2 * pair);
-        scale_min_k4(2 * pair + 1, scales, &sc, &mn);
-        APPLY_UNSIGNED(c1, _mm256_set1_ps(d * (float)sc), -dmin * (float)mn, b * 8 + 2 * pair + 1);
+/* One ggml block at blk -> its 32-value blocks (1, or 8 for a K-quant super-block): codes c[]
+ * (u8; DOT_SIGNED: |w|, with w in sg[]), a in dw[], o in ow[] (Q6_K: two per 32 values, per
+ * 16), and for Q6_K each 32 values' int16 scales in sc[16 * i ...]: 8 times the first half's,
+ * then 8 times the second's. Returns the number of 32-value blocks. */
+static inline __attribute__((always_inline)) int decode_block(
+    const int type, const uint8_t *restrict blk, __m256i *c, __m256i *sg, float *dw, float *ow,
+    int16_t *sc) {
+  const __m256i lo4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  if (type == T_Q4_0 || type == T_Q4_1) {
+    const float d = f16_at(blk);
+    dw[0] = d, ow[0] = type == T_Q4_0 ? -8.f * d : f16_at(blk + 2);
+    c[0] = nibbles16(blk + (type == T_Q4_0 ? 2 : 4));
+    return 1;
+  }
+  if (type == T_Q5_0 || type == T_Q5_1) {
+    const float d = f16_at(blk);
+    dw[0] = d, ow[0] = type == T_Q5_0 ? -16.f * d : f16_at(blk + 2);
+    const uint8_t *p = blk + (type == T_Q5_0 ? 2 : 4);
+    uint32_t qh;
+    memcpy(&qh, p, 4);
+    c[0] = _mm256_or_si256(nibbles16(p + 4), fifth_bits(qh));
+    return 1;
+  }
+  if (type == T_Q8_0) {
+    const float d = f16_at(blk);
+    const __m256i v = load32(blk + 2);
+    dw[0] = d;
+    if (dot_kind(type) == DOT_SIGNED) {
+      ow[0] = 0.f, sg[0] = v, c[0] = _mm256_abs_epi8(v);
+    } else { /* w + 128 as u8, the 128 taken back through the offset */
+      ow[0] = -128.f * d, c[0] = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+    }
+    return 1;
+  }
+  if (type == T_Q4_K || type == T_Q5_K) {
+    const int five = type == T_Q5_K;
+    const float d = f16_at(blk), dmin = f16_at(blk + 2);
+    const uint8_t *scales = blk + 4, *qs = blk + (five ? 48 : 16);
+    const __m256i qh = five ? load32(blk + 16) : _mm256_setzero_si256();
+    for (int pair = 0; pair < 4; pair++) {
+      const __m256i v = load32(qs + 32 * pair);
+      __m256i c0 = _mm256_and_si256(v, lo4), c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      if (five) {
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pair), one);
+        const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * pair + 1), one);
+        c0 = _mm256_or_si256(c0, _mm256_slli_epi16(h0, 4));
+        c1 = _mm256_or_si256(c1, _mm256_slli_epi16(h1, 4));
       }
-    } else { /* T_Q6_K: codes q - 32 in [-32, 31], one int8 scale per 16 values */
-      const uint8_t *blk = w + b * 210;
-      const float d = f16_at(blk + 208);
-      const __m256i lo4 = _mm256_set1_epi8(15), hi2 = _mm256_set1_epi8(0x30);
-      const __m256i m32 = _mm256_set1_epi8(32);
-      for (int half = 0; half < 2; half++) {
-        const uint8_t *ql = blk + 64 * half, *qhp = blk + 128 + 32 * half;
-        const int8_t *sc = (const int8_t *)(blk + 192 + 8 * half);
-        const __m256i a = load32(ql), bq = load32(ql + 32), h = load32(qhp);
-        __m256i c[4];
-        c[0] = _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(h, 4), hi2));
-        c[1] = _mm256_or_si256(_mm256_and_si256(bq, lo4), _mm256_and_si256(_mm256_slli_epi16(h, 2), hi2));
-        c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(h, hi2));
-        c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), lo4),
-                               _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
-        for (int i = 0; i < 4; i++) {
-          const float s0 = d * (float)sc[2 * i], s1 = d * (float)sc[2 * i + 1];
-          const __m256 av = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
-          APPLY_SIGNED(_mm256_sub_epi8(c[i], m32), av, b * 8 + 4 * half + i);
-        }
+      c[2 * pair] = c0, c[2 * pair + 1] = c1;
+      for (int h = 0; h < 2; h++) {
+        int sc_, mn;
+        scale_min_k4(2 * pair + h, scales, &sc_, &mn);
+        dw[2 * pair + h] = d * (float)sc_, ow[2 * pair + h] = -dmin * (float)mn;
+      }
+    }
+    return 8;
+  }
+  /* T_Q6_K: codes q in [0, 63], w = d * sc * (q - 32), sc per 16 values */
+  const float d = f16_at(blk + 208);
+  const __m256i hi2 = _mm256_set1_epi8(0x30);
+  for (int half = 0; half < 2; half++) {
+    const uint8_t *ql = blk + 64 * half, *qhp = blk + 128 + 32 * half;
+    const int8_t *s8 = (const int8_t *)(blk + 192 + 8 * half);
+    const __m256i a = load32(ql), bq = load32(ql + 32), h = load32(qhp);
+    __m256i *cc = c + 4 * half;
+    cc[0] = _mm256_or_si256(_mm256_and_si256(a, lo4), _mm256_and_si256(_mm256_slli_epi16(h, 4), hi2));
+    cc[1] = _mm256_or_si256(_mm256_and_si256(bq, lo4), _mm256_and_si256(_mm256_slli_epi16(h, 2), hi2));
+    cc[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4), _mm256_and_si256(h, hi2));
+    cc[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), lo4),
+                            _mm256_and_si256(_mm256_srli_epi16(h, 2), hi2));
+    for (int i = 0; i < 4; i++) {
+      const int sub = 4 * half + i;
+      dw[sub] = d;
+      for (int e = 0; e < 2; e++) {
+        ow[2 * sub + e] = -32.f * d * (float)s8[2 * i + e];
+        for (int l = 0; l < 8; l++) sc[16 * sub + 8 * e + l] = s8[2 * i + e];
       }
     }
   }
-  for (int t = 0; t < MT; t++) out[t] = hsum8(acc[t]) + off[t];
+  return 8;
 }
-#undef APPLY_UNSIGNED
-#undef APPLY_SIGNED
+
+/* One W row of nblocks ggml blocks -> codes [nbp * 32] (transposed groups, see the top;
+ * DOT_SIGNED: |w|, with w in signs), dw [nbp], ow [nbp] (Q6_K: [2 nbp], per 16 values), sc16
+ * (Q6_K: per group two int16 vectors, lane pair 2i, 2i + 1 holding block i's scale of its
+ * first, then second, 16 values). */
+static void unpack_row(const int type, const uint8_t *restrict w, const int64_t nblocks,
+                       const int64_t nbp, uint8_t *restrict codes, int8_t *restrict signs,
+                       float *restrict dw, float *restrict ow, int16_t *restrict sc16) {
+  int elems = 32, bytes = 0;
+  block_shape(type, &elems, &bytes);
+  const int q6 = type == T_Q6_K;
+  int64_t nb = 0; /* blocks of 32 unpacked */
+  for (int64_t b = 0; b < nblocks; b++) {
+    __m256i c[8], sg[8];
+    int16_t sc[8 * 16];
+    const int count = decode_block(type, w + b * bytes, c, sg, dw + nb, ow + (q6 ? 2 * nb : nb), sc);
+    for (int i = 0; i < count; i++, nb++) {
+      store32(codes + 32 * nb, c[i]);
+      if (dot_kind(type) == DOT_SIGNED) store32(signs + 32 * nb, sg[i]);
+      if (q6) {
+        int16_t *g = sc16 + 32 * (nb / 8) + 2 * (nb % 8);
+        g[0] = g[1] = sc[16 * i], g[16] = g[17] = sc[16 * i + 8];
+      }
+    }
+  }
+  (void)nbp;
+  transpose_groups(codes, nb / 8); /* the last nb % 8 blocks stay in order */
+  if (dot_kind(type) == DOT_SIGNED) transpose_groups(signs, nb / 8);
+}
+
+/* lane i of the result = the sum of v[i]'s 8 lanes. */
+static inline __m256i reduce8(const __m256i v[8]) {
+  const __m256i a01 = _mm256_hadd_epi32(v[0], v[1]), a23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i a45 = _mm256_hadd_epi32(v[4], v[5]), a67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_hadd_epi32(a01, a23), b1 = _mm256_hadd_epi32(a45, a67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),
+                          _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+/* One 32-value block's integer sum per lane group: codes c (with signs sg) times x8. */
+static inline __attribute__((always_inline)) __m256i block_dot(const int KIND, const __m256i c,
+                                                                const __m256i sg, __m256i x8,
+                                                                const int16_t *sc) {
+  if (KIND == DOT_SCALED)
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x8), load32(sc));
+  if (KIND == DOT_SIGNED) x8 = _mm256_sign_epi8(x8, sg);
+#if Q8_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, x8);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x8), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Few rows of x (decodes): each W group of 8 blocks decoded into registers and multiplied
+ * with MT rows of x in natural order (not transposed), the 8 blocks' sums gathered into one
+ * vector by reduce8. No row buffer, no transposes. */
+static inline __attribute__((always_inline)) void direct_row(
+    const int type, const int KIND, const int MT, const uint8_t *restrict w,
+    const int64_t nblocks, const xq_t *xq, const int64_t t0, float *out) {
+  int elems = 32, bytes = 0;
+  block_shape(type, &elems, &bytes);
+  const int64_t nbp = xq->nb, kp = xq->k;
+  const int q6 = KIND == DOT_SCALED;
+  __m256 acc[Q8_TILE], off[Q8_TILE];
+  float tail[Q8_TILE];
+  for (int t = 0; t < MT; t++) acc[t] = off[t] = _mm256_setzero_ps(), tail[t] = 0.f;
+  const int per = elems / 32; /* 32-value blocks per ggml block */
+  int64_t b = 0, nb = 0;
+  for (; nb + 8 <= nbp; nb += 8) {
+    __m256i c[8], sg[8];
+    float dw[8], ow[16];
+    int16_t sc[8 * 16];
+    for (int i = 0; i < 8; i += per, b++)
+      decode_block(type, w + b * bytes, c + i, sg + i, dw + i, ow + (q6 ? 2 * i : i), sc + 16 * i);
+    const __m256 a = _mm256_loadu_ps(dw);
+    for (int t = 0; t < MT; t++) {
+      const int8_t *xb = xq->q + (t0 + t) * kp + 32 * nb;
+      __m256i v[8];
+      for (int i = 0; i < 8; i++) v[i] = block_dot(KIND, c[i], sg[i], load32(xb + 32 * i), sc + 16 * i);
+      const __m256 s = _mm256_mul_ps(a, _mm256_loadu_ps(xq->d + (t0 + t) * nbp + nb));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(v)), s, acc[t]);
+      if (q6) {
+        const float *sx = xq->s16 + (t0 + t) * 2 * nbp + 2 * nb;
+        off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(ow), _mm256_loadu_ps(sx), off[t]);
+        off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(ow + 8), _mm256_loadu_ps(sx + 8), off[t]);
+      } else {
+        const float *sx = xq->s + (t0 + t) * nbp + nb;
+        off[t] = _mm256_fmadd_ps(_mm256_loadu_ps(ow), _mm256_loadu_ps(sx), off[t]);
+      }
+    }
+  }
+  for (; b < nblocks; b++, nb++) { /* 32-value formats: the blocks after the last group */
+    __m256i c[8], sg[8]; /* sized for any type, one block used */
+    float dw[8], ow[16];
+    int16_t sc[8 * 16];
+    decode_block(type, w + b * bytes, c, sg, dw, ow, sc);
+    for (int t = 0; t < MT; t++) {
+      const __m256i p = block_dot(KIND, c[0], sg[0], load32(xq->q + (t0 + t) * kp + 32 * nb), sc);
+      const float s = dw[0] * xq->d[(t0 + t) * nbp + nb];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[t]);
+      tail[t] += ow[0] * xq->s[(t0 + t) * nbp + nb];
+    }
+  }
+  for (int t = 0; t < MT; t++) out[t] = hsum8(_mm256_add_ps(acc[t], off[t])) + tail[t];
+}
+
+/* Rows of x up to which direct_row runs (no transposes); more rows unpack each W row once. */
+#define DIRECT_MAX_ROWS 2
+
+#define DIRECT_ROWS(TYPE)                                                                   \
+  do {                                                                                      \
+    if (mt == 1)                                                                            \
+      direct_row(TYPE, dot_kind(TYPE), 1, w, nblocks, xq, t0, out);                         \
+    else                                                                                    \
+      direct_row(TYPE, dot_kind(TYPE), 2, w, nblocks, xq, t0, out);                         \
+    return;                                                                                 \
+  } while (0)
+static void direct_rows(const int type, const uint8_t *restrict w, const int64_t nblocks,
+                        const xq_t *xq, const int64_t t0, const int mt, float *out) {
+  switch (type) {
+    case T_Q4_0: DIRECT_ROWS(T_Q4_0);
+    case T_Q4_1: DIRECT_ROWS(T_Q4_1);
+    case T_Q5_0: DIRECT_ROWS(T_Q5_0);
+    case T_Q5_1: DIRECT_ROWS(T_Q5_1);
+    case T_Q8_0: DIRECT_ROWS(T_Q8_0);
+    case T_Q4_K: DIRECT_ROWS(T_Q4_K);
+    case T_Q5_K: DIRECT_ROWS(T_Q5_K);
+    default: DIRECT_ROWS(T_Q6_K);
+  }
+}
+#undef DIRECT_ROWS
+
+/* The 8 blocks' integer sums of group c (8 chunks of codes) with x chunks at xg. */
+static inline __attribute__((always_inline)) __m256i group_dot(const int KIND, const __m256i *c,
+                                                                const int8_t *xg,
+                                                                const int8_t *sg,
+                                                                const int16_t *scg) {
+  if (KIND == DOT_SCALED) { /* int16 pair sums of two chunks (<= 2 * 2 * 63 * 127), scaled */
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+      const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(c[j], load32(xg + 32 * j)),
+                                         _mm256_maddubs_epi16(c[j + 1], load32(xg + 32 * j + 32)));
+      const __m256i sc = load32(scg + (j < 4 ? 0 : 16));
+#if Q8_VNNI
+      acc = _mm256_dpwssd_epi32(acc, h, sc);
+#else
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(h, sc));
+#endif
+    }
+    return acc;
+  }
+  if (KIND == DOT_SIGNED) { /* |w| (<= 128) times signed qx: no int16 accumulation */
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+      const __m256i x8 = _mm256_sign_epi8(load32(xg + 32 * j), load32(sg + 32 * j));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c[j], x8),
+                                                    _mm256_set1_epi16(1)));
+    }
+    return acc;
+  }
+#if Q8_VNNI
+  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j += 2) {
+    a0 = _mm256_dpbusd_epi32(a0, c[j], load32(xg + 32 * j));
+    a1 = _mm256_dpbusd_epi32(a1, c[j + 1], load32(xg + 32 * j + 32));
+  }
+  return _mm256_add_epi32(a0, a1);
+#else
+  /* codes <= 31 (every DOT_U type without VNNI): four chunks' int16 pair sums stay below
+   * 4 * 2 * 31 * 127 < 2^15 */
+  __m256i h[2];
+  for (int q = 0; q < 2; q++) {
+    h[q] = _mm256_maddubs_epi16(c[4 * q], load32(xg + 128 * q));
+    for (int j = 1; j < 4; j++)
+      h[q] = _mm256_add_epi16(h[q], _mm256_maddubs_epi16(c[4 * q + j], load32(xg + 128 * q + 32 * j)));
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  return _mm256_add_epi32(_mm256_madd_epi16(h[0], ones), _mm256_madd_epi16(h[1], ones));
+#endif
+}
+
+/* The unpacked row against x rows t0 .. t0 + MT -> out[0 .. MT):
+ * sum_b dw[b] dx_t[b] dot(codes_b, qx_t,b) + sum_g ow[g] sx_t[g]. */
+static inline __attribute__((always_inline)) void q8_tile(
+    const int KIND, const int MT, const uint8_t *restrict codes, const int8_t *restrict signs,
+    const float *restrict dw, const float *restrict ow, const int16_t *restrict sc16,
+    const xq_t *xq, const int64_t t0, float *out) {
+  const int64_t nbp = xq->nb, kp = xq->k;
+  __m256 acc[Q8_TILE];
+  for (int t = 0; t < MT; t++) acc[t] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < nbp / 8; g++) {
+    __m256i c[8];
+    for (int j = 0; j < 8; j++) c[j] = load32(codes + 256 * g + 32 * j);
+    const __m256 a = _mm256_loadu_ps(dw + 8 * g);
+    for (int t = 0; t < MT; t++) {
+      const __m256i p = group_dot(KIND, c, xq->q + (t0 + t) * kp + 256 * g,
+                                  signs + 256 * g, sc16 + 32 * g);
+      const __m256 sc = _mm256_mul_ps(a, _mm256_loadu_ps(xq->d + (t0 + t) * nbp + 8 * g));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[t]);
+    }
+  }
+  for (int64_t b = nbp / 8 * 8; b < nbp; b++) { /* the blocks after the last group, in order */
+    const __m256i c = load32(codes + 32 * b);
+    for (int t = 0; t < MT; t++) {
+      __m256i x8 = load32(xq->q + (t0 + t) * kp + 32 * b);
+      if (KIND == DOT_SIGNED) x8 = _mm256_sign_epi8(x8, load32(signs + 32 * b));
+#if Q8_VNNI
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, x8);
+#else
+      const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(c, x8), _mm256_set1_epi16(1));
+#endif
+      const float sc = dw[b] * xq->d[(t0 + t) * nbp + b];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sc), acc[t]);
+    }
+  }
+  for (int t = 0; t < MT; t++) {
+    /* offsets: per 32 values, or per 16 for Q6_K (DOT_SCALED) */
+    const int64_t groups = KIND == DOT_SCALED ? 2 * nbp : nbp;
+    const float *restrict sx = (KIND == DOT_SCALED ? xq->s16 : xq->s) + (t0 + t) * groups;
+    __m256 o = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= groups; i += 8)
+      o = _mm256_fmadd_ps(_mm256_loadu_ps(ow + i), _mm256_loadu_ps(sx + i), o);
+    float tail = 0.f;
+    for (; i < groups; i++) tail += ow[i] * sx[i];
+    out[t] = hsum8(_mm256_add_ps(acc[t], o)) + tail;
+  }
+}
+
+#define Q8_TILES(KIND)                                                              \
+  switch (mt) {                                                                     \
+    case 1: q8_tile(KIND, 1, codes, signs, dw, ow, sc16, xq, t0, out); return;     \
+    case 2: q8_tile(KIND, 2, codes, signs, dw, ow, sc16, xq, t0, out); return;     \
+    case 3: q8_tile(KIND, 3, codes, signs, dw, ow, sc16, xq, t0, out); return;     \
+    default: q8_tile(KIND, 4, codes, signs, dw, ow, sc16, xq, t0, out); return;    \
+  }
+static void q8_tiles(const int kind, const uint8_t *codes, const int8_t *signs, const float *dw,
+                     const float *ow, const int16_t *sc16, const xq_t *xq, const int64_t t0,
+                     const int mt, float *out) {
+  if (kind == DOT_SCALED) Q8_TILES(DOT_SCALED)
+  if (kind == DOT_SIGNED) Q8_TILES(DOT_SIGNED)
+  Q8_TILES(DOT_U)
+}
+#undef Q8_TILES
+
+/* W rows [j0, j1) against every row of x: each W row unpacked once, then tiles of x rows. */
+static int q8_rows_range(const int type, const int dtype, const uint8_t *w, const int64_t row_bytes,
+                         const int64_t nblocks, const xq_t *xq, const int64_t m, const void *bias,
+                         void *y, const int64_t n, const int64_t j0, const int64_t j1) {
+  const int64_t nbp = xq->nb, kp = xq->k;
+  if (m <= DIRECT_MAX_ROWS) {
+    for (int64_t j = j0; j < j1; j++) {
+      float o[Q8_TILE];
+      direct_rows(type, w + j * row_bytes, nblocks, xq, 0, (int)m, o);
+      const float bj = load_bias(bias, dtype, j);
+      for (int t = 0; t < m; t++) store(y, dtype, t * n + j, o[t] + bj);
+    }
+    return 0;
+  }
+  /* codes [kp] | signs [kp] | sc16 [kp / 8 int16] | dw [nbp] | ow [2 nbp] */
+  char *buf = malloc((size_t)(2 * kp + kp / 4) + sizeof(float) * (size_t)(3 * nbp) + 64);
+  if (buf == NULL) return -2;
+  uint8_t *codes = (uint8_t *)buf;
+  int8_t *signs = (int8_t *)(buf + kp);
+  int16_t *sc16 = (int16_t *)(buf + 2 * kp);
+  float *dw = (float *)(buf + 2 * kp + kp / 4), *ow = dw + nbp;
+  const int kind = dot_kind(type);
+  for (int64_t j = j0; j < j1; j++) {
+    unpack_row(type, w + j * row_bytes, nblocks, nbp, codes, signs, dw, ow, sc16);
+    const float bj = load_bias(bias, dtype, j);
+    for (int64_t t0 = 0; t0 < m; t0 += Q8_TILE) {
+      const int mt = m - t0 < Q8_TILE ? (int)(m - t0) : Q8_TILE;
+      float o[Q8_TILE];
+      q8_tiles(kind, codes, signs, dw, ow, sc16, xq, t0, mt, o);
+      for (int t = 0; t < mt; t++) store(y, dtype, (t0 + t) * n + j, o[t] + bj);
+    }
+  }
+  free(buf);
+  return 0;
+}
 
 #else
 /* ---- generic build: the same sums in integer loops ---------------------------------------- */
@@ -334,7 +645,6 @@ static inline __attribute__((always_inline)) void q8_row(const int type, const u
   }
   for (int t = 0; t < MT; t++) out[t] = acc[t] + off[t];
 }
-#endif
 
 /* q8_row specialized per type and tile height (constants folded after inlining). */
 #define Q8_TYPE(TYPE)                                        \
@@ -359,6 +669,22 @@ static void q8_rows(const int type, const uint8_t *restrict w, const int64_t nbl
 }
 #undef Q8_TYPE
 
+static int q8_rows_range(const int type, const int dtype, const uint8_t *w, const int64_t row_bytes,
+                         const int64_t nblocks, const xq_t *xq, const int64_t m, const void *bias,
+                         void *y, const int64_t n, const int64_t j0, const int64_t j1) {
+  for (int64_t j = j0; j < j1; j++) {
+    const float bj = load_bias(bias, dtype, j);
+    for (int64_t t0 = 0; t0 < m; t0 += Q8_TILE) {
+      const int mt = m - t0 < Q8_TILE ? (int)(m - t0) : Q8_TILE;
+      float o[Q8_TILE];
+      q8_rows(type, w + j * row_bytes, nblocks, xq, t0, mt, o);
+      for (int t = 0; t < mt; t++) store(y, dtype, (t0 + t) * n + j, o[t] + bj);
+    }
+  }
+  return 0;
+}
+#endif
+
 /* Returns 0, -1 for a type this kernel does not take or a K that is not a multiple of its
  * block, -2 when scratch memory cannot be allocated. Arguments as wick_gguf_gemm's. */
 int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int64_t x_stride,
@@ -368,26 +694,36 @@ int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int6
   int elems, bytes;
   if (!wick_gguf_q8_supports(type) || !block_shape(type, &elems, &bytes) || k % elems) return -1;
   if (m <= 0 || n <= 0) return 0;
-  const int64_t row_bytes = k / elems * bytes, nblocks = k / elems, nb = k / 32;
-  /* one allocation: q [m, k] int8, then d and s [m, nb] fp32 */
-  char *scratch = malloc((size_t)(m * k) + 2 * sizeof(float) * (size_t)(m * nb) + 64);
+  const int64_t row_bytes = k / elems * bytes, nblocks = k / elems;
+  const int64_t kp = k, nbp = k / 32; /* K is a multiple of 32 for every type taken */
+  /* one allocation: q [m, kp] int8, then d, s [m, nbp] and s16 [m, 2 nbp] fp32 */
+  char *scratch = malloc((size_t)(m * kp) + 4 * sizeof(float) * (size_t)(m * nbp) + 64);
   if (scratch == NULL) return -2;
   int8_t *q = (int8_t *)scratch;
-  float *d = (float *)(scratch + ((m * k + 63) & ~(int64_t)63)), *s = d + m * nb;
-  quantize_x(dtype, x, x_stride, m, k, q, d, s);
-  const xq_t xq = {q, d, s, k, nb};
+  float *d = (float *)(scratch + ((m * kp + 63) & ~(int64_t)63)), *s = d + m * nbp;
+  float *s16 = s + m * nbp;
+  quantize_x(dtype, x, x_stride, m, k, kp, q, d, s, s16);
+#if defined(__AVX2__)
+  if (m > DIRECT_MAX_ROWS) /* the row-buffer path reads x's groups transposed */
+    for (int64_t i = 0; i < m; i++) transpose_groups(q + i * kp, nbp / 8);
+#endif
+  const xq_t xq = {q, d, s, s16, kp, nbp};
   const int threads = threads_for(n * k * (m < Q8_TILE ? m : Q8_TILE), min_work_per_thread,
                                   num_threads);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t j = 0; j < n; j++) {
-    const float bj = load_bias(bias, dtype, j);
-    for (int64_t t0 = 0; t0 < m; t0 += Q8_TILE) {
-      const int mt = m - t0 < Q8_TILE ? (int)(m - t0) : Q8_TILE;
-      float o[Q8_TILE];
-      q8_rows(type, w + j * row_bytes, nblocks, &xq, t0, mt, o);
-      for (int t = 0; t < mt; t++) store(y, dtype, (t0 + t) * n + j, o[t] + bj);
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    int tid = 0, count = 1;
+#ifdef _OPENMP
+    tid = omp_get_thread_num(), count = omp_get_num_threads();
+#endif
+    /* contiguous ranges of W rows, as schedule(static) would give */
+    const int64_t j0 = n * tid / count, j1 = n * (tid + 1) / count;
+    if (q8_rows_range(type, dtype, w, row_bytes, nblocks, &xq, m, bias, y, n, j0, j1) != 0) {
+#pragma omp atomic write
+      failed = 1;
     }
   }
   free(scratch);
-  return 0;
+  return failed ? -2 : 0;
 }
