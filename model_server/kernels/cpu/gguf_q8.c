@@ -289,9 +289,9 @@ static inline __attribute__((always_inline)) int decode_block(
  * DOT_SIGNED: |w|, with w in signs), dw [nbp], ow [nbp] (Q6_K: [2 nbp], per 16 values), sc16
  * (Q6_K: per group two int16 vectors, lane pair 2i, 2i + 1 holding block i's scale of its
  * first, then second, 16 values). */
-static void unpack_row(const int type, const uint8_t *restrict w, const int64_t nblocks,
-                       const int64_t nbp, uint8_t *restrict codes, int8_t *restrict signs,
-                       float *restrict dw, float *restrict ow, int16_t *restrict sc16) {
+static inline __attribute__((always_inline)) void unpack_row_t(
+    const int type, const uint8_t *restrict w, const int64_t nblocks, uint8_t *restrict codes,
+    int8_t *restrict signs, float *restrict dw, float *restrict ow, int16_t *restrict sc16) {
   int elems = 32, bytes = 0;
   block_shape(type, &elems, &bytes);
   const int q6 = type == T_Q6_K;
@@ -309,9 +309,26 @@ static void unpack_row(const int type, const uint8_t *restrict w, const int64_t 
       }
     }
   }
-  (void)nbp;
   transpose_groups(codes, nb / 8); /* the last nb % 8 blocks stay in order */
   if (dot_kind(type) == DOT_SIGNED) transpose_groups(signs, nb / 8);
+}
+
+/* unpack_row_t with the type a constant. */
+static void unpack_row(const int type, const uint8_t *restrict w, const int64_t nblocks,
+                       uint8_t *restrict codes, int8_t *restrict signs, float *restrict dw,
+                       float *restrict ow, int16_t *restrict sc16) {
+#define UNPACK(TYPE) unpack_row_t(TYPE, w, nblocks, codes, signs, dw, ow, sc16); return
+  switch (type) {
+    case T_Q4_0: UNPACK(T_Q4_0);
+    case T_Q4_1: UNPACK(T_Q4_1);
+    case T_Q5_0: UNPACK(T_Q5_0);
+    case T_Q5_1: UNPACK(T_Q5_1);
+    case T_Q8_0: UNPACK(T_Q8_0);
+    case T_Q4_K: UNPACK(T_Q4_K);
+    case T_Q5_K: UNPACK(T_Q5_K);
+    default: UNPACK(T_Q6_K);
+  }
+#undef UNPACK
 }
 
 /* lane i of the result = the sum of v[i]'s 8 lanes. */
@@ -552,7 +569,7 @@ static int q8_rows_range(const int type, const int dtype, const uint8_t *w, cons
   float *dw = (float *)(buf + 2 * kp + kp / 4), *ow = dw + nbp;
   const int kind = dot_kind(type);
   for (int64_t j = j0; j < j1; j++) {
-    unpack_row(type, w + j * row_bytes, nblocks, nbp, codes, signs, dw, ow, sc16);
+    unpack_row(type, w + j * row_bytes, nblocks, codes, signs, dw, ow, sc16);
     const float bj = load_bias(bias, dtype, j);
     for (int64_t t0 = 0; t0 < m; t0 += Q8_TILE) {
       const int mt = m - t0 < Q8_TILE ? (int)(m - t0) : Q8_TILE;
