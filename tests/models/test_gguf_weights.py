@@ -31,7 +31,7 @@ from tests.loader.test_loader import _random_state, _tiny_llama_config, _write_g
 _OPTS = {"kv_cache_memory": 16 * 1024**2, "max_model_len": 128, "seed": 0}
 # Greedy tokens (of 16 x 16) before the first difference that the embedded model on the int8
 # kernel must keep against the dequantized model (measured: the note; set below what was seen).
-AGREE_INT8 = {"float32": 160, "bfloat16": 128}
+AGREE_INT8 = {"float32": 160, "bfloat16": 150}
 # Layer 0 mixes three types in the fused qkv_proj and two in gate_up_proj.
 _TYPES = {
     "model.layers.0.self_attn.q_proj.weight": Q4_K,
