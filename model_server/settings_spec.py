@@ -283,11 +283,13 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "auto",
         "How a GGUF file's quantized matrices load: quantized (kept in their GGUF blocks, Q4_0 "
-        "to Q8_0 and Q2_K to Q6_K, decoded by the matmul as it reads them: weight memory about "
-        "the file's size, faster batch-1 decode, slower batches of 8 and more; cpu only), "
-        "dequantized (float weights in --dtype), or auto (dequantized, the faster choice from "
-        "batch 8 on; README's GGUF section has the figures). --dtype stays the activation dtype "
-        "either way; other checkpoint formats ignore it.",
+        "to Q8_0 and Q2_K to Q6_K, decoded by the matmul as it reads them, with activations "
+        "rounded to int8 per 32 values where that times faster (WICK_GGUF_INT8_DOT): weight "
+        "memory about the file's size, faster batch-1 decode, slower batches of 8 and more; cpu "
+        "only), dequantized (float weights in --dtype), or auto (dequantized: the faster choice "
+        "from batch 8 on, and the greedy output of the float weights; README's GGUF section has "
+        "the figures). --dtype stays the activation dtype either way; other checkpoint formats "
+        "ignore it.",
         "engine",
         choices=GGUF_WEIGHTS_MODES,
         check=_check_gguf_weights,

@@ -265,7 +265,8 @@ class Platform(ABC):
         """Whether a GGUF's quantized matrices stay in their blocks for `--gguf-weights mode`
         (auto | quantized | dequantized); ValueError for `quantized` where no kernel runs them.
         `auto` dequantizes: measured on the embedded Q4_1 model (README, GGUF section), the kept
-        blocks were faster at batch 1 but slower from batch 8 than the float weights."""
+        blocks on the int8 kernel were faster at batch 1 but slower from batch 8 than the float
+        weights, and their int8 activations change greedy tokens (as bf16 against fp32 does)."""
         if mode == "quantized" and not self.keeps_gguf_quantized:
             raise ValueError(
                 f"--gguf-weights quantized is not supported on {self.name} (cpu only); use "
