@@ -449,7 +449,8 @@ def test_unsupported_reasons(q_dtype, kv_dtype, head_dim, reason) -> None:
 
 # ---- ISA selection -----------------------------------------------------------------------------
 
-AVX512_BF16_FLAGS = "sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16"
+# Every CPU with avx512_bf16 also has avx512_vnni, which that build uses (gguf_q8.c).
+AVX512_BF16_FLAGS = "sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
 
 
 @pytest.fixture
@@ -466,6 +467,7 @@ def fresh_choice(monkeypatch):
         (AVX512_BF16_FLAGS, "avx2", "avx2"),
         (AVX512_BF16_FLAGS, "AVX512", "avx512"),
         (AVX512_BF16_FLAGS.replace(" avx512_bf16", ""), None, "avx512"),
+        (AVX512_BF16_FLAGS.replace(" avx512_vnni", ""), None, "avx512"),
         ("sse2 avx2 fma f16c", None, "avx2"),
         ("sse2 avx", None, "generic"),
         ("", "generic", "generic"),
