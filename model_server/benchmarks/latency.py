@@ -272,9 +272,7 @@ def run_latency_benchmark(args: argparse.Namespace, config: EngineConfig) -> int
     # The matmul shapes of the step (every linear layer and the LM head), for the compute bound.
     from model_server.engine.execution.kernel_tuning import linear_sites
 
-    shapes = linear_shape_counts(
-        tuple(site.weight.shape) for site in linear_sites(runner.model, 1, 1)
-    )
+    shapes = linear_shape_counts(site.matrix_shape() for site in linear_sites(runner.model, 1, 1))
     run_dtype = runner.dtype
     target = baseline_target(llm)
     # Release the engine first: the copy buffers and the baseline need the memory it holds.

@@ -33,3 +33,13 @@ class LinearSite:
     group_size: int = 0  # wNa16 only
     ggml_type: int | None = None  # GGUF only
     k: int = 0  # GGUF only
+
+    def matrix_shape(self) -> tuple[int, int]:
+        """(N, K) of the float matrix the weight stands for (packed codes and GGUF blocks hold
+        K in fewer columns)."""
+        n, k = self.weight.shape
+        if self.ggml_type is not None:
+            k = self.k
+        elif self.bits:
+            k = k * 8 // self.bits
+        return int(n), int(k)

@@ -224,6 +224,7 @@ def test_the_tuner_plans_gguf_segments_per_bucket(
         LinearSite(q41, 8, True, None, "a", ggml_type=3, k=k),
         LinearSite(q3k, 8, True, None, "b", ggml_type=11, k=k3),
     ]
+    assert [site.matrix_shape() for site in sites] == [(40, k), (24, k3)]  # not the bytes
     report = tune_cpu_linears(sites, dtype, CpuLinear(), CpuInt8Linear(), cache, gguf=gguf)
     assert report.timed == 2
     lines = sorted(report.lines)

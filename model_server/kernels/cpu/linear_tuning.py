@@ -424,12 +424,7 @@ class _Group:
     @property
     def shape(self) -> tuple[int, int]:
         """(N, K) of the float matrix the weight stands for."""
-        n, k = self.sites[0].weight.shape
-        if self.wna16:
-            k = k * 8 // self.sites[0].bits
-        if self.gguf:
-            k = self.sites[0].k
-        return int(n), int(k)
+        return self.sites[0].matrix_shape()
 
 
 # Float weights are timed cold, as a decode step reads them (each layer's weight is evicted by
