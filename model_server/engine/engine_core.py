@@ -32,9 +32,7 @@ class EngineCore:
         config.validate()
         self.platform = get_platform(config.device)
         if config.max_num_batched_tokens is None:
-            config = dataclasses.replace(
-                config, max_num_batched_tokens=self.platform.default_max_num_batched_tokens
-            )
+            config = self.platform.with_defaults(config)
             logger.info(
                 "token budget per step: %d (the %s default; --max-num-batched-tokens)",
                 config.max_num_batched_tokens,

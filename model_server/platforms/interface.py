@@ -7,6 +7,7 @@ methods, never at import time: `import model_server.platforms.gcu` works on any 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from model_server.config import EngineConfig
 from model_server.kernels.kv_cache_dtype import KVCacheDtype
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
@@ -79,6 +81,16 @@ class Platform(ABC):
     # for every step before its last chunk, so a budget larger than the device needs to run its
     # matmuls at full rate only delays first tokens.
     default_max_num_batched_tokens: int = 2048
+
+    def with_defaults(self, config: EngineConfig) -> EngineConfig:
+        """`config` with this platform's values in place of the settings left unset (None): the
+        token budget. Every rank resolves it the same way (EngineCore, and remote workers that
+        get the config as given)."""
+        if config.max_num_batched_tokens is not None:
+            return config
+        return dataclasses.replace(
+            config, max_num_batched_tokens=self.default_max_num_batched_tokens
+        )
 
     def __init__(self) -> None:
         # Index of this process's device among the visible ones (None: the runtime's default).

@@ -82,8 +82,8 @@ def _serve_steps(spec: WorkerSpec) -> None:
     from model_server.loader import load_model_source
     from model_server.platforms import get_platform
 
-    config = spec.config
-    platform = get_platform(config.device)
+    platform = get_platform(spec.config.device)
+    config = platform.with_defaults(spec.config)  # as rank 0's EngineCore resolves it
     platform.select_device(spec.local_rank, config.device_ids)
     platform.prepare(config.num_threads, spec.local_world_size)
     platform.init_distributed_backend()
