@@ -69,6 +69,12 @@ LinearSiluAndMulFn = Callable[
 # logits [B, V] -> [B] int64: greedy sampling (layers/sampler.py), ties to the lowest id
 ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
 
+# (the model's decoder layers, positions [T], hidden_states [T, hidden] (the embedding),
+# kv_caches, attention metadata) -> (the last layer's MLP output, the residual stream before it),
+# as the layers' modules would return them (models/decoder_parts.py), or None where the table
+# has no whole-stack kernel for these layers (then the model runs them one by one)
+DecoderStackFn = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
+
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int64,
 # the table) -> [T, H]: the mixture-of-experts experts (kernels/fused_moe_torch.py)
 FusedExpertsFn = Callable[..., torch.Tensor]
@@ -78,6 +84,11 @@ def no_fused_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The portable `linear_silu_and_mul`: no fused kernel, the layer runs both ops."""
+    return None
+
+
+def no_decoder_stack(*args: object) -> None:
+    """The portable `decoder_stack`: none; the model runs its layers' modules."""
     return None
 
 
@@ -102,6 +113,7 @@ class KernelTable:
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
     argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
     linear_silu_and_mul: LinearSiluAndMulFn = no_fused_linear  # the SwiGLU MLP's first half
+    decoder_stack: DecoderStackFn = no_decoder_stack  # all decoder layers in one call
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.

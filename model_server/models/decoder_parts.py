@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_server.kernels.table import KernelTable
+from model_server.kernels.stack_layer import StackLayer
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.activation import SiluAndMul, get_act_and_mul_fn
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.attention.layer import Attention
@@ -27,6 +28,7 @@ from model_server.layers.linear import (
     default_weight_loader,
 )
 from model_server.layers.norm import RMSNorm
+from model_server.layers.rotary import RotaryEmbedding
 
 # (our fused param name part, checkpoint name part, shard id)
 STACKED_PARAMS_MAPPING: tuple[tuple[str, str, str | int], ...] = (
@@ -225,14 +227,73 @@ class DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+def stack_layer(layer: nn.Module) -> StackLayer | str:
+    """`layer` described for `KernelTable.decoder_stack` (kernels/cpu/decoder_stack.py), or why
+    it has not that exact shape: a plain pre-norm DecoderLayer, RMSNorms, QKVAttention without
+    q/k norm, neox rotary over whole heads, full attention on the native CPU backend, a SwiGLU
+    GatedMLP without gate/up bias, one rank."""
+    if type(layer).forward is not DecoderLayer.forward or layer.post_norms:
+        return "not a plain pre-norm decoder layer"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(norm) is not RMSNorm for norm in norms):
+        return "norms other than plain RMSNorm"
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn).forward is not QKVAttention.forward or attn.qk_norm:
+        return "attention with a q/k norm or of another kind"
+    if type(attn.rotary_emb) is not RotaryEmbedding:
+        return "a partial or other rotary embedding"
+    impl = attn.attn.impl
+    if impl.name != "cpu" or getattr(impl, "kernels", None) is None:
+        return f"the {impl.name} attention backend (not the native CPU one)"
+    if attn.attn.sliding_window is not None or impl.logits_soft_cap is not None:
+        return "a sliding window or a logit soft cap"
+    if attn.attn.kv_group != 0:
+        return "a second KV cache group"
+    if type(mlp) is not GatedMLP or not isinstance(mlp.act_fn, SiluAndMul):
+        return "an MLP other than SwiGLU"
+    if mlp.gate_up_proj.bias is not None:
+        return "a gate/up bias"
+    if mlp.down_proj.tp_size != 1 or attn.qkv_proj.tp_size != 1:
+        return "tensor parallelism (all-reduces run between the modules)"
+    return StackLayer(
+        input_norm=layer.input_layernorm.weight,
+        post_attention_norm=layer.post_attention_layernorm.weight,
+        eps=layer.input_layernorm.variance_epsilon,
+        qkv=attn.qkv_proj,
+        o=getattr(attn, attn.out_name),
+        gate_up=mlp.gate_up_proj,
+        down=mlp.down_proj,
+        num_heads=attn.num_heads,
+        num_kv_heads=attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        scale=attn.attn.scale,
+        cos_sin_cache=attn.rotary_emb.cos_sin_cache,
+    )
+
+
 class DecoderModel(nn.Module):
     """embed_tokens -> `layers` (DecoderLayer's residual convention) -> the final `norm`, which
     adds the last residual. Subclasses set `layers` and `norm`, and may scale the embedding
-    (`embed`)."""
+    (`embed`). `kernels.decoder_stack` may run all the layers in one call (CPUs: kernels/cpu/
+    decoder_stack.py), with the modules' results."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: KernelTable = TORCH_KERNELS) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.kernels = kernels
+        # `stack_layers()`'s answer, built on the first forward (the layers are final by then).
+        self._stack: tuple[StackLayer, ...] | str | None = None
+
+    def stack_layers(self) -> tuple[StackLayer, ...] | str:
+        """The layers described for `kernels.decoder_stack`, or why one of them cannot be."""
+        if self._stack is None:
+            described = [stack_layer(layer) for layer in self.layers]
+            reasons = [(i, d) for i, d in enumerate(described) if isinstance(d, str)]
+            if reasons:
+                self._stack = f"layer {reasons[0][0]}: {reasons[0][1]}"
+            else:
+                self._stack = tuple(d for d in described if not isinstance(d, str))
+        return self._stack
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [T, hidden]
@@ -245,11 +306,17 @@ class DecoderModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(
-                positions, hidden_states, residual, kv_cache, attn_metadata
-            )
+        stacked = self.kernels.decoder_stack(
+            self.stack_layers(), positions, hidden_states, kv_caches, attn_metadata
+        )
+        if stacked is not None:
+            hidden_states, residual = stacked
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden_states, residual = layer(
+                    positions, hidden_states, residual, kv_cache, attn_metadata
+                )
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

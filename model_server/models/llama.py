@@ -146,7 +146,7 @@ class LlamaModel(DecoderModel):
         max_position: int,
         kernels: KernelTable,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, kernels)
         self.rotary_emb = get_rope(get_head_dim(config), max_position, config, kernels)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, self.rotary_emb, attn_backend, kernels, window)

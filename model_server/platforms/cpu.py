@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from model_server.kernels.cpu import native
+from model_server.kernels.cpu.decoder_stack import CpuDecoderStack
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
 from model_server.kernels.cpu.gguf_linear import fixed_gguf_linear, gguf_dequantize, int8_dot_mode
 from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
@@ -152,6 +153,9 @@ class CpuPlatform(Platform):
         )
         if kernels is not None:  # GGUF blocks have native kernels to choose from
             table = replace(table, gguf_linear=CpuGGUFLinear(int8_dot))
+            table = replace(
+                table, decoder_stack=CpuDecoderStack(kernels, linear, table.gguf_linear)
+            )
         return table
 
     def tune_kernels(

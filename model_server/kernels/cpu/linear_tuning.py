@@ -198,7 +198,7 @@ class CpuLinear:
     function per row bucket, set by `tune_cpu_linears`. Weights it was not tuned for run
     `skinny_linear`. Immutable for callers; one instance per kernel table, so per model."""
 
-    __slots__ = ("_by_shape", "_by_weight", "_silu_panels")
+    __slots__ = ("_by_shape", "_by_weight", "_panels", "version")
 
     def __init__(self) -> None:
         # id(weight) -> (weight, one function per bucket). The weight is held so its id stays
@@ -206,18 +206,33 @@ class CpuLinear:
         self._by_weight: dict[int, tuple[torch.Tensor, tuple[LinearFn, ...]]] = {}
         # (N, K, dtype) -> one dense function per bucket, for weights of a tuned shape.
         self._by_shape: dict[tuple[int, int, torch.dtype], tuple[LinearFn, ...]] = {}
-        # id(weight) -> (weight, its panels) for weights that run the panels at every bucket
-        # and could be a merged gate/up weight: `linear_silu_and_mul` serves them.
-        self._silu_panels: dict[int, tuple[torch.Tensor, Panels]] = {}
+        # id(weight) -> (weight, its panels, whether the SiLU fuses into them) for weights that
+        # run the panels at every bucket: `linear_silu_and_mul` and the native decoder stack
+        # (decoder_stack.py) use them.
+        self._panels: dict[int, tuple[torch.Tensor, Panels, bool]] = {}
+        # Bumped by every plan change: callers that cached what `panels_of` said compare it.
+        self.version = 0
 
     def set_weight_plan(self, weight: torch.Tensor, fns: Sequence[LinearFn]) -> None:
         self._by_weight[id(weight)] = (weight, tuple(fns))
+        self._panels.pop(id(weight), None)
+        self.version += 1
 
     def set_panels(self, weight: torch.Tensor, panels: Panels) -> None:
         """`weight` runs on `panels` at every row count (its plan says so): where their layout
         allows, `linear_silu_and_mul` fuses the SiLU into them."""
-        if silu_and_mul_applies(panels):
-            self._silu_panels[id(weight)] = (weight, panels)
+        self._panels[id(weight)] = (weight, panels, silu_and_mul_applies(panels))
+        self.version += 1
+
+    def panels_of(self, weight: torch.Tensor) -> Panels | None:
+        """The panels `weight` runs on at every row count, or None."""
+        entry = self._panels.get(id(weight))
+        return entry[1] if entry is not None and entry[0] is weight else None
+
+    def fuses_silu(self, weight: torch.Tensor) -> bool:
+        """Whether `linear_silu_and_mul` fuses the SiLU into `weight`'s panels."""
+        entry = self._panels.get(id(weight))
+        return entry is not None and entry[0] is weight and entry[2]
 
     def linear_silu_and_mul(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -225,10 +240,10 @@ class CpuLinear:
         """`KernelTable.linear_silu_and_mul`: silu_and_mul(self(x, weight)) in one pass
         (kernels/cpu/panel_gemm.c, panel_gemm_f32.c) for a 2-D x and a merged gate/up weight
         on panels of x's dtype, without bias; None otherwise (the caller runs the two ops)."""
-        entry = self._silu_panels.get(id(weight))
-        if entry is None or entry[0] is not weight or bias is not None or x.dim() != 2:
+        entry = self._panels.get(id(weight))
+        if entry is None or not entry[2] or entry[0] is not weight:
             return None
-        if x.dtype != entry[1].dtype:
+        if bias is not None or x.dim() != 2 or x.dtype != entry[1].dtype:
             return None
         return panel_silu_and_mul(x, entry[1])
 
@@ -236,6 +251,7 @@ class CpuLinear:
         self, shape: tuple[int, int], dtype: torch.dtype, fns: Sequence[LinearFn]
     ) -> None:
         self._by_shape[(shape[0], shape[1], dtype)] = tuple(fns)
+        self.version += 1
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -321,17 +337,26 @@ class CpuGGUFLinear:
     (gguf_linear.py's WICK_GGUF_INT8_DOT): auto lets the timings choose the int8 kernel, off
     never offers it, on plans it for every bucket of the types it takes."""
 
-    __slots__ = ("_by_shape", "_fixed", "int8_dot")
+    __slots__ = ("_by_shape", "_fixed", "int8_dot", "version")
 
     def __init__(self, int8_dot: str = "auto") -> None:
         self._by_shape: dict[tuple[int, int, int, torch.dtype], tuple[GGUFLinearFn, ...]] = {}
         self.int8_dot = int8_dot
         self._fixed = fixed_gguf_linear(int8_dot)
+        self.version = 0  # bumped by every plan change (as CpuLinear.version)
 
     def set_shape_plan(
         self, key: tuple[int, int, int], dtype: torch.dtype, fns: Sequence[GGUFLinearFn]
     ) -> None:
         self._by_shape[(*key, dtype)] = tuple(fns)
+        self.version += 1
+
+    def plan_of(
+        self, key: tuple[int, int, int], dtype: torch.dtype
+    ) -> tuple[GGUFLinearFn, ...] | None:
+        """The functions per row bucket tuned for (ggml type, N, row bytes) under `dtype`
+        activations (GGUF_FNS' values), or None for an untuned shape."""
+        return self._by_shape.get((*key, dtype))
 
     def __call__(
         self,

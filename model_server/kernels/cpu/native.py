@@ -3,7 +3,8 @@ decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
 kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on panel-packed
 weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py; the wNa16 matmul of
 GPTQ/AWQ weights, wrapped in wna16.py; the GGUF block-quantized matmuls, float and int8 dot
-products, wrapped in gguf_linear.py), compiled together into one library on first use with the
+products, wrapped in gguf_linear.py; all of a decoder stack's layers in one call of them,
+wrapped in decoder_stack.py), compiled together into one library on first use with the
 system's C compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded
 through ctypes (no torch headers, so a build takes a few seconds). `NativeKernels.lib` binds
 every file's entry points (`_bind`).
@@ -47,6 +48,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "wna16_gemm.c",
     _HERE / "gguf_gemm.c",
     _HERE / "gguf_q8.c",
+    _HERE / "decoder_stack.c",
 )
 HEADERS: tuple[Path, ...] = (
     _HERE / "wick_cpu.h",
@@ -280,6 +282,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wick_gguf_q8_supports.argtypes = [i32]
     lib.wick_gguf_q8_supports.restype = i32
     lib.wick_gguf_q8_has_vnni.restype = i32
+    # decoder_stack.c: (WickStackStep *, WickLayer *, num_layers, int *residual_out); the
+    # structs are decoder_stack.py's
+    fn = lib.wick_decoder_stack
+    fn.argtypes = [ptr, ptr, i32, ptr]
+    fn.restype = i32
     return lib
 
 

@@ -1,0 +1,201 @@
+"""The native decoder stack (kernels/cpu/decoder_stack.c, .py): a whole model's layers in one
+call give the same bits as the layers' modules, in fp32 and bf16, with GQA, q/k/v biases, an odd
+number of heads, a quantized KV cache, prefill chunks mixed with decodes and GGUF weights kept in
+their blocks; it declines what it does not run (a sliding window, untuned weights) and then the
+modules run; a position outside the rotary cache is the same IndexError."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_server.engine.llm import LLM
+from model_server.kernels.cpu import decoder_stack, linear_tuning
+from model_server.kernels.cpu.gemm import default_kernels
+from model_server.kernels.cpu.linear_tuning import PANELS
+from model_server.sampling_params import SamplingParams
+from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS
+
+pytestmark = pytest.mark.skipif(
+    default_kernels() is None, reason="the native CPU kernels need a C compiler"
+)
+
+# Qwen2's q/k/v biases, 6 heads over 2 KV heads of 24 dims (hidden 144), intermediate 160.
+QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 144,
+    "intermediate_size": 160,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+CONFIGS = {"llama-gqa": TINY_CONFIGS["llama-gqa"], "qwen2-bias": QWEN2}
+
+
+def force_panels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner's timer replaced: the panels win every bucket (tiny shapes might not)."""
+
+    def fake(calls, pair_budget_s=0.0):
+        times = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except Exception:
+                continue
+            times[name] = 1.0 if name == PANELS else 2.0
+        return times
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+
+
+_OWN_CALL = decoder_stack.CpuDecoderStack.__call__
+
+
+class StackCalls:
+    """Counts the steps the native stack ran (returned hidden states) and declined."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, enabled: bool = True) -> None:
+        self.ran = 0
+        self.declined = 0
+
+        def call(stack, *args):
+            out = _OWN_CALL(stack, *args) if enabled else None
+            if out is None:
+                self.declined += 1
+            else:
+                self.ran += 1
+            return out
+
+        monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)
+
+
+def generate(folder: Path, config: dict, dtype: str, **options) -> list[tuple[list, list]]:
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(
+        str(folder),
+        load_format="dummy",
+        dtype=dtype,
+        device="cpu",
+        attention_backend="cpu",
+        block_size=8,
+        kv_cache_memory=2 * 1024**2,
+        max_num_batched_tokens=24,  # prompts prefill in chunks, beside decodes
+        seed=3,
+        **options,
+    )
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    outs = llm.generate(MIXED_PROMPTS, params)
+    return [
+        (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+        for o in outs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "kv_cache_dtype"),
+    [
+        ("llama-gqa", "float32", "auto"),
+        ("llama-gqa", "bfloat16", "auto"),
+        ("llama-gqa", "float32", "int8"),
+        ("qwen2-bias", "float32", "auto"),
+        ("qwen2-bias", "bfloat16", "auto"),
+        ("qwen2-bias", "bfloat16", "int8"),
+    ],
+)
+def test_the_stack_generates_the_modules_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, dtype: str, kv_cache_dtype: str
+) -> None:
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force_panels(monkeypatch)
+    config = CONFIGS[name]
+    off = StackCalls(monkeypatch, enabled=False)
+    expected = generate(tmp_path, config, dtype, kv_cache_dtype=kv_cache_dtype)
+    on = StackCalls(monkeypatch)
+    got = generate(tmp_path, config, dtype, kv_cache_dtype=kv_cache_dtype)
+    assert off.ran == 0 and off.declined > 0
+    assert on.ran > 0 and on.declined == 0  # every step, prefill chunks and decodes
+    assert got == expected
+    assert all(len(tokens) == 10 for tokens, _ in got)
+
+
+def test_the_stack_declines_a_sliding_window(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Mistral-style windows: the modules run every step, and generate as they always did."""
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force_panels(monkeypatch)
+    config = dict(TINY_CONFIGS["llama-gqa"], sliding_window=8)
+    calls = StackCalls(monkeypatch)
+    got = generate(tmp_path, config, "float32")
+    assert calls.ran == 0 and calls.declined > 0
+    assert all(len(tokens) == 10 for tokens, _ in got)
+
+
+def test_the_stack_declines_untuned_weights(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """With tuning off the matmuls are the fixed table's (no panels): the modules run."""
+    monkeypatch.setenv(linear_tuning.TUNING_ENV, "0")
+    calls = StackCalls(monkeypatch)
+    got = generate(tmp_path, TINY_CONFIGS["llama-gqa"], "float32")
+    assert calls.ran == 0
+    assert all(len(tokens) == 10 for tokens, _ in got)
+
+
+def test_a_position_outside_the_rotary_cache_is_an_index_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As the module path's rotary kernel raises it (the runner never lets one through)."""
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force_panels(monkeypatch)
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIGS["llama-gqa"]))
+    llm = LLM(
+        str(tmp_path),
+        load_format="dummy",
+        dtype="float32",
+        device="cpu",
+        attention_backend="cpu",
+        block_size=8,
+        kv_cache_memory=2 * 1024**2,
+        seed=3,
+    )
+    model = llm.engine.core.model_runner.model.model
+    from tests.kernels.helpers import make_batch
+
+    batch = make_batch([(0, 3)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    kv_caches = [torch.zeros(2, *batch.k_cache.shape) for _ in model.layers]
+    hidden = torch.randn(3, 64)
+    positions = torch.tensor([0, 1, 10_000])
+    with pytest.raises(IndexError, match="outside the cache"):
+        model.kernels.decoder_stack(
+            model.stack_layers(), positions, hidden, kv_caches, batch.metadata
+        )
+    ok = model.kernels.decoder_stack(
+        model.stack_layers(), torch.tensor([0, 1, 2]), hidden, kv_caches, batch.metadata
+    )
+    assert ok is not None and ok[0].shape == (3, 64) and ok[1].shape == (3, 64)
+
+
+@pytest.mark.slow
+def test_the_embedded_gguf_kept_quantized_runs_the_stack_with_the_modules_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real SmolLM2 Q4_1 file kept in its blocks (the GGUF kernels the tuner chose per row
+    count, int8 dot products included): greedy tokens and logprobs as the modules give them."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [[1, 330, 2096, 314], [1, 4237, 28, 1812, 4219, 30, 3134, 1659, 288, 30, 2]]
+    results = []
+    for enabled in (False, True):
+        calls = StackCalls(monkeypatch, enabled)
+        llm = LLM(None, gguf_weights="quantized", max_num_seqs=4, kv_cache_memory=64 * 1024**2)
+        outs = llm.generate(prompts, params)
+        results.append(
+            [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+        )
+        assert (calls.ran > 0) == enabled
+    assert results[1] == results[0]
