@@ -118,7 +118,8 @@ typedef struct {
   const int32_t *block_tables;
   int64_t bt_stride;
   const int32_t *query_start_loc, *seq_lens;
-  int32_t num_seqs, block_size, kv_format, _pad;
+  int32_t num_seqs, block_size, kv_format;
+  int32_t status; /* out: the failing kernel's own return code (0 when none failed) */
   /* threads per kind of kernel (the per-module path's defaults) */
   int64_t norm_min_work, attn_min_work;
   /* buffers (see the top of the file) */
@@ -127,9 +128,8 @@ typedef struct {
       *segment, *hidden_out;
 } WickStackStep;
 
-/* Error codes: (layer << 4) | STAGE_*, negated; a stage's own code is lost (its reason is one
- * of the few the Python side checks before calling: positions outside the rotary cache, an
- * allocation failure). */
+/* Error codes: (layer << 4) | STAGE_*, negated; the failing kernel's own code goes to
+ * `status`. */
 enum { STAGE_NORM = 1, STAGE_QKV, STAGE_ROTARY, STAGE_ATTN, STAGE_O, STAGE_NORM2, STAGE_MLP,
        STAGE_DOWN, STAGE_LAYOUT };
 
@@ -205,8 +205,27 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
                            s->num_threads, s->norm_min_work);
 }
 
-int wick_decoder_stack(const WickStackStep *s, const WickLayer *layers, int num_layers,
+static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layers,
+                        int *residual_out);
+
+int wick_decoder_stack(WickStackStep *s, const WickLayer *layers, int num_layers,
                        int *residual_out) {
+  s->status = 0;
+  return stack_layers(s, layers, num_layers, residual_out);
+}
+
+/* Each stage's call: on failure, keep its code in s->status and return the stage's error. */
+#define STAGE(call, code)                                                                      \
+  do {                                                                                         \
+    const int status_ = (call);                                                                \
+    if (status_ != 0) {                                                                        \
+      s->status = status_;                                                                     \
+      return err - (code);                                                                     \
+    }                                                                                          \
+  } while (0)
+
+static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layers,
+                        int *residual_out) {
   const int64_t T = s->num_tokens, hidden = s->hidden, D = s->head_dim;
   const int64_t H = s->num_heads, Hkv = s->num_kv_heads, qkv_n = (H + 2 * Hkv) * D;
   const int64_t es = elem_size(s);
@@ -220,46 +239,46 @@ int wick_decoder_stack(const WickStackStep *s, const WickLayer *layers, int num_
     if (l->qkv.n != qkv_n || l->o.n != hidden || l->down.n != hidden) return err - STAGE_LAYOUT;
     /* 1. input norm (+ the residual add from layer 1 on) */
     if (residual == NULL) {
-      if (wick_rms_norm(s->dtype, x, 1, hidden, 0, NULL, 1, 0, 0, l->input_norm, s->normed, NULL,
-                        T, (int)hidden, s->eps, s->num_threads, s->norm_min_work))
-        return err - STAGE_NORM;
+      STAGE(wick_rms_norm(s->dtype, x, 1, hidden, 0, NULL, 1, 0, 0, l->input_norm, s->normed,
+                          NULL, T, (int)hidden, s->eps, s->num_threads, s->norm_min_work),
+            STAGE_NORM);
       residual = x;
     } else {
-      if (wick_rms_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, l->input_norm,
-                        s->normed, next_residual, T, (int)hidden, s->eps, s->num_threads,
-                        s->norm_min_work))
-        return err - STAGE_NORM;
+      STAGE(wick_rms_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, l->input_norm,
+                          s->normed, next_residual, T, (int)hidden, s->eps, s->num_threads,
+                          s->norm_min_work),
+            STAGE_NORM);
       residual = next_residual;
       next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
     }
     /* 2. q | k | v */
-    if (run_linear(s, &l->qkv, s->normed, s->qkv)) return err - STAGE_QKV;
+    STAGE(run_linear(s, &l->qkv, s->normed, s->qkv), STAGE_QKV);
     /* 3. rotary on the q and k views of qkv (token stride qkv_n, head stride D) */
     const char *qkv = (const char *)s->qkv;
-    if (wick_rotary_neox(s->dtype, s->positions, T, s->cos_sin, s->max_position, qkv, qkv_n, D,
-                         s->q_rot, qkv + H * D * es, qkv_n, D, s->k_rot, (int)H, (int)Hkv,
-                         (int)D, s->num_threads, s->norm_min_work))
-      return err - STAGE_ROTARY;
+    STAGE(wick_rotary_neox(s->dtype, s->positions, T, s->cos_sin, s->max_position, qkv, qkv_n, D,
+                           s->q_rot, qkv + H * D * es, qkv_n, D, s->k_rot, (int)H, (int)Hkv,
+                           (int)D, s->num_threads, s->norm_min_work),
+          STAGE_ROTARY);
     /* 4. store k_rot and v (a view of qkv) into the cache, attend */
-    if (wick_paged_attention(s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot,
-                             qkv + (H + Hkv) * D * es, Hkv * D, qkv_n, s->slot_mapping,
-                             s->num_slots, s->block_tables, s->bt_stride, s->query_start_loc,
-                             s->seq_lens, s->attn, s->num_seqs, (int)H, (int)Hkv, (int)D,
-                             s->block_size, s->scale, s->num_threads, s->attn_min_work,
-                             s->kv_format, l->k_scales, l->v_scales))
-      return err - STAGE_ATTN;
+    STAGE(wick_paged_attention(s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot,
+                               qkv + (H + Hkv) * D * es, Hkv * D, qkv_n, s->slot_mapping,
+                               s->num_slots, s->block_tables, s->bt_stride, s->query_start_loc,
+                               s->seq_lens, s->attn, s->num_seqs, (int)H, (int)Hkv, (int)D,
+                               s->block_size, s->scale, s->num_threads, s->attn_min_work,
+                               s->kv_format, l->k_scales, l->v_scales),
+          STAGE_ATTN);
     /* 5. output projection */
-    if (run_linear(s, &l->o, s->attn, s->proj)) return err - STAGE_O;
+    STAGE(run_linear(s, &l->o, s->attn, s->proj), STAGE_O);
     /* 6. residual add + the MLP's input norm */
-    if (wick_rms_norm(s->dtype, s->proj, 1, hidden, 0, residual, 1, hidden, 0,
-                      l->post_attention_norm, s->normed, next_residual, T, (int)hidden, s->eps,
-                      s->num_threads, s->norm_min_work))
-      return err - STAGE_NORM2;
+    STAGE(wick_rms_norm(s->dtype, s->proj, 1, hidden, 0, residual, 1, hidden, 0,
+                        l->post_attention_norm, s->normed, next_residual, T, (int)hidden, s->eps,
+                        s->num_threads, s->norm_min_work),
+          STAGE_NORM2);
     residual = next_residual;
     next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
     /* 7-8. the MLP */
-    if (run_mlp_in(s, l, s->normed)) return err - STAGE_MLP;
-    if (run_linear(s, &l->down, s->mid, s->hidden_out)) return err - STAGE_DOWN;
+    STAGE(run_mlp_in(s, l, s->normed), STAGE_MLP);
+    STAGE(run_linear(s, &l->down, s->mid, s->hidden_out), STAGE_DOWN);
     x = s->hidden_out;
   }
   *residual_out = residual == s->residual_a ? 0 : 1;

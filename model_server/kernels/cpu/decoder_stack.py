@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from model_server.kernels.cpu import layer_ops, native
+from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.gguf_linear import MIN_WORK_PER_THREAD as GGUF_MIN_WORK
 from model_server.kernels.cpu.gguf_linear import gguf_gemm, gguf_q8_gemm
 from model_server.kernels.cpu.linear_tuning import CpuGGUFLinear, CpuLinear
@@ -129,7 +130,7 @@ class WickStackStep(ctypes.Structure):
         ("num_seqs", _i32),
         ("block_size", _i32),
         ("kv_format", _i32),
-        ("_pad", _i32),
+        ("status", _i32),
         ("norm_min_work", _i64),
         ("attn_min_work", _i64),
         ("hidden_in", _p),
@@ -252,6 +253,11 @@ class CpuDecoderStack:
     def _plan(
         self, layers: Sequence[StackLayer], key: int, kv_caches: Sequence[Any], dtype: torch.dtype
     ) -> ctypes.Array[WickLayer] | None:
+        matmuls = default_kernels()
+        if matmuls is None or matmuls.isa != self.kernels.isa:
+            # The matmuls run the process's first build (gemm.default_kernels), packed for its
+            # ISA; this table's is another (a test switched WICK_CPU_ISA): one call cannot mix.
+            return None
         structs = (WickLayer * len(layers))()
         for s, layer, kv in zip(structs, layers, kv_caches, strict=True):
             parts = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
@@ -381,7 +387,8 @@ class CpuDecoderStack:
                     f"rotary embedding: a position is outside the cache's {geo.cos_sin.shape[0]}"
                 )
             raise RuntimeError(
-                f"native decoder stack: layer {layer}'s {_STAGES.get(stage, stage)} failed"
+                f"native decoder stack: layer {layer}'s {_STAGES.get(stage, stage)} failed "
+                f"(kernel status {step.status})"
             )
 
         def view(name: str) -> torch.Tensor:
