@@ -199,3 +199,49 @@ def test_the_embedded_gguf_kept_quantized_runs_the_stack_with_the_modules_bits(
         )
         assert (calls.ran > 0) == enabled
     assert results[1] == results[0]
+
+
+AVX2_SCRIPT = """
+import json, sys
+import tests.kernels.test_cpu_decoder_stack as t
+from model_server.kernels.cpu import native
+assert native.load_kernels().isa == "avx2", native.load_kernels().isa
+
+class Patch:
+    def setattr(self, obj, name, value):
+        setattr(obj, name, value)
+
+t.force_panels(Patch())
+folder = t.Path(sys.argv[1])
+results = {}
+for enabled in (False, True):
+    calls = t.StackCalls(Patch(), enabled)
+    results[enabled] = t.generate(folder, t.QWEN2, "bfloat16")
+    assert (calls.ran > 0) == enabled, (enabled, calls.ran)
+print(json.dumps(results[True] == results[False]))
+"""
+
+
+def test_the_stack_on_the_avx2_build_generates_the_modules_bits(tmp_path: Path) -> None:
+    """The AVX2 build (no AVX-512, no vdpbf16ps: bf16 through the fp32 panels), forced on this
+    CPU in a fresh process (a process keeps its first build for its matmuls)."""
+    import os
+    import subprocess
+    import sys
+
+    from model_server.kernels.cpu import isa as isa_mod
+
+    if "avx2" not in [i.name for i in isa_mod.supported_isas(isa_mod.cpu_flags())]:
+        pytest.fail("this CPU cannot run the AVX2 build")  # every x86-64 CI machine can
+    env = dict(os.environ, WICK_CACHE_DIR=str(tmp_path / "cache"))
+    env[isa_mod.CPU_ISA_ENV] = "avx2"
+    proc = subprocess.run(
+        [sys.executable, "-c", AVX2_SCRIPT, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "true"
