@@ -13,6 +13,7 @@ import torch
 
 from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 from model_server.engine.llm import LLM
+from model_server.kernels.cpu import linear_tuning
 from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionMetadata
 from model_server.platforms.cpu import CpuPlatform
@@ -170,3 +171,23 @@ def use_kernels(
     before keep theirs."""
     for cls, own in _PLATFORM_TABLES.items():
         monkeypatch.setattr(cls, "kernel_table", lambda self, own=own: edit(own(self)))
+
+
+def force(monkeypatch: pytest.MonkeyPatch, winner: str) -> list[int]:
+    """Replace the timer: every candidate runs once (so a failing one is still dropped) and
+    `winner` times fastest wherever it is offered. Returns a list counting the timed pairs."""
+    counter: list[int] = []
+
+    def fake(calls, pair_budget_s=0.0):
+        counter.append(1)
+        times = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except Exception:
+                continue
+            times[name] = 1.0 if name == winner else 2.0
+        return times
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    return counter

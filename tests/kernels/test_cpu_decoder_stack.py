@@ -17,7 +17,7 @@ from model_server.kernels.cpu import decoder_stack, linear_tuning
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear_tuning import PANELS
 from model_server.sampling_params import SamplingParams
-from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS
+from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, force
 
 pytestmark = pytest.mark.skipif(
     default_kernels() is None, reason="the native CPU kernels need a C compiler"
@@ -42,19 +42,8 @@ CONFIGS = {"llama-gqa": TINY_CONFIGS["llama-gqa"], "qwen2-bias": QWEN2}
 
 
 def force_panels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tuner's timer replaced: the panels win every bucket (tiny shapes might not)."""
-
-    def fake(calls, pair_budget_s=0.0):
-        times = {}
-        for name, call in calls.items():
-            try:
-                call()
-            except Exception:
-                continue
-            times[name] = 1.0 if name == PANELS else 2.0
-        return times
-
-    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    """The panels win every bucket (tiny shapes might not on real timings)."""
+    force(monkeypatch, PANELS)
 
 
 _OWN_CALL = decoder_stack.CpuDecoderStack.__call__

@@ -40,6 +40,7 @@ from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.portable import int8_linear_dequant
 from model_server.platforms import cpu as cpu_platform
 from model_server.platforms import get_platform
+from tests.kernels.helpers import force
 
 AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
 ZEN4_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
@@ -82,26 +83,6 @@ def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> type[FakeWindow]:
 @pytest.fixture
 def cache(tmp_path: Path) -> TuningCache:
     return TuningCache.open(machine_identity(frozenset()), tmp_path)
-
-
-def force(monkeypatch: pytest.MonkeyPatch, winner: str) -> list[int]:
-    """Replace the timer: every candidate runs once (so a failing one is still dropped) and
-    `winner` times fastest wherever it is offered. Returns a list counting the timed pairs."""
-    counter: list[int] = []
-
-    def fake(calls, pair_budget_s=0.0):
-        counter.append(1)
-        times = {}
-        for name, call in calls.items():
-            try:
-                call()
-            except Exception:
-                continue
-            times[name] = 1.0 if name == winner else 2.0
-        return times
-
-    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
-    return counter
 
 
 def test_row_buckets() -> None:

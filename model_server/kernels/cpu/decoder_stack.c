@@ -28,48 +28,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
-
-/* The entry points this file calls (defined in the other files of the library). */
-int wick_rms_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_outer_stride,
-                  int64_t x_inner_stride, const void *residual, int64_t r_inner_rows,
-                  int64_t r_outer_stride, int64_t r_inner_stride, const void *weight, void *out,
-                  void *sum_out, int64_t num_rows, int n, float eps, int num_threads,
-                  int64_t min_work_per_thread);
-int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens, const void *cos_sin,
-                     int64_t max_position, const void *q, int64_t q_token_stride,
-                     int64_t q_head_stride, void *q_out, const void *k, int64_t k_token_stride,
-                     int64_t k_head_stride, void *k_out, int num_heads, int num_kv_heads,
-                     int head_dim, int num_threads, int64_t min_work_per_thread);
-int wick_silu_and_mul(int dtype, const void *x, int64_t x_stride, void *out, int64_t num_rows,
-                      int d, int num_threads, int64_t min_work_per_thread);
-int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
-                         const void *v, int64_t k_stride, int64_t v_stride,
-                         const int64_t *slot_mapping, int64_t num_slots,
-                         const int32_t *block_tables, int64_t bt_stride,
-                         const int32_t *query_start_loc, const int32_t *seq_lens, void *out,
-                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, float scale, int num_threads,
-                         int64_t min_work_per_thread, int kv_format, float *k_scales,
-                         float *v_scales);
-int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, const bf16_t *bias,
-                    bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads,
-                    int64_t min_work_per_thread);
-int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels, bf16_t *y,
-                         int64_t m, int64_t inter, int64_t k, int num_threads,
-                         int64_t min_work_per_thread);
-int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *panels,
-                        const void *bias, void *y, int64_t m, int64_t n, int64_t k,
-                        int num_threads, int64_t min_work_per_thread);
-int wick_panel_f32_gemm_silu(int dtype, const void *x, int64_t x_stride, const void *panels,
-                             void *y, int64_t m, int64_t inter, int64_t k, int num_threads,
-                             int64_t min_work_per_thread);
-int wick_gguf_gemm(const int type, const int dtype, const void *x, const int64_t x_stride,
-                   const uint8_t *w, const void *bias, void *y, const int64_t m, const int64_t n,
-                   const int64_t k, const int num_threads, const int64_t min_work_per_thread);
-int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int64_t x_stride,
-                      const uint8_t *w, const void *bias, void *y, const int64_t m,
-                      const int64_t n, const int64_t k, const int num_threads,
-                      const int64_t min_work_per_thread);
+#include "wick_entry.h"
 
 /* How a linear layer multiplies (decoder_stack.py's LINEAR_* values). */
 enum {

@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 #include "wick_gguf.h"
 #include "wick_vec.h"
 #ifdef _OPENMP

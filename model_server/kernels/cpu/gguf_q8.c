@@ -40,6 +40,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 #include "wick_gguf.h"
 #ifdef _OPENMP
 #include <omp.h>

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 
 /* Element i of a row as fp32; `is_bf16` is a compile-time constant after inlining. */
 static inline float load(const void *row, const int64_t i, const int is_bf16) {

@@ -55,6 +55,7 @@ HEADERS: tuple[Path, ...] = (
     _HERE / "wick_vec.h",
     _HERE / "wick_kv.h",
     _HERE / "wick_gguf.h",
+    _HERE / "wick_entry.h",
 )
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;

@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 #include "wick_kv.h"
 #include "wick_vec.h"
 #if defined(__AVX2__) || defined(__AVX512F__)

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 #include "wick_vec.h"
 
 /* Register tiles by the rows of x a call has (accumulators: MR_F32 x NP_F32 vectors at most),
