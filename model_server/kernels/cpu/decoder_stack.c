@@ -34,8 +34,7 @@
 enum {
   LINEAR_PANELS_BF16 = 0, /* panel_gemm.c's pair layout */
   LINEAR_PANELS_F32 = 1,  /* panel_gemm_f32.c's lanes layout, fp32 or bf16 activations */
-  LINEAR_GGUF = 2,        /* gguf_gemm.c, per segment */
-  LINEAR_GGUF_Q8 = 3      /* gguf_q8.c, per segment */
+  LINEAR_GGUF = 2         /* per segment: gguf_q8.c (segment_q8) or gguf_gemm.c */
 };
 #define MAX_SEGMENTS 4
 
@@ -49,7 +48,7 @@ typedef struct {
   int32_t segment_type[MAX_SEGMENTS];
   int64_t segment_rows[MAX_SEGMENTS];
   const void *segment_blocks[MAX_SEGMENTS];
-  /* Per segment: whether it runs the int8 kernel (LINEAR_GGUF_Q8) or the float one. */
+  /* Per segment: whether it runs the int8 kernel (gguf_q8.c) or the float one (gguf_gemm.c). */
   int32_t segment_q8[MAX_SEGMENTS];
 } WickLinear;
 
@@ -105,8 +104,7 @@ static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x
   case LINEAR_PANELS_F32:
     return wick_panel_f32_gemm(s->dtype, x, w->k, w->data, w->bias, y, m, w->n, w->k,
                                s->num_threads, w->min_work_per_thread);
-  case LINEAR_GGUF:
-  case LINEAR_GGUF_Q8: {
+  case LINEAR_GGUF: {
     const int64_t es = elem_size(s);
     if (w->num_segments == 1) {
       const void *bias = w->bias;

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # decoder_stack.c's LINEAR_* kinds and MAX_SEGMENTS.
-LINEAR_PANELS_BF16, LINEAR_PANELS_F32, LINEAR_GGUF, LINEAR_GGUF_Q8 = 0, 1, 2, 3
+LINEAR_PANELS_BF16, LINEAR_PANELS_F32, LINEAR_GGUF = 0, 1, 2
 MAX_SEGMENTS = 4
 # decoder_stack.c's STAGE_* codes, for errors.
 _STAGES = {
@@ -226,8 +226,7 @@ class CpuDecoderStack:
             out.data = panels.data.data_ptr()
             out.min_work_per_thread = PANEL_MIN_WORK
             return out
-        segments = getattr(weight, "segments", None)
-        if self.gguf is None or segments is None or getattr(weight, "method", "") != "gguf":
+        if self.gguf is None or getattr(weight, "method", "") != "gguf":
             return None
         parts = weight.segments()
         if len(parts) > MAX_SEGMENTS or (len(parts) > 1 and bias is not None):
