@@ -19,12 +19,15 @@ removes them), and WICK_CONTAINER_REUSE=1 skips rebuilding images that exist. Ab
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -230,42 +233,142 @@ def drive_healthchecks(env: dict[str, str], project: str, stop: threading.Event)
             subprocess.run(["podman", "healthcheck", "run", name], env=env, capture_output=True)
 
 
-def test_stack_in_containers(
-    images: dict[str, float], podman_env: dict[str, str], podman_socket: str
+# How long the stack may take to become healthy (the model server's load and warm-up included).
+HEALTHY_TIMEOUT_S = 900
+
+
+def project_containers(env: dict[str, str], project: str) -> list[str]:
+    return subprocess.run(
+        ["podman", "ps", "-a", "--filter", f"label=com.docker.compose.project={project}",
+         "--format", "{{.Names}}"],
+        env=env, capture_output=True, text=True, timeout=60,
+    ).stdout.split()  # fmt: skip
+
+
+def container_logs(env: dict[str, str], names: list[str]) -> str:
+    """The last lines of each container's log, headed by its name and state."""
+    parts = []
+    for name in names:
+        state = subprocess.run(
+            ["podman", "inspect", "--format",
+             "{{.State.Status}} exit={{.State.ExitCode}} restarts={{.RestartCount}}", name],
+            env=env, capture_output=True, text=True, timeout=60,
+        ).stdout.strip()  # fmt: skip
+        log = subprocess.run(["podman", "logs", "--tail", "80", name], env=env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        parts.append(f"--- {name} ({state})\n{log.stdout}{log.stderr}")
+    return "\n".join(parts)
+
+
+def crashed(env: dict[str, str], names: list[str]) -> list[str]:
+    """Containers that exited or were restarted (a crash loop shows as restarts > 0)."""
+    out = []
+    for name in names:
+        state = subprocess.run(
+            ["podman", "inspect", "--format", "{{.State.Status}} {{.RestartCount}}", name],
+            env=env, capture_output=True, text=True, timeout=60,
+        ).stdout.split()  # fmt: skip
+        if len(state) == 2 and (state[0] in ("exited", "dead") or int(state[1]) > 0):
+            out.append(name)
+    return out
+
+
+def wait_until_healthy(
+    env: dict[str, str], project: str, usvc_port: int, up: subprocess.Popen, up_log: Path
 ) -> None:
-    timings = dict(images)
-    project = f"wick-smoke-{os.getpid()}"
+    """Until the microservice's health check answers 200; fails at a container's first crash or
+    when `compose up` fails, with the containers' logs."""
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    while True:
+        try:
+            health = httpx.get(f"http://127.0.0.1:{usvc_port}/v1/health_check", timeout=5)
+            if health.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        names = project_containers(env, project)
+        down = crashed(env, names)
+        if down:
+            pytest.fail(f"{', '.join(down)} crashed:\n{container_logs(env, names)}")
+        if up.poll() not in (None, 0):
+            pytest.fail(f"compose up -> {up.returncode}:\n"
+                        f"{up_log.read_text(errors='replace')[-3000:]}\n"
+                        f"{container_logs(env, names)}")  # fmt: skip
+        if time.monotonic() > deadline:
+            pytest.fail(f"not healthy in {HEALTHY_TIMEOUT_S} s:\n{container_logs(env, names)}")
+        time.sleep(2)
+
+
+@dataclass(slots=True)
+class Stack:
+    """A compose project being brought up: `wait_healthy()` waits for it."""
+
+    env: dict[str, str]
+    project: str
+    usvc_port: int
+    up: subprocess.Popen
+    up_log: Path
+
+    def wait_healthy(self) -> None:
+        wait_until_healthy(self.env, self.project, self.usvc_port, self.up, self.up_log)
+        self.up.wait(120)
+        assert self.up.returncode == 0, self.up_log.read_text(errors="replace")[-4000:]
+
+
+@contextlib.contextmanager
+def compose_stack(
+    podman_env: dict[str, str], podman_socket: str, timings: dict[str, float], **settings: str
+) -> Iterator[Stack]:
+    """`compose up -d` of the cpu profile with `settings` (LLM_* variables) in the background;
+    `compose down` and a check that nothing is left on the way out."""
+    project = f"wick-smoke-{os.getpid()}-{next(_projects)}"
     ms_port, usvc_port = free_port(), free_port()
     env = {**podman_env, "DOCKER_HOST": podman_socket, "COMPOSE_PROJECT_NAME": project,
            "WICK_TAG": TAG, "LLM_MODEL_SERVER_PORT": str(ms_port),
            "LLM_USVC_PORT": str(usvc_port), "LLM_KV_CACHE_MEMORY": "256MiB",
-           "LLM_MAX_MODEL_LEN": "2048"}  # fmt: skip
+           "LLM_MAX_MODEL_LEN": "2048", **settings}  # fmt: skip
     compose = [str(compose_binary()), "-f", str(ROOT / "compose" / "docker-compose.yaml"),
                "--env-file", str(ROOT / "compose" / "cpu.env"), "--profile", "cpu"]  # fmt: skip
-    logs = WORK / "logs"
     stop = threading.Event()
     driver = threading.Thread(target=drive_healthchecks, args=(env, project, stop), daemon=True)
     driver.start()
-    start = time.monotonic()
-    try:
+    up_log = WORK / "logs" / f"compose-up-{project}.log"
+    up_log.parent.mkdir(parents=True, exist_ok=True)
+    with up_log.open("w") as out:
         # `up -d` returns once the microservice has started, i.e. after the model server is
-        # healthy (depends_on: service_healthy).
-        run_logged([*compose, "up", "-d", "--no-build"], logs / "compose-up.log", timeout=900,
-                   env=env, cwd=ROOT)  # fmt: skip
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{usvc_port}/v1/health_check", timeout=5)
-                if health.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, run([*compose, "logs"], 60, env=env, cwd=ROOT)
-            time.sleep(2)
+        # healthy (depends_on: service_healthy); meanwhile a crashing container fails the wait
+        # at once, with its log, instead of after compose's.
+        up = subprocess.Popen([*compose, "up", "-d", "--no-build"], stdout=out,
+                              stderr=subprocess.STDOUT, env=env, cwd=ROOT)  # fmt: skip
+    try:
+        yield Stack(env, project, usvc_port, up, up_log)
+    finally:
+        stop.set()
+        if up.poll() is None:
+            up.terminate()
+            up.wait(60)
+        start = time.monotonic()
+        subprocess.run([*compose, "down", "-v", "--timeout", "40"], env=env, cwd=ROOT,
+                       capture_output=True, timeout=300)  # fmt: skip
+        phase(timings, "teardown", start)
+    assert project_containers(env, project) == []
+
+
+_projects = itertools.count()
+
+
+def test_stack_in_containers(
+    images: dict[str, float], podman_env: dict[str, str], podman_socket: str
+) -> None:
+    timings = dict(images)
+    start = time.monotonic()
+    with compose_stack(podman_env, podman_socket, timings) as stack:
+        stack.wait_healthy()
         phase(timings, "compose up to healthy", start)
+        env, project = stack.env, stack.project
         start = time.monotonic()
         answer = httpx.post(
-            f"http://127.0.0.1:{usvc_port}/v1/chat/completions",
+            f"http://127.0.0.1:{stack.usvc_port}/v1/chat/completions",
             json={"messages": {"system": "You are a helpful assistant.",
                                "user": "What is the capital of France?"},
                   "max_new_tokens": 16, "temperature": 0.01, "streaming": False},
@@ -291,13 +394,24 @@ def test_stack_in_containers(
         no_torch = run(["podman", "exec", f"{project}-llm-microservice-1", "python3", "-c", probe],
                        60, env=env)  # fmt: skip
         assert no_torch.strip() == "False"
-    finally:
-        stop.set()
-        start = time.monotonic()
-        subprocess.run([*compose, "down", "-v", "--timeout", "40"], env=env, cwd=ROOT,
-                       capture_output=True, timeout=300)  # fmt: skip
-        phase(timings, "teardown", start)
-    left = run(["podman", "ps", "-a", "--filter", f"label=com.docker.compose.project={project}",
-                "--format", "{{.Names}}"], 60, env=env)  # fmt: skip
-    assert left.strip() == ""
     print(f"\n[container smoke] timings (s): {timings}", flush=True)
+
+
+def test_a_crashing_model_server_fails_fast_with_its_log(
+    images: dict[str, float], podman_env: dict[str, str], podman_socket: str
+) -> None:
+    """The wait gives up at the model server's first crash (here: a model that is not there),
+    not after compose's wait for a healthy container, and shows the container's log."""
+    timings: dict[str, float] = {}
+    start = time.monotonic()
+    with compose_stack(
+        podman_env, podman_socket, timings, LLM_MODEL="/data/no-such-model"
+    ) as stack:
+        with pytest.raises(pytest.fail.Exception) as failure:
+            stack.wait_healthy()
+        elapsed = time.monotonic() - start
+    message = str(failure.value)
+    assert "model-server-cpu-1" in message and "crashed" in message, message
+    assert "could not load the model" in message and "/data/no-such-model" in message, message
+    assert elapsed < 120, f"the crash was reported after {elapsed:.0f} s"
+    print(f"\n[container smoke] crash reported after {elapsed:.0f} s", flush=True)

@@ -82,7 +82,9 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-def run_installed(python: Path, args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def run_installed(
+    python: Path, args: list[str], cwd: Path, **env: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(python), *args], cwd=cwd, capture_output=True, text=True, timeout=600,
         env=clean_env(PYTHONPATH="", **env),
