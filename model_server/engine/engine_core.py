@@ -43,10 +43,13 @@ class EngineCore:
         )
         context_length = self.source.context_length
         if config.max_model_len is not None and config.max_model_len > context_length:
-            logger.warning(
-                "max_model_len %d exceeds the model's max_position_embeddings %d",
-                config.max_model_len,
-                context_length,
+            # Refused, as vLLM does: positions past the model's are untrained, and the rotary
+            # tables sized for them can take more memory than the machine has (--max-model-len
+            # 99999999 was an OOM kill, not an error).
+            raise ValueError(
+                f"--max-model-len {config.max_model_len} exceeds the model's context length "
+                f"(max_position_embeddings {context_length}); lower it, or raise the model's with "
+                "--hf-overrides '{\"max_position_embeddings\": N}' if it was trained for more"
             )
         # Every rank gets the config as given and resolves the length itself (ModelRunner), so
         # that each tells a given length from the model's: only the model's is fitted to the cache.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from model_server.config import EngineConfig
 from model_server.engine.core.request import Request
@@ -98,7 +98,16 @@ class LLMEngine:
             raise
 
     def abort_request(self, request_id: str) -> None:
-        self.core.abort_requests(self.output_processor.remove_request(request_id))
+        self.abort_requests((request_id,))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort any number of requests in one scheduler pass: O(ids + live requests), where
+        one call per id would rebuild the scheduler's queues once per id (O(n^2) for a flood)."""
+        core_ids: list[str] = []
+        for request_id in request_ids:
+            core_ids.extend(self.output_processor.remove_request(request_id))
+        if core_ids:
+            self.core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

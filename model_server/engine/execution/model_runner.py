@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -104,6 +105,18 @@ class ModelRunner:
                 )
         keep_gguf = platform.keep_gguf_quantized(config.gguf_weights)  # also checks it
         backend_name = config.attention_backend or platform.default_attention_backend
+        if (
+            backend_name == "triton"
+            and platform.name == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            # Before loading: Triton has no CPU driver, and its first launch would fail deep in
+            # the warmup with "0 active drivers".
+            raise ValueError(
+                "--attention-backend triton runs Triton kernels, which need a CUDA or GCU "
+                "device; on the CPU use --attention-backend cpu or torch (TRITON_INTERPRET=1 "
+                "runs the kernels interpreted, for tests)"
+            )
         self.attn_backend = get_attention_backend(backend_name)
         start = time.perf_counter()
         kernels = platform.kernel_table()
