@@ -54,6 +54,27 @@ FLAGS: dict[str, tuple[str, str, str]] = {
         "(GeneratedDoc and data: b'<text>' lines, for a GenAIComps node after this one)",
     ),
     "--log-level": ("log_level", "LLM_USVC_LOG_LEVEL", "debug, info (default), warning, error"),
+    "--max-request-body-size": (
+        "max_request_body_size",
+        "LLM_USVC_MAX_REQUEST_BODY_SIZE",
+        "largest request body, e.g. 16MiB (default; a bare number is bytes; 0: no limit): "
+        "larger gets 413 before the rest is read",
+    ),
+    "--max-documents": (
+        "max_documents",
+        "LLM_USVC_MAX_DOCUMENTS",
+        "most RAG documents in one request (default 1000; 0: no limit)",
+    ),
+    "--max-documents-size": (
+        "max_documents_size",
+        "LLM_USVC_MAX_DOCUMENTS_SIZE",
+        "most text (UTF-8 bytes) in one request's RAG documents, e.g. 8MiB (default; 0: no limit)",
+    ),
+    "--max-messages": (
+        "max_messages",
+        "LLM_USVC_MAX_MESSAGES",
+        "most chat messages in one request (default 1000; 0: no limit)",
+    ),
 }
 SWITCHES: dict[str, tuple[str, str, str]] = {
     "--disable-streaming": (

@@ -32,6 +32,7 @@ from microservice.connectors.base import Connector
 from microservice.drain import Drain, DrainMiddleware
 from microservice.errors import ServiceError, UpstreamError, error_body
 from microservice.health import CachedHealth
+from microservice.limits import RequestLimits, read_body
 from microservice.metrics import RequestMetricsMiddleware, ServiceMetrics
 from microservice.protocol import ChatRequest, GenerationRequest, generated_doc, parse_chat_request
 from microservice.request_id import RequestIdMiddleware, current_request_id
@@ -153,6 +154,7 @@ class _ChatHandler:
         self.settings = settings
         self.connector = connector
         self.metrics = metrics
+        self.limits = RequestLimits.from_settings(settings)
         self._warned: set[str] = set()
 
     def _warn_unsupported(self, chat: ChatRequest) -> None:
@@ -167,7 +169,8 @@ class _ChatHandler:
                 )
 
     async def handle(self, request: Request) -> Response:
-        chat = parse_chat_request(await request.body())
+        body = await read_body(request, self.limits.body_size)
+        chat = parse_chat_request(body, self.limits)
         self._warn_unsupported(chat)
         stream = chat.wants_stream and not self.settings.disable_streaming
         fmt = formats.choose(self.settings, chat, stream)

@@ -18,8 +18,6 @@ caller changed from 1024 wins; `documents` and `chat_template` build the prompt 
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -34,8 +32,11 @@ from pydantic import (
     model_validator,
 )
 
+from microservice import safe_json
 from microservice.errors import ServiceError
+from microservice.limits import DEFAULT_LIMITS, RequestLimits, check_request
 from microservice.rag import rag_messages, template_fields
+from microservice.upstream import checked_tool_calls
 
 OPEA_DEFAULTS: dict[str, Any] = {
     "max_tokens": 1024,
@@ -128,6 +129,19 @@ class ChatMessage(_Body):
     # An assistant turn that called tools, and a tool's answer (passed through as they are).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _check_tool_calls(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        # The model server's shape (a name, arguments as a JSON text or an object), checked
+        # here so that no connector meets another (langchain's parses them).
+        try:
+            checked_tool_calls(value, delta=False)
+        except TypeError as exc:
+            raise ValueError(
+                f'{exc}: send {{"id", "type": "function", "function": {{"name", "arguments"}}}}'
+            ) from None
+        return value
 
     @model_validator(mode="after")
     def _check_content(self) -> ChatMessage:
@@ -410,49 +424,25 @@ class GenerationRequest:
         return {"model": self.model, "messages": self.messages, **self.params, "stream": stream}
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """Raises ServiceError: 400 when the body is not UTF-8 JSON, 422 when a field is wrong."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ServiceError(
-            f"the request body is not valid UTF-8 (byte {exc.start}): send UTF-8 JSON", 400
-        ) from None
-    if not text.strip():
+def parse_chat_request(body: bytes, limits: RequestLimits = DEFAULT_LIMITS) -> ChatRequest:
+    """Raises ServiceError: 400 when the body is not UTF-8 JSON (safe_json.loads), 413 past
+    `limits`, 422 when a field is wrong."""
+    if not body.strip():
         raise ServiceError("the request body is empty: send a JSON object", 400)
     try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except json.JSONDecodeError as exc:
-        raise ServiceError(
-            f"the request body is not valid JSON: {exc.msg} "
-            f"(line {exc.lineno}, column {exc.colno})",
-            400,
-        ) from None
+        data = safe_json.loads(body)
+    except safe_json.JSONProblem as exc:
+        raise ServiceError(f"the request body {exc}", 400) from None
     if not isinstance(data, dict):
         raise ServiceError(
             f"the request body must be a JSON object, got {type(data).__name__}", 400
         )
+    check_request(data, limits)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise ServiceError(message, 422, param=param) from None
-
-
-def _reject_constant(name: str) -> Any:
-    # Python's json reads NaN/Infinity (and 1e999 as inf), which the request to the model server
-    # could not carry (httpx refuses to encode them): that was a 500 instead of a client error.
-    raise ServiceError(
-        f"the request body is not valid JSON: {name} is not a JSON number (send a finite number)",
-        400,
-    )
-
-
-def _finite_float(literal: str) -> float:
-    value = float(literal)
-    if not math.isfinite(value):
-        raise ServiceError(f"the number {literal} is out of range (send a finite number)", 400)
-    return value
 
 
 _TAGS = frozenset({"opea", "openai"})

@@ -48,11 +48,17 @@ def template_fields(template: str) -> set[str]:
     """The placeholders of a `str.format` template. Raises ValueError (with a message meant for
     the client) for a malformed template or a placeholder other than {context}/{question}."""
     try:
-        names = {name for _, name, _, _ in Formatter().parse(template) if name is not None}
+        parsed = list(Formatter().parse(template))
     except ValueError as exc:
         raise ValueError(
             f"is not a valid template ({exc}); write {{{{ and }}}} for literal braces"
         ) from None
+    fields = [(name, spec, conv) for _, name, spec, conv in parsed if name is not None]
+    # A format spec or conversion could fail on a str ({context:d}) or ask for gigabytes of
+    # padding ({context:>{question}} with a huge number as the question).
+    if any(spec or conv for _, spec, conv in fields):
+        raise ValueError("may use {context} and {question} only as they are, without : or !")
+    names = {name for name, _, _ in fields}
     unknown = sorted(names - FIELDS)
     if unknown:
         shown = ", ".join("{" + n + "}" if n else "{}" for n in unknown)

@@ -12,6 +12,14 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from microservice.limits import (
+    DEFAULT_MAX_DOCUMENTS,
+    DEFAULT_MAX_DOCUMENTS_SIZE,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    parse_size,
+)
+
 ResponseFormatSetting = Literal["auto", "enterprise_rag", "openai", "downstream"]
 
 
@@ -60,11 +68,30 @@ class MicroserviceSettings(BaseSettings):
         3.0, ge=0, validation_alias=_env("LLM_HEALTH_CHECK_CACHE_SECONDS")
     )
     log_level: str = Field("info", validation_alias=_env("LLM_USVC_LOG_LEVEL"))
+    # Request limits (limits.py: the defaults and why); 0: no limit; sizes in bytes, given as
+    # e.g. 16MiB.
+    max_request_body_size: int = Field(
+        DEFAULT_MAX_REQUEST_BODY_SIZE, ge=0, validation_alias=_env("LLM_USVC_MAX_REQUEST_BODY_SIZE")
+    )
+    max_documents: int = Field(
+        DEFAULT_MAX_DOCUMENTS, ge=0, validation_alias=_env("LLM_USVC_MAX_DOCUMENTS")
+    )
+    max_documents_size: int = Field(
+        DEFAULT_MAX_DOCUMENTS_SIZE, ge=0, validation_alias=_env("LLM_USVC_MAX_DOCUMENTS_SIZE")
+    )
+    max_messages: int = Field(
+        DEFAULT_MAX_MESSAGES, ge=0, validation_alias=_env("LLM_USVC_MAX_MESSAGES")
+    )
 
     @field_validator("connector", "response_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower().replace("-", "_") if isinstance(value, str) else value
+
+    @field_validator("max_request_body_size", "max_documents_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_formats(self) -> MicroserviceSettings:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from microservice import safe_json
 from microservice.errors import (
     UpstreamBroken,
     UpstreamError,
@@ -123,7 +124,7 @@ def error_from_response(
 
 def _error_info(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        data = safe_json.loads(body)
     except ValueError:
         text = body.decode("utf-8", "replace").strip()
         return {"message": text[:500]} if text else {}
@@ -148,7 +149,7 @@ def parse_sse_line(line: str) -> Any:
     if data == "[DONE]":
         return DONE
     try:
-        payload = json.loads(data)
+        payload = safe_json.loads(data)
     except ValueError:
         raise UpstreamBroken(f"the model server sent an unreadable event: {data[:200]!r}") from None
     if isinstance(payload, dict) and "error" in payload:
@@ -163,25 +164,65 @@ def parse_sse_line(line: str) -> Any:
 
 
 def chunk_piece(chunk: dict[str, Any]) -> Piece | None:
-    """The first choice's delta of an OpenAI chat chunk (None: nothing in it)."""
+    """The first choice's delta of an OpenAI chat chunk (None: nothing in it). A chunk of
+    another shape raises UpstreamBroken."""
+    try:
+        return _first_delta(chunk)
+    except (KeyError, IndexError, TypeError, AttributeError):
+        shown = json.dumps(chunk)[:200]
+        raise UpstreamBroken(f"the model server sent an unexpected event: {shown}") from None
+
+
+def _first_delta(chunk: dict[str, Any]) -> Piece | None:
     choices = chunk.get("choices") or []
     if not choices:
         return None
     choice = choices[0]
     delta = choice.get("delta") or {}
     text = delta.get("content") or ""
-    tool_calls = delta.get("tool_calls") or None
+    if not isinstance(text, str):
+        raise TypeError("content is not a string")
+    tool_calls = checked_tool_calls(delta.get("tool_calls"), delta=True)
     reason = choice.get("finish_reason")
     return Piece(text, reason, tool_calls) if text or reason or tool_calls else None
+
+
+def checked_tool_calls(calls: Any, *, delta: bool) -> list[dict[str, Any]] | None:
+    """OpenAI's `tool_calls` (None when empty), else TypeError: objects whose `function` is an
+    object with a string `name` (optional in a stream's deltas, which may carry only more
+    `arguments`) and `arguments` a string (or, in a whole message, an object)."""
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        raise TypeError("tool_calls is not a list")
+    arguments_types = str | None if delta else str | dict | None
+    for call in calls:
+        if not isinstance(call, dict):
+            raise TypeError("a tool call is not an object")
+        function = call.get("function") or ({} if delta else None)
+        if not isinstance(function, dict):
+            raise TypeError("a tool call has no function object")
+        name = function.get("name")
+        if not isinstance(name, str) and not (delta and name is None):
+            raise TypeError("a tool call's function has no name")
+        if not isinstance(function.get("arguments"), arguments_types):
+            raise TypeError("a tool call's arguments are not a string")
+        if not isinstance(call.get("id"), str | None):
+            raise TypeError("a tool call's id is not a string")
+        if not isinstance(call.get("index"), int | None):
+            raise TypeError("a tool call's index is not an integer")
+    return calls
 
 
 def parse_completion(body: bytes) -> Completion:
     """A non-streaming chat completion's first choice and usage."""
     try:
-        data = json.loads(body)
+        data = safe_json.loads(body)
         choice = data["choices"][0]
         text = choice["message"]["content"] or ""
-        tool_calls = choice["message"].get("tool_calls") or None
+        tool_calls = checked_tool_calls(choice["message"].get("tool_calls"), delta=False)
+        if not isinstance(text, str):
+            raise TypeError("content is not a string")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise UpstreamBroken(
             f"the model server sent an unexpected answer: {body[:200]!r}"
@@ -357,7 +398,7 @@ class ModelServer:
         if response.status_code != 200:
             raise error_from_response(response.status_code, response.content)
         try:
-            models = [str(entry["id"]) for entry in response.json()["data"]]
+            models = [str(entry["id"]) for entry in safe_json.loads(response.content)["data"]]
         except (ValueError, KeyError, TypeError):
             models = []
         if not models:
@@ -421,7 +462,7 @@ class ModelServer:
         state["latency_seconds"] = round(time.monotonic() - started, 4)
         state["http_status"] = response.status_code
         try:
-            body = response.json()
+            body = safe_json.loads(response.content)
         except ValueError:
             body = {}
         if isinstance(body, dict) and body.get("phase"):
@@ -451,7 +492,7 @@ class ModelServer:
 def _room(response: httpx.Response) -> int | None:
     """max_model_len - count of a /tokenize answer; None when either is missing."""
     try:
-        body = response.json()
+        body = safe_json.loads(response.content)
         count, max_model_len = body["count"], body["max_model_len"]
     except (ValueError, KeyError, TypeError):
         return None

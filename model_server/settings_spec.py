@@ -64,20 +64,48 @@ _SIZE_UNITS = {
 
 
 def parse_size(text: str | int | float) -> int:
-    """Parse a memory size like `2GiB`, `512MiB`, `1.5GB` or a plain byte count.
+    """Parse a memory size like `2GiB`, `512MiB`, `1.5GB`, or a bare number of GiB.
 
-    A bare number up to 4096 is read as GiB, like vLLM's `VLLM_CPU_KVCACHE_SPACE=4`.
+    A bare number is read as GiB, like vLLM's `VLLM_CPU_KVCACHE_SPACE=4`, up to 4096; past that
+    it is refused: `8192` meant as MB (candle-vllm's `--mem`) would otherwise be 8 TiB, and
+    meant as bytes it holds no KV block.
     """
     if isinstance(text, (int, float)):
-        value = float(text)
-        return int(value * 1024**3) if value <= 4096 else int(value)
+        return _bare_size(float(text), text)
     m = _SIZE_RE.match(str(text))
     if not m:
         raise ValueError(f"cannot parse memory size {text!r}: use e.g. 2GiB, 512MiB or 1.5GB")
     number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    if unit == "" and number <= 4096:
-        return int(number * 1024**3)
+    if unit == "":
+        return _bare_size(number, text)
     return int(number * _SIZE_UNITS[unit])
+
+
+def _bare_size(number: float, text: object) -> int:
+    if number > 4096:
+        raise ValueError(
+            f"memory size {text!r} has no unit: a bare number is GiB (up to 4096); write the "
+            f"unit, e.g. {int(number)}MiB or {int(number)}B"
+        )
+    return int(number * 1024**3)
+
+
+def parse_byte_count(text: str | int) -> int:
+    """A byte count like `32MiB`, `512KiB` or `1.5MB`; a bare number is bytes (not GiB)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}: use e.g. 32MiB, 512KiB or 1000000 (bytes)")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+def format_byte_count(value: int) -> str:
+    """`33554432` -> `32MiB`: whole units `parse_byte_count` reads back, else bytes."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value >= size and value % size == 0:
+            return f"{value // size}{unit}"
+    return f"{value} bytes"
 
 
 def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
@@ -182,9 +210,38 @@ def _check_tool_call_parser(value: str) -> None:
         raise ValueError(f"tool_call_parser {value!r} is not known; choose one of: {known}")
 
 
-def _check_max_waiting(value: int) -> None:
-    if value < 0:
-        raise ValueError(f"max_waiting_requests must be non-negative (0: no limit), got {value}")
+# --max-waiting-requests auto: this many full batches (--max-num-seqs) may wait behind the
+# running one.
+WAITING_BATCHES = 4
+_DEFAULT_MAX_NUM_SEQS = 256
+
+
+def parse_max_waiting_requests(value: str | int | None) -> int | None:
+    """`auto` -> None (resolved by `resolve_max_waiting_requests`), else a count."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"max_waiting_requests must be auto or a count (0: no limit), got {value!r}"
+        ) from None
+
+
+def resolve_max_waiting_requests(value: int | None, max_num_seqs: int) -> int:
+    """The waiting limit in engine requests: `auto` (None) is WAITING_BATCHES full batches."""
+    return WAITING_BATCHES * max_num_seqs if value is None else value
+
+
+def _non_negative(name: str) -> Callable[[int], None]:
+    def check(value: int) -> None:
+        if value < 0:
+            raise ValueError(f"{name} must be non-negative (0: no limit), got {value}")
+
+    return check
 
 
 # -------------------------------------------------------------------------------- declarations
@@ -359,7 +416,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "max_num_seqs",
         int,
-        256,
+        _DEFAULT_MAX_NUM_SEQS,
         "Most sequences in one step.",
         "engine",
         opea=("VLLM_MAX_NUM_SEQS",),
@@ -479,13 +536,86 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "max_waiting_requests",
-        int,
-        0,
-        "Backpressure: while this many requests already wait for the engine (accepted, not yet "
-        "running), new ones get 503 with Retry-After at once instead of queueing. 0: no limit.",
+        int,  # None: auto, resolved from --max-num-seqs once the engine config is known
+        None,
+        "Backpressure: while this many engine requests already wait for the engine (accepted, "
+        "not yet running; a /v1/completions request counts one per prompt), a new request gets "
+        "503 with Retry-After at once instead of queueing. A request is admitted whole or not at "
+        "all, and one with more prompts than this could ever hold gets 400. auto: "
+        f"{WAITING_BATCHES} x --max-num-seqs, i.e. {WAITING_BATCHES} full batches queued behind "
+        "the running one: enough to refill the batch as its requests finish, few enough that a "
+        "queued request starts within a few batches' time rather than after minutes. 0: no "
+        "limit.",
         "server",
-        default_text="0 (no limit)",
-        check=_check_max_waiting,
+        default_text=f"auto ({WAITING_BATCHES} x --max-num-seqs: "
+        f"{WAITING_BATCHES * _DEFAULT_MAX_NUM_SEQS} at its default)",
+        parse=parse_max_waiting_requests,
+        check=_non_negative("max_waiting_requests"),
+    ),
+    # Request limits, checked on the parsed request before any templating or tokenizing
+    # (entrypoints/openai/request_limits.py): past one, 400 (413 for the body) naming it.
+    Setting(
+        "max_request_body_size",
+        int,  # bytes
+        32 * 1024**2,
+        "Largest request body, e.g. 32MiB or 512KiB (a bare number is bytes). A larger one gets "
+        "413 without being read whole: at once when its Content-Length says so, else as soon as "
+        "a chunked body passes the limit. 32MiB holds a 1M-token prompt several times over, as "
+        "text or as token ids, while bounding what one request makes the server parse (JSON of "
+        "that size already makes a few hundred MB of Python objects). 0: no limit.",
+        "server",
+        default_text="32MiB",
+        parse=parse_byte_count,
+        check=_non_negative("max_request_body_size"),
+    ),
+    Setting(
+        "max_prompts_per_request",
+        int,
+        256,
+        "Most prompts in one /v1/completions request (a list of texts or of token-id lists; each "
+        "is an engine request). 256 is one full batch at the default --max-num-seqs: a client "
+        "with more sends several requests, which the engine serves no slower. 0: no limit.",
+        "server",
+        check=_non_negative("max_prompts_per_request"),
+    ),
+    Setting(
+        "max_stop_strings",
+        int,
+        32,
+        "Most stop strings in one request. The engine thread searches the new text of every "
+        "sample for each of them after every token; OpenAI takes 4, 32 leaves room for any "
+        "client. 0: no limit.",
+        "server",
+        check=_non_negative("max_stop_strings"),
+    ),
+    Setting(
+        "max_stop_string_length",
+        int,
+        1024,
+        "Longest stop string, in characters. A stream holds back as much text as the longest "
+        "stop string could span, and each search looks that far back; 1024 is longer than any "
+        "real stop sequence. 0: no limit.",
+        "server",
+        check=_non_negative("max_stop_string_length"),
+    ),
+    Setting(
+        "max_tools",
+        int,
+        128,
+        "Most tools in one chat request (OpenAI's own limit): every tool's schema goes into the "
+        "prompt through the chat template. 0: no limit.",
+        "server",
+        check=_non_negative("max_tools"),
+    ),
+    Setting(
+        "max_messages",
+        int,
+        4096,
+        "Most messages in one chat or /tokenize request. The chat template renders every one "
+        "before the prompt's length is known; 4096 short turns already fill a 128k-token "
+        "context. 0: no limit.",
+        "server",
+        check=_non_negative("max_messages"),
     ),
     Setting(
         "tool_call_parser",

@@ -40,6 +40,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr
 
+from microservice import safe_json
 from microservice.connectors.base import Connector
 from microservice.protocol import GenerationRequest
 from microservice.upstream import (
@@ -94,8 +95,8 @@ def _ai_message(text: str, calls: list[dict[str, Any]] | None) -> AIMessage:
         function = call.get("function") or {}
         name, arguments = function.get("name"), function.get("arguments") or "{}"
         try:
-            args = json.loads(arguments)
-        except json.JSONDecodeError as exc:
+            args = arguments if isinstance(arguments, dict) else safe_json.loads(arguments)
+        except ValueError as exc:
             invalid.append(
                 invalid_tool_call(name=name, args=arguments, id=call.get("id"), error=str(exc))
             )

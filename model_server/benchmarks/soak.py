@@ -3,8 +3,11 @@ server), watching that nothing is lost and nothing leaks.
 
 `--concurrency` clients loop until `--duration-minutes` is up, each request drawn at random:
 a streamed answer read to the end, a whole (non-streamed) answer, a stream the client drops
-after a few pieces (`--cancel-fraction`), or a bad request that must get a 4xx
-(`--bad-fraction`). Prints requests ok / failed / cancelled / rejected-as-bad / shed (503),
+after a few pieces (`--cancel-fraction`), a bad request that must get a 4xx (`--bad-fraction`),
+or a hostile one that must get a 4xx quickly without disturbing the others
+(`--hostile-fraction`: a body nested 100,000 deep, a 64 MiB body, 100,000 prompts, 100,000 RAG
+documents, 200,000 messages, a 10 MB /tokenize, a lone surrogate; see HOSTILE). Prints requests
+ok / failed / cancelled / rejected-as-bad / hostile-rejected / shed (503),
 p50 and p99 latency of the answered ones, and the model server's RSS, KV cache usage and
 running/waiting requests (from its /metrics) at the start, every `--report-every-s` seconds and
 at the end, after the traffic stops and the engine settles.
@@ -45,6 +48,58 @@ BAD_REQUESTS: tuple[Any, ...] = (
 SERVICE_COUNTER = "llm_microservice_requests_total"
 
 
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+# Requests an attacker or a careless client sends (issue 30's list), each of which a correct
+# server answers with a 4xx at once: (name, "front" for --base-url or "model" for the model
+# server, path, body builder). Bodies are built once, on first use.
+HOSTILE: tuple[tuple[str, str, str, Any], ...] = (
+    ("deep body", "front", CHAT_PATH, lambda: b"[" * 100_000 + b"]" * 100_000),
+    (
+        "64 MiB body",
+        "front",
+        CHAT_PATH,
+        lambda: b'{"messages": [{"role": "user", "content": "' + b"a" * (64 * MIB) + b'"}]}',
+    ),
+    (
+        "lone surrogate",
+        "front",
+        CHAT_PATH,
+        lambda: b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}',
+    ),
+    (
+        "100,000 documents",
+        "front",
+        CHAT_PATH,
+        lambda: _json_bytes(
+            {"query": "What is this about?", "documents": ["Some text."] * 100_000}
+        ),
+    ),
+    (
+        "100,000 prompts",
+        "model",
+        "/v1/completions",
+        lambda: _json_bytes({"prompt": ["hi"] * 100_000, "max_tokens": 1}),
+    ),
+    (
+        "200,000 messages",
+        "model",
+        CHAT_PATH,
+        lambda: _json_bytes({"messages": [{"role": "user", "content": "hi"}] * 200_000}),
+    ),
+    ("10 MB /tokenize", "model", "/tokenize", lambda: _json_bytes({"prompt": "hi " * 3_500_000})),
+)
+_hostile_bodies: dict[str, bytes] = {}
+
+
+def hostile_body(name: str, build: Any) -> bytes:
+    if name not in _hostile_bodies:
+        _hostile_bodies[name] = build()
+    return _hostile_bodies[name]
+
+
 def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-url",
@@ -72,6 +127,20 @@ def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
         "--bad-fraction", type=float, default=0.05, help="Share of malformed requests."
     )
     parser.add_argument(
+        "--hostile-fraction",
+        type=float,
+        default=0.0,
+        help="Share of hostile requests (oversized, deeply nested, floods of prompts, documents "
+        "or messages, lone surrogates), each of which must get a 4xx.",
+    )
+    parser.add_argument(
+        "--max-rss-growth-mib",
+        type=float,
+        default=None,
+        help="Exit 1 when the model server's RSS at the end is more than this above its level "
+        "after the first report (unset: report only).",
+    )
+    parser.add_argument(
         "--report-every-s", type=float, default=60.0, help="Seconds between progress lines."
     )
     parser.add_argument(
@@ -89,6 +158,8 @@ class Tally:
     failed: int = 0
     cancelled: int = 0
     bad_rejected: int = 0  # bad requests answered 4xx, as they must be
+    hostile_rejected: int = 0  # hostile requests answered 4xx, as they must be
+    hostile_latencies_s: list[float] = field(default_factory=list)
     shed: int = 0  # 503 (backpressure or draining): the server said "later"
     sent: int = 0
     latencies_s: list[float] = field(default_factory=list)
@@ -100,7 +171,10 @@ class Tally:
 
     @property
     def outcomes(self) -> int:
-        return self.ok + self.failed + self.cancelled + self.bad_rejected + self.shed
+        return (
+            self.ok + self.failed + self.cancelled + self.bad_rejected + self.hostile_rejected
+            + self.shed
+        )  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -194,6 +268,10 @@ async def one_request(
     tally.sent += 1
     started = time.monotonic()
     try:
+        if draw < args.hostile_fraction:
+            await hostile_request(client, args, rng, tally, headers)
+            return
+        draw -= args.hostile_fraction
         if draw < args.bad_fraction:
             bad = rng.choice(BAD_REQUESTS)
             if isinstance(bad, bytes):
@@ -250,6 +328,27 @@ async def one_request(
         tally.fail(f"{type(exc).__name__}: {str(exc)[:120]}")
 
 
+async def hostile_request(
+    client: httpx.AsyncClient,
+    args: argparse.Namespace,
+    rng: random.Random,
+    tally: Tally,
+    headers: dict[str, str],
+) -> None:
+    name, target, path, build = rng.choice(HOSTILE)
+    root = args.base_url if target == "front" else args.model_server_url
+    body = hostile_body(name, build)
+    started = time.monotonic()
+    resp = await client.post(
+        f"{root}{path}", content=body, headers={**headers, "Content-Type": "application/json"}
+    )
+    tally.hostile_latencies_s.append(time.monotonic() - started)
+    if 400 <= resp.status_code < 500:
+        tally.hostile_rejected += 1
+    else:
+        tally.fail(f"hostile {name} answered {resp.status_code}: {resp.text[:120]}")
+
+
 async def worker(
     client: httpx.AsyncClient,
     args: argparse.Namespace,
@@ -269,7 +368,8 @@ def progress_line(elapsed_s: float, tally: Tally, state: ServerState) -> str:
     p99 = percentile(tally.latencies_s, 99)
     return (
         f"[{elapsed_s / 60:5.1f} min] ok {tally.ok}, failed {tally.failed}, cancelled "
-        f"{tally.cancelled}, bad->4xx {tally.bad_rejected}, shed(503) {tally.shed} | "
+        f"{tally.cancelled}, bad->4xx {tally.bad_rejected}, hostile->4xx "
+        f"{tally.hostile_rejected}, shed(503) {tally.shed} | "
         f"latency p50 {p50:.2f}s p99 {p99:.2f}s | {state.describe()}"
     )
 
@@ -298,8 +398,8 @@ async def soak(args: argparse.Namespace) -> int:
         print(
             f"soak: {args.duration_minutes:g} min, {args.concurrency} clients -> "
             f"{args.base_url}{CHAT_PATH} (stream {args.stream_fraction:.0%}, cancel "
-            f"{args.cancel_fraction:.0%}, bad {args.bad_fraction:.0%}, max_tokens "
-            f"{args.max_tokens})",
+            f"{args.cancel_fraction:.0%}, bad {args.bad_fraction:.0%}, hostile "
+            f"{args.hostile_fraction:.0%}, max_tokens {args.max_tokens})",
             flush=True,
         )
         print(f"[start] {start_state.describe()}", flush=True)
@@ -335,13 +435,20 @@ async def soak(args: argparse.Namespace) -> int:
     print(f"requests sent: {tally.sent} in {traffic_s:.0f}s ({tally.sent / traffic_s:.2f}/s)")
     print(
         f"  ok {tally.ok}, failed {tally.failed}, cancelled {tally.cancelled}, "
-        f"bad->4xx {tally.bad_rejected}, shed(503) {tally.shed}, lost {lost}"
+        f"bad->4xx {tally.bad_rejected}, hostile->4xx {tally.hostile_rejected}, "
+        f"shed(503) {tally.shed}, lost {lost}"
     )
+    if tally.hostile_latencies_s:
+        print(
+            f"hostile requests answered in: p50 {percentile(tally.hostile_latencies_s, 50):.2f}s,"
+            f" max {max(tally.hostile_latencies_s):.2f}s"
+        )
     for why, count in sorted(tally.errors.items(), key=lambda kv: -kv[1]):
         print(f"  failure x{count}: {why}")
     p50, p99 = percentile(tally.latencies_s, 50), percentile(tally.latencies_s, 99)
     print(f"latency of answered requests: p50 {p50:.2f}s, p99 {p99:.2f}s")
     rss = [s.rss_bytes for s in states if s.rss_bytes is not None]
+    rss_ok = True
     if end_state.rss_bytes is not None and rss:
         # Warm-up: the first report (allocator pools, caches filled by the first minutes).
         warm = rss[1] if len(rss) > 1 else rss[0]
@@ -351,17 +458,23 @@ async def soak(args: argparse.Namespace) -> int:
             f"{end_state.rss_bytes / MIB:.1f} MiB (growth since warm-up "
             f"{(end_state.rss_bytes - warm) / MIB:+.1f} MiB)"
         )
+        limit = args.max_rss_growth_mib
+        if limit is not None and (end_state.rss_bytes - warm) / MIB > limit:
+            rss_ok = False
+            print(f"  <-- RSS grew more than --max-rss-growth-mib {limit:g}")
     kv_clean = end_state.kv_usage == 0
     print(f"KV cache at the end: {end_state.kv_usage}" + ("" if kv_clean else "  <-- NOT FREED"))
-    return 0 if tally.failed == 0 and lost == 0 and kv_clean else 1
+    return 0 if tally.failed == 0 and lost == 0 and kv_clean and rss_ok else 1
 
 
 def run_soak_benchmark(args: argparse.Namespace) -> int:
-    for name in ("stream_fraction", "cancel_fraction", "bad_fraction"):
+    for name in ("stream_fraction", "cancel_fraction", "bad_fraction", "hostile_fraction"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1]")
-    if args.cancel_fraction + args.bad_fraction > 1.0:
-        raise SystemExit("--cancel-fraction + --bad-fraction must be at most 1")
+    if args.cancel_fraction + args.bad_fraction + args.hostile_fraction > 1.0:
+        raise SystemExit(
+            "--cancel-fraction + --bad-fraction + --hostile-fraction must be at most 1"
+        )
     if args.concurrency < 1 or args.duration_minutes <= 0 or args.report_every_s <= 0:
         raise SystemExit("--concurrency, --duration-minutes and --report-every-s must be > 0")
     return asyncio.run(soak(args))

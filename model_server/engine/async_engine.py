@@ -22,11 +22,12 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from model_server.config import EngineConfig
+from model_server.engine.allocator import IdleHeapTrimmer
 from model_server.engine.outputs import RequestOutput
 from model_server.engine.stats import IterationStats, StatLogger, record_cache_config
 from model_server.sampling_params import SamplingParams
@@ -70,13 +71,20 @@ class EngineOverloadedError(EngineNotReadyError):
     """More requests wait for the engine than `max_waiting_requests`: try again later."""
 
 
+@dataclass(slots=True, frozen=True, eq=False)
+class Admission:
+    """The waiting slots `admit` holds for one HTTP request's engine requests."""
+
+    request_ids: tuple[str, ...]
+
+
 class EngineClient(ABC):
     """What the HTTP layer needs from an engine. Every method runs on the event loop."""
 
     # Told about every engine step (see engine/stats.py); append before start().
     stat_loggers: list[StatLogger]
-    # Backpressure: `generate` refuses a request (EngineOverloadedError) while this many engine
-    # requests already wait to be scheduled; 0 means no limit.
+    # Backpressure: `admit` and `generate` refuse requests (EngineOverloadedError) that would
+    # make more than this many engine requests wait to be scheduled; 0 means no limit.
     max_waiting_requests: int = 0
 
     @property
@@ -134,6 +142,18 @@ class EngineClient(ABC):
         message), EngineNotReadyError, EngineDeadError. When the consumer stops iterating
         (cancelled, closed, client gone), the request is aborted in the engine.
         """
+
+    @abstractmethod
+    def admit(self, request_ids: Sequence[str]) -> Admission:
+        """Hold a waiting slot for each of `request_ids` (one HTTP request's engine requests) at
+        once, or raise and hold none: ValueError for an id in use or for more ids than
+        `max_waiting_requests` could ever hold, EngineOverloadedError while the queue lacks room
+        for all of them, and what `check_ready` raises. `generate` of an admitted id takes its
+        slot without a check of its own; `release` drops the slots no `generate` took."""
+
+    @abstractmethod
+    def release(self, admission: Admission) -> None:
+        """Drop the slots of `admission` that no `generate` took (it failed or never ran)."""
 
     @abstractmethod
     async def abort(self, request_id: str) -> None: ...
@@ -263,6 +283,9 @@ class AsyncLLM(EngineClient):
         self._accepting = True
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._collectors: dict[str, RequestOutputCollector] = {}
+        # Ids admitted by `admit` whose `generate` has not registered yet: they count as waiting,
+        # so another request cannot take their slots in between.
+        self._admitted: dict[str, Admission] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failed: asyncio.Event | None = None
@@ -310,8 +333,8 @@ class AsyncLLM(EngineClient):
     def num_waiting_requests(self) -> int:
         """Engine requests accepted but not running: the live ones less those the scheduler ran
         at its last iteration. Requests added since then count as waiting, which they are until
-        the next step schedules them."""
-        return max(0, len(self._collectors) - self._num_running)
+        the next step schedules them; so do those admitted and not yet added."""
+        return max(0, len(self._collectors) - self._num_running) + len(self._admitted)
 
     async def wait_until_ready(self, timeout: float | None = None) -> None:
         """Wait for READY; raises EngineDeadError if loading fails, TimeoutError on timeout."""
@@ -377,7 +400,7 @@ class AsyncLLM(EngineClient):
     ) -> AsyncGenerator[RequestOutput, None]:
         # Check and register with no await in between: a crash or shutdown that the loop has
         # not heard of yet will still fail this collector (see _fail_all / shutdown).
-        self._check_accepting()
+        self._check_accepting(request_id)
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None:
@@ -386,12 +409,13 @@ class AsyncLLM(EngineClient):
             manager = getattr(self._engine, "structured_output", None)
             if manager is not None:
                 await asyncio.to_thread(manager.compile, params.structured_outputs)
-            self._check_accepting()  # the engine may have failed or begun draining meanwhile
+            self._check_accepting(request_id)  # the engine may have failed or begun draining
             if request_id in self._collectors:
                 raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None
         collector = RequestOutputCollector(self._loop.create_future())
         self._collectors[request_id] = collector
+        self._admitted.pop(request_id, None)  # its slot is the collector's now
         self._commands.put(_AddRequest(request_id, prompt, params, time.monotonic(), collector))
         finished = False
         try:
@@ -412,16 +436,47 @@ class AsyncLLM(EngineClient):
     async def abort(self, request_id: str) -> None:
         self._commands.put(_AbortRequests([request_id]))
 
-    def _check_accepting(self) -> None:
+    def admit(self, request_ids: Sequence[str]) -> Admission:
+        for request_id in request_ids:
+            if request_id in self._collectors or request_id in self._admitted:
+                raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_accepting(count=len(request_ids))
+        admission = Admission(tuple(request_ids))
+        self._admitted.update(dict.fromkeys(admission.request_ids, admission))
+        return admission
+
+    def release(self, admission: Admission) -> None:
+        for request_id in admission.request_ids:
+            # Only its own: the id may be another request's by now (a client reusing its id).
+            if self._admitted.get(request_id) is admission:
+                del self._admitted[request_id]
+
+    def _check_accepting(self, request_id: str | None = None, count: int = 1) -> None:
+        """Raise unless `count` more engine requests may wait now; an admitted `request_id`
+        holds its slot already."""
         self._raise_if_dead()
         if not self._accepting:
             raise EngineDrainingError("the server is shutting down")
         self.check_ready()
+        if request_id is None or request_id not in self._admitted:
+            self._check_room(count)
+
+    def _check_room(self, count: int) -> None:
         limit = self.max_waiting_requests
-        if limit > 0 and self.num_waiting_requests >= limit:
+        if limit <= 0:
+            return
+        if count > limit:
+            raise ValueError(
+                f"this request makes {count} engine requests (one per prompt), more than the "
+                f"{limit} that may wait at once (--max-waiting-requests {limit}): send at most "
+                f"{limit} prompts per request"
+            )
+        waiting = self.num_waiting_requests
+        if waiting + count > limit:
+            adding = f" and this request adds {count}" if count > 1 else ""
             raise EngineOverloadedError(
-                f"the server is overloaded: {self.num_waiting_requests} requests are already "
-                f"waiting (--max-waiting-requests {limit}); retry later"
+                f"the server is overloaded: {waiting} requests are already waiting{adding} "
+                f"(--max-waiting-requests {limit}); retry later"
             )
 
     def _raise_if_dead(self) -> None:
@@ -553,14 +608,34 @@ class AsyncLLM(EngineClient):
 
     def _serve(self) -> None:
         engine = self._engine
+        trimmer = IdleHeapTrimmer()
         while True:
-            commands = self._next_commands(block=not engine.has_unfinished_requests())
+            idle = not engine.has_unfinished_requests()
+            if idle:
+                trimmer.idle()
+            # Idle with a trim pending: wake when it is due, even if no command comes.
+            commands = self._next_commands(
+                block=idle, timeout=trimmer.seconds_until_due() if idle else None
+            )
+            if idle and not commands:
+                continue
+            trimmer.served()
             stats = IterationStats()
+            aborts: dict[str, None] = {}  # ordered set: applied in one pass (see _abort)
             for command in commands:
                 if isinstance(command, _Stop):
+                    self._abort(aborts, stats)
                     self._stop(command)
                     return
+                if isinstance(command, _AbortRequests):
+                    aborts.update(dict.fromkeys(command.request_ids))
+                    continue
+                if command.request_id in aborts:
+                    # The id is reused after its abort was queued: that abort goes first.
+                    self._abort(aborts, stats)
+                    aborts = {}
                 self._apply(command, stats)
+            self._abort(aborts, stats)
             if engine.has_unfinished_requests():
                 step_start = time.monotonic()
                 outputs = engine.step()
@@ -571,31 +646,42 @@ class AsyncLLM(EngineClient):
             self._num_running = self._tracker.num_running()
             self._record(stats)
 
-    def _next_commands(self, block: bool) -> list[_Command]:
+    def _next_commands(self, block: bool, timeout: float | None = None) -> list[_Command]:
+        """What the queue holds; with `block`, waits for one first (up to `timeout` seconds,
+        then returns nothing)."""
         commands: list[_Command] = []
         if block:
-            commands.append(self._commands.get())
+            try:
+                commands.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _AddRequest | _AbortRequests, stats: IterationStats) -> None:
-        engine = self._engine
-        if isinstance(command, _AbortRequests):
-            now = time.monotonic()
-            for request_id in command.request_ids:
-                engine.abort_request(request_id)
-                self._tracker.aborted(request_id, now, stats)
+    def _abort(self, request_ids: Iterable[str], stats: IterationStats) -> None:
+        """Every abort of one drain of the command queue in one engine call: a client that drops
+        a 100,000-prompt request queues 100,000 aborts, and one scheduler pass per abort would
+        be O(n^2)."""
+        request_ids = list(request_ids)
+        if not request_ids:
             return
+        self._engine.abort_requests(request_ids)
+        now = time.monotonic()
+        for request_id in request_ids:
+            self._tracker.aborted(request_id, now, stats)
+
+    def _apply(self, command: _AddRequest, stats: IterationStats) -> None:
+        engine = self._engine
         try:
             engine.add_request(command.request_id, command.prompt, command.params)
         except Exception as exc:
             # The caller's problem, not the engine's: answer it and keep serving the others.
             if not isinstance(exc, ValueError):
                 logger.exception("add_request(%s) failed", command.request_id)
-                engine.abort_request(command.request_id)
+                engine.abort_requests([command.request_id])
             self._post(self._resolve_added, command.collector, exc)
             return
         self._tracker.add(
@@ -616,12 +702,8 @@ class AsyncLLM(EngineClient):
                     logger.exception("stat logger %r failed", stat_logger)
 
     def _stop(self, command: _Stop) -> None:
-        engine = self._engine
         stats = IterationStats()
-        now = time.monotonic()
-        for request_id in list(self._tracker.live_request_ids()):
-            engine.abort_request(request_id)
-            self._tracker.aborted(request_id, now, stats)
+        self._abort(self._tracker.live_request_ids(), stats)
         self._record(stats)
         self._shutdown_engine()
         command.done.set()

@@ -280,6 +280,30 @@ def test_non_streaming_disconnect_frees_the_kv_cache(server: ServerProcess) -> N
     assert 0 < metric(server.url, "vllm:generation_tokens_total") - generated < 500
 
 
+def test_disconnect_of_a_many_prompt_request_aborts_every_prompt_at_once(
+    server: ServerProcess, http: httpx.Client
+) -> None:
+    """200 prompts, the client hangs up: all 200 engine requests are aborted in one pass (one
+    scheduler rebuild, not one per prompt), the cache is free within seconds, and the next
+    request is served as usual."""
+    n = 200
+    aborted = metric(server.url, "vllm:request_success_total", 'finished_reason="abort"')
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json={**LONG, "prompt": [f"Story {i} about a dragon." for i in range(n)]},
+            timeout=3,
+        )
+    assert _wait_idle(server) < 5
+    assert metric(server.url, "vllm:num_requests_waiting") == 0
+    assert metric(server.url, "vllm:request_success_total", 'finished_reason="abort"') == (
+        aborted + n
+    )
+    start = time.monotonic()
+    answer = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
+    assert answer.status_code == 200 and time.monotonic() - start < 5
+
+
 # ------------------------------------------------------------------------------ bad input
 
 

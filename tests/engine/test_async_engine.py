@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -45,6 +46,7 @@ class FakeEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.requests: dict[str, _FakeRequest] = {}
         self.aborted: list[str] = []
+        self.abort_calls = 0
         self.step_gate = threading.Semaphore(1000)  # steps allowed before blocking
         self.fail_next_step = False
         self.steps = 0
@@ -73,9 +75,11 @@ class FakeEngine:
         self.requests[request_id] = _FakeRequest(list(prompt), params)
         self._update_gauges()
 
-    def abort_request(self, request_id: str) -> None:
-        if self.requests.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.abort_calls += 1
+        for request_id in request_ids:
+            if self.requests.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
         self._update_gauges()
 
     def has_unfinished_requests(self) -> bool:
@@ -202,6 +206,34 @@ def test_cancelled_consumer_aborts_its_request() -> None:
             await asyncio.sleep(0.01)
         assert engine.aborted == ["x"] and not engine.requests
         assert engine.steps < 10  # aborted long before its 50 tokens
+        await llm.shutdown()
+
+    run(main())
+
+
+def test_aborts_queued_together_reach_the_engine_in_one_call() -> None:
+    """A client dropping a many-prompt request queues one abort per prompt: the engine thread
+    applies all of a drain's aborts in one engine call (one scheduler pass), not one each."""
+
+    async def main() -> None:
+        llm, engine = await started()
+        engine.step_gate = threading.Semaphore(0)  # the thread blocks in its next step
+        n = 3000
+        gens = [llm.generate([1], params(max_tokens=50), f"r{i}") for i in range(n)]
+        tasks = [asyncio.ensure_future(anext(gen)) for gen in gens]
+        await asyncio.sleep(0.3)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        calls_before = engine.abort_calls
+        engine.step_gate.release(10**6)
+        for _ in range(500):
+            if len(engine.aborted) == n and not engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(engine.aborted) == sorted(f"r{i}" for i in range(n))
+        assert engine.abort_calls - calls_before <= 2, engine.abort_calls
+        assert llm.num_unfinished_requests == 0
         await llm.shutdown()
 
     run(main())

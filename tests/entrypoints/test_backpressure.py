@@ -74,8 +74,9 @@ def test_past_max_waiting_requests_new_ones_get_503_with_retry_after(tiny_config
         client.close()
 
 
-def test_no_limit_by_default(tiny_config: Path) -> None:
-    client, llm, engine = gated_app(tiny_config)
+def test_zero_is_no_limit(tiny_config: Path) -> None:
+    # auto would be 4 x --max-num-seqs 1 = 4 waiting: the sixth request would get 503.
+    client, llm, engine = gated_app(tiny_config, max_waiting_requests=0, max_num_seqs=1)
     try:
         futures = [
             asyncio.run_coroutine_threadsafe(

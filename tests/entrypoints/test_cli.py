@@ -48,3 +48,31 @@ def test_help_documents_engine_flags() -> None:
     assert proc.returncode == 0
     for flag in ("--max-num-seqs", "--kv-cache-memory", "--enable-prefix-caching", "--model"):
         assert flag in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (("--kv-cache-memory", "8192"), "8192MiB"),  # no unit: refused, not 8192 bytes
+        (("--kv-cache-memory", "100KiB"), "raise --kv-cache-memory"),  # under 2 blocks
+        (("--max-model-len", "99999999"), "max_position_embeddings"),  # was an OOM kill
+        (("--attention-backend", "triton"), "need a CUDA or GCU device"),  # was a traceback
+        (("--block-size", "7"), "power of two"),
+    ],
+)
+def test_serve_misconfiguration_exits_with_one_error_line(
+    flags: tuple[str, ...], needle: str
+) -> None:
+    """A start that cannot work ends with exit code 1 (not a signal) and one error line that
+    says why: no traceback, no second line repeating it."""
+    from tests.loopback import free_port
+
+    proc = run_cli(
+        "serve", "--port", str(free_port()), "--log-level", "warning", "--skip-warmup", *flags
+    )
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [
+        line for line in proc.stderr.splitlines() if " ERROR " in line or line.startswith("error:")
+    ]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]

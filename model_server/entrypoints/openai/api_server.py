@@ -41,6 +41,7 @@ from model_server.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from model_server.entrypoints.openai.request_id import RequestIdMiddleware
+from model_server.entrypoints.openai.request_limits import BodySizeLimitMiddleware, RequestLimits
 from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from model_server.entrypoints.openai.serving_engine import json_response
@@ -49,6 +50,7 @@ from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconn
 from model_server.loader.embedded import embedded_model_path
 from model_server.loader.source import ModelLoadError
 from model_server.settings import DEFAULT_MODEL_NAME, ServerSettings
+from model_server.settings_spec import resolve_max_waiting_requests
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +82,21 @@ def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine_client = engine_client
     app.state.settings = settings
     app.state.on_engine_failed = None
-    engine_client.max_waiting_requests = settings.max_waiting_requests
+    engine_client.max_waiting_requests = resolve_max_waiting_requests(
+        settings.max_waiting_requests, settings.max_num_seqs
+    )
+    logger.info(
+        "backpressure: %s engine requests may wait (--max-waiting-requests %s)",
+        engine_client.max_waiting_requests or "any number of",
+        "auto" if settings.max_waiting_requests is None else settings.max_waiting_requests,
+    )
     _add_routes(app, engine_client, settings)
     mount_chat_page(app)
     _add_error_handlers(app)
     _mount_metrics(app, engine_client, settings)
+    if settings.max_request_body_size:
+        # Inside the key check: a client without the key gets 401 before its body is read.
+        app.add_middleware(BodySizeLimitMiddleware, max_size=settings.max_request_body_size)
     if settings.api_key_value:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key_value)
     # Outermost: even a 401 carries (and logs, and counts) the request id.
@@ -111,7 +123,10 @@ def _count_http(app: FastAPI, path: str, method: str, status: int) -> None:
 
 async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
     message = await engine_client.wait_until_failed()
-    logger.error("engine failed: %s", message)
+    # Whoever saw the failure logged it once (the engine thread: one line for a model that
+    # cannot load, a traceback for a crash; the executor: a dead worker), so a misconfigured
+    # start ends with one error line.
+    logger.info("stopping the server: the engine failed (%s)", message)
     callback = app.state.on_engine_failed
     if callback is not None:
         callback(message)
@@ -120,9 +135,10 @@ async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
 def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSettings) -> None:
     name = settings.model_name
     root = model_root(settings)
-    completion = OpenAIServingCompletion(engine_client, name)
-    chat = OpenAIServingChat(engine_client, name, settings.tool_call_parser)
-    tokenization = OpenAIServingTokenization(engine_client, name)
+    limits = RequestLimits.from_settings(settings)
+    completion = OpenAIServingCompletion(engine_client, name, limits)
+    chat = OpenAIServingChat(engine_client, name, settings.tool_call_parser, limits)
+    tokenization = OpenAIServingTokenization(engine_client, name, limits)
 
     @app.get("/health", response_model=None)
     async def health() -> Response:

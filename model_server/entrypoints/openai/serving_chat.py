@@ -12,6 +12,7 @@ from starlette.responses import Response, StreamingResponse
 from model_server.engine.async_engine import EngineClient
 from model_server.engine.outputs import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, ChatCompletionRequest
+from model_server.entrypoints.openai.request_limits import RequestLimits, check_unicode
 from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChunkWriter,
@@ -36,9 +37,13 @@ from model_server.entrypoints.openai.tool_parsers import ToolParser, get_tool_pa
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, engine_client: EngineClient, model_name: str, tool_call_parser: str | None = None
+        self,
+        engine_client: EngineClient,
+        model_name: str,
+        tool_call_parser: str | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
-        super().__init__(engine_client, model_name)
+        super().__init__(engine_client, model_name, limits)
         self._tool_call_parser_name = tool_call_parser
         self._tool_parser: ToolParser | None = None
 
@@ -52,6 +57,10 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Any:
+        # What the request may cost, before any templating or tokenizing; lone surrogates
+        # before any message (the 404's too) quotes the request's text.
+        self.limits.check_chat(request)
+        check_unicode(request)
         self.check_model(request.model)
         try:
             params = request.to_sampling_params()

@@ -15,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 
 from model_server.engine.outputs import CompletionOutput, RequestOutput
 from model_server.entrypoints.openai.protocol import APIError, CompletionRequest
+from model_server.entrypoints.openai.request_limits import check_unicode
 from model_server.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChunkWriter,
@@ -32,6 +33,8 @@ from model_server.entrypoints.utils import merge_async_iterators
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Any:
+        prompts = request.prompts()
+        self._check_prompts(request, prompts)
         self.check_model(request.model)
         try:
             params = request.to_sampling_params()
@@ -40,7 +43,6 @@ class OpenAIServingCompletion(OpenAIServing):
         params.structured_outputs = build_structured_outputs(request_constraints(request))
         if request.echo and request.logprobs is not None:
             raise APIError("echo with logprobs is not supported (no prompt logprobs)", 400)
-        prompts = request.prompts()
         request_id = self.request_id(raw_request, "cmpl", request.request_id)
         created = int(time.time())
         if request.stream:
@@ -51,6 +53,15 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         outputs = await self.run_to_completion(prompts, params, request_id)
         return self._response(request, outputs, request_id, created)
+
+    def _check_prompts(self, request: CompletionRequest, prompts: list[str | list[int]]) -> None:
+        """What the request may cost, checked before anything is tokenized or queued."""
+        self.limits.check_completion(request, len(prompts))
+        check_unicode(request)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):  # token ids need no tokenizing: the engine checks them
+                where = "prompt" if isinstance(request.prompt, str) else f"prompt[{i}]"
+                self.check_prompt_length(where, prompt)
 
     def _echo(self, request: CompletionRequest, out: RequestOutput) -> str:
         if not request.echo:

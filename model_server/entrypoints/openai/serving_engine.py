@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from model_server.engine.async_engine import (
+    Admission,
     EngineClient,
     EngineDeadError,
     EngineDrainingError,
@@ -23,9 +24,14 @@ from model_server.engine.async_engine import (
     EngineOverloadedError,
     RequestAbortedError,
 )
-from model_server.engine.chat_template import render_chat
+from model_server.engine.chat_template import render_chat_text
 from model_server.engine.outputs import RequestOutput, TokenLogprobs
 from model_server.entrypoints.openai.protocol import APIError, ChatMessage
+from model_server.entrypoints.openai.request_limits import (
+    RequestLimits,
+    max_chars_per_token,
+    prompt_too_long,
+)
 from model_server.entrypoints.openai.unavailable import ServiceUnavailable
 from model_server.entrypoints.utils import prepend
 from model_server.sampling_params import RequestOutputKind, SamplingParams
@@ -148,9 +154,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class OpenAIServing:
     """Base of the endpoint handlers; one instance per app, all on the event loop."""
 
-    def __init__(self, engine_client: EngineClient, model_name: str) -> None:
+    def __init__(
+        self, engine_client: EngineClient, model_name: str, limits: RequestLimits | None = None
+    ) -> None:
         self.engine_client = engine_client
         self.model_name = model_name
+        self.limits = limits or RequestLimits()
         # Token id -> its text, for logprobs (bounded by the vocabulary).
         self._token_text: dict[int, str] = {}
 
@@ -210,7 +219,7 @@ class OpenAIServing:
                 m if isinstance(m, dict) else {"role": m.template_role, "content": m.text()}
                 for m in messages
             ]
-            return render_chat(
+            text = render_chat_text(
                 tokenizer,
                 conversation,
                 add_generation_prompt=add_generation_prompt,
@@ -219,6 +228,29 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
+        # The template already wrote every special token it wants.
+        return self.encode("messages", text, add_special_tokens=False)
+
+    def encode(self, param: str, text: str, *, add_special_tokens: bool) -> list[int]:
+        """`text`'s token ids; 400 for a text the tokenizer cannot take or that is longer than
+        any prompt of this model, before tokenizing it (`param` names it in the error)."""
+        self.check_prompt_length(param, text)
+        try:
+            encoded = self.tokenizer()(text, add_special_tokens=add_special_tokens)
+        except TypeError as exc:  # the Rust tokenizer refuses what it cannot read as a str
+            message = f"{param}: the tokenizer cannot read this text: {exc}"
+            raise APIError(message, 400, param=param.split("[")[0]) from None
+        return list(encoded.input_ids)
+
+    def check_prompt_length(self, param: str, text: str) -> None:
+        """400 for a text with more characters than any prompt of this model can have (the
+        context length times the longest token), without tokenizing it."""
+        tokenizer, max_len = self.engine_client.tokenizer, self.engine_client.max_model_len
+        if tokenizer is None or not max_len or len(text) <= max_len:
+            return  # a token stands for at least one character
+        per_token = max_chars_per_token(tokenizer)
+        if per_token is not None and len(text) > max_len * per_token:
+            raise prompt_too_long(param, len(text), max_len, per_token)
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -235,13 +267,17 @@ class OpenAIServing:
         """Submit every prompt and wait for each one's first output, so that a rejected request
         answers 4xx before any response byte. Returns iterators that replay those first outputs.
         On any failure, every submitted request is aborted."""
-        gens = self._generators(prompts, params, request_id)
+        admission = self._admit(len(prompts), request_id)
         try:
-            firsts = await _gather_all(anext(gen) for gen in gens)
-        except BaseException:
-            for gen in gens:  # those that did answer are parked at their first output
-                await gen.aclose()
-            raise
+            gens = self._generators(prompts, params, admission.request_ids)
+            try:
+                firsts = await _gather_all(anext(gen) for gen in gens)
+            except BaseException:
+                for gen in gens:  # those that did answer are parked at their first output
+                    await gen.aclose()
+                raise
+        finally:
+            self.engine_client.release(admission)
         return [prepend(first, gen) for first, gen in zip(firsts, gens, strict=True)]
 
     async def run_to_completion(
@@ -256,18 +292,34 @@ class OpenAIServing:
             assert out is not None
             return out
 
-        gens = self._generators(prompts, params, request_id)
-        return await _gather_all(last(gen) for gen in gens)
+        admission = self._admit(len(prompts), request_id)
+        try:
+            gens = self._generators(prompts, params, admission.request_ids)
+            return await _gather_all(last(gen) for gen in gens)
+        finally:
+            self.engine_client.release(admission)
+
+    def _admit(self, num_prompts: int, request_id: str) -> Admission:
+        """Waiting slots for the engine requests of a request's prompts, all at once before any
+        is added (503 when the queue lacks room for all of them: nothing is queued then)."""
+        request_ids = [f"{request_id}-{i}" for i in range(num_prompts)]
+        try:
+            return self.engine_client.admit(request_ids)
+        except Exception as exc:
+            raise to_api_error(exc) from None
 
     def _generators(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        request_ids: Sequence[str],
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         # One engine request per prompt, each with all n samples. Streams read the deltas and
         # the rest the last output, which holds everything: no step copies the token lists.
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         return [
-            self.engine_client.generate(prompt, params, f"{request_id}-{i}")
-            for i, prompt in enumerate(prompts)
+            self.engine_client.generate(prompt, params, engine_request_id)
+            for prompt, engine_request_id in zip(prompts, request_ids, strict=True)
         ]
 
     # --------------------------------------------------------------- logprobs

@@ -10,6 +10,7 @@ from model_server.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from model_server.entrypoints.openai.request_limits import check_unicode
 from model_server.entrypoints.openai.serving_engine import OpenAIServing
 
 
@@ -17,6 +18,8 @@ class OpenAIServingTokenization(OpenAIServing):
     def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """Prompt text, or messages through the chat template (counted exactly as chat
         completions count their prompt tokens)."""
+        self.limits.check_tokenize(request)
+        check_unicode(request)  # before any message (the 404's too) quotes the request's text
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             tokens = self.chat_prompt(
@@ -26,14 +29,15 @@ class OpenAIServingTokenization(OpenAIServing):
                 template_kwargs=request.chat_template_kwargs,
             )
         else:
-            tokenizer = self.tokenizer()
-            encoded = tokenizer(request.prompt, add_special_tokens=request.add_special_tokens)
-            tokens = list(encoded.input_ids)
+            tokens = self.encode(
+                "prompt", request.prompt, add_special_tokens=request.add_special_tokens
+            )
         return TokenizeResponse(
             count=len(tokens), max_model_len=self.engine_client.max_model_len, tokens=tokens
         )
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        check_unicode(request)
         self.check_model(request.model)
         tokenizer = self.tokenizer()
         vocab_size = len(tokenizer)
