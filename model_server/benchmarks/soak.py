@@ -166,6 +166,8 @@ class Tally:
     errors: dict[str, int] = field(default_factory=dict)
 
     def fail(self, why: str) -> None:
+        if why not in self.errors:  # each new kind as it happens, not only in the summary
+            print(f"  failure: {why}", flush=True)
         self.failed += 1
         self.errors[why] = self.errors.get(why, 0) + 1
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model_server.config import EngineConfig
-from model_server.engine.allocator import IdleHeapTrimmer
+from model_server.engine.allocator import HeapTrimmer
 from model_server.engine.outputs import RequestOutput
 from model_server.engine.stats import IterationStats, StatLogger, record_cache_config
 from model_server.sampling_params import SamplingParams
@@ -608,18 +608,17 @@ class AsyncLLM(EngineClient):
 
     def _serve(self) -> None:
         engine = self._engine
-        trimmer = IdleHeapTrimmer()
+        trimmer = HeapTrimmer()
         while True:
             idle = not engine.has_unfinished_requests()
-            if idle:
-                trimmer.idle()
-            # Idle with a trim pending: wake when it is due, even if no command comes.
+            trimmer.maybe_trim(idle)
+            # Idle, it still wakes for the next trim: requests the HTTP layer refused (over a
+            # limit) freed memory without ever reaching the engine.
             commands = self._next_commands(
-                block=idle, timeout=trimmer.seconds_until_due() if idle else None
+                block=idle, timeout=trimmer.seconds_until_due(idle) if idle else None
             )
             if idle and not commands:
                 continue
-            trimmer.served()
             stats = IterationStats()
             aborts: dict[str, None] = {}  # ordered set: applied in one pass (see _abort)
             for command in commands:
