@@ -2,11 +2,14 @@
 """A terminal chat with any OpenAI-compatible server (Wick's model server, vLLM, llama.cpp…).
 
     python examples/chat.py --base-url http://127.0.0.1:8008 --system "You are concise."
+    python examples/chat.py --live     # the reply rendered as Markdown while it streams
 
 The conversation history is kept and sent with every turn; the assistant's reply streams in as
-it arrives (rendered as Markdown on a terminal, plain text when piped). Commands: `/reset`
-forgets the conversation (the system prompt stays), `/exit` (or `/quit`, Ctrl-D) leaves.
-Ctrl-C while a reply streams stops that reply and keeps what arrived.
+plain text as it arrives. `--live` (candle-vllm's chat.py flag) renders it as Markdown instead,
+redrawn in place as it grows (on a terminal; piped output stays plain text). `--base-url` is
+the server's root, with or without `/v1`. Commands: `/reset` forgets the conversation (the
+system prompt stays), `/exit` (or `/quit`, Ctrl-D) leaves. Ctrl-C while a reply streams stops
+that reply and keeps what arrived.
 
 Needs `httpx` and `rich` (both in Wick's `model-server` extra).
 """
@@ -94,15 +97,23 @@ def first_model(client: httpx.Client) -> str:
     return str(models[0]["id"])
 
 
-def show_reply(console: Console, pieces: Iterator[str]) -> str:
-    """Print the pieces as they arrive; returns the whole reply (partial on Ctrl-C)."""
+def server_root(base_url: str) -> str:
+    """The server's root: `--base-url` as OpenAI clients spell it (`.../v1`, the form the openai
+    SDK takes) or without `/v1`; the requests add `/v1/...` themselves."""
+    root = base_url.rstrip("/")
+    return root.removesuffix("/v1")
+
+
+def show_reply(console: Console, pieces: Iterator[str], live: bool) -> str:
+    """Print the pieces as they arrive; returns the whole reply (partial on Ctrl-C). `live`:
+    Markdown redrawn in place (a terminal only: elsewhere nothing can be redrawn)."""
     text = ""
     try:
-        if console.is_terminal:
-            with Live(Markdown(""), console=console, refresh_per_second=12) as live:
+        if live and console.is_terminal:
+            with Live(Markdown(""), console=console, refresh_per_second=12) as live_view:
                 for piece in pieces:
                     text += piece
-                    live.update(Markdown(text))
+                    live_view.update(Markdown(text))
         else:
             for piece in pieces:
                 text += piece
@@ -129,7 +140,7 @@ def chat_turn(
     stats = StreamStats()
     console.print("[bold cyan]Assistant:[/]")
     try:
-        reply = show_reply(console, stream_chat(client, payload, stats))
+        reply = show_reply(console, stream_chat(client, payload, stats), args.live)
     except (httpx.HTTPError, RuntimeError, ValueError) as exc:
         conv.turns.pop()  # the failed turn is not part of the conversation
         console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
@@ -144,7 +155,15 @@ def chat_turn(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Chat with an OpenAI-compatible server.")
-    p.add_argument("--base-url", default="http://127.0.0.1:8008", help="Server root (no /v1).")
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8008", help="Server root, with or without /v1."
+    )
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="Render the reply as Markdown, redrawn as it streams (candle-vllm's chat.py flag); "
+        "default: plain text as it arrives.",
+    )
     p.add_argument("--model", default=None, help="Model name (default: the server's first).")
     p.add_argument("--system", default=None, help="System prompt.")
     p.add_argument("--max-tokens", type=int, default=512, help="Most tokens per reply.")
@@ -160,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(
-        base_url=args.base_url.rstrip("/"),
+        base_url=server_root(args.base_url),
         headers=headers,
         timeout=httpx.Timeout(args.timeout, connect=10.0),
         trust_env=False,

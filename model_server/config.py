@@ -7,6 +7,7 @@ from typing import Any
 
 from model_server.settings_spec import (
     QUANTIZATION_METHODS,
+    check_device_count,
     engine_defaults,
     parse_device_ids,
     parse_quantization,
@@ -83,6 +84,7 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        check_device_count(self.device_ids, self.tensor_parallel_size)
         parse_quantization(self.quantization)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

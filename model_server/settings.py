@@ -10,11 +10,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationInfo, create_model, field_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model_server.config import EngineConfig
-from model_server.settings_spec import DEFAULT_MODEL_NAME, SETTINGS, SETTINGS_BY_NAME, Setting
+from model_server.settings_spec import (
+    DEFAULT_MODEL_NAME,
+    SETTINGS,
+    SETTINGS_BY_NAME,
+    Setting,
+    check_device_count,
+    parse_device_ids,
+    served_model_names,
+)
 
 __all__ = ["DEFAULT_MODEL_NAME", "ServerSettings", "env_names"]
 
@@ -57,10 +73,21 @@ class ServerSettings(_Fields):
             check(value)
         return value
 
+    @model_validator(mode="after")
+    def _check_device_count(self) -> ServerSettings:
+        check_device_count(parse_device_ids(self.device_ids), self.tensor_parallel_size)
+        return self
+
+    @property
+    def model_names(self) -> list[str]:
+        """The names requests may use, the one responses report first (--served-model-name's
+        aliases; one name without it)."""
+        return served_model_names(self.served_model_name) or [self.model or DEFAULT_MODEL_NAME]
+
     @property
     def model_name(self) -> str:
-        """The name clients use in requests and see in /v1/models."""
-        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
+        """The name responses, /metrics and the first /v1/models card report."""
+        return self.model_names[0]
 
     @property
     def api_key_value(self) -> str | None:

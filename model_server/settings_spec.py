@@ -125,6 +125,36 @@ def parse_device_ids(text: str | list[int] | None) -> list[int] | None:
     return ids or None
 
 
+def check_device_count(device_ids: list[int] | None, tensor_parallel_size: int) -> None:
+    """More device ids than tensor-parallel ranks is refused: each rank takes one device, so
+    the extra ones would sit idle while the user believes the model is sharded over them.
+    (Fewer ids than ranks is checked per node, where NNODES is known: worker.check_device_ids.)
+    """
+    if device_ids is not None and len(device_ids) > tensor_parallel_size:
+        ids, n = ",".join(map(str, device_ids)), len(device_ids)
+        raise ValueError(
+            f"--device-ids {ids} names {n} devices but --tensor-parallel-size is "
+            f"{tensor_parallel_size} (one device per rank): add -tp {n} to shard the model over "
+            f"them, or name {tensor_parallel_size} device(s)"
+        )
+
+
+def parse_served_model_names(text: str | list[str] | None) -> str | None:
+    """`a b`, `a,b` or the flag's list -> `a,b` (the canonical text); empty -> None.
+
+    Model names (hub ids, paths, aliases) hold neither commas nor spaces, so both separate."""
+    if text is None:
+        return None
+    parts = text if isinstance(text, list) else [text]
+    names = [n for part in parts for n in re.split(r"[,\s]+", str(part)) if n]
+    return ",".join(dict.fromkeys(names)) or None
+
+
+def served_model_names(text: str | None) -> list[str]:
+    """The names of `--served-model-name`'s canonical text, the reported one first."""
+    return text.split(",") if text else []
+
+
 def parse_hf_overrides(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
     """`{"num_hidden_layers": 4}` (a JSON object of HF config fields) -> dict; empty -> None."""
     if text is None or isinstance(text, dict):
@@ -265,6 +295,7 @@ class Setting:
     parse: Callable[[Any], Any] | None = None  # user text -> value (flag and environment)
     check: Callable[[Any], None] | None = None  # ValueError for a bad value (settings layer)
     negatable: bool = True  # a bool flag gets --no-<flag>; False: a plain store_true switch
+    nargs: str | None = None  # argparse's, for a flag taking several values (`parse` joins them)
     secret: bool = False  # kept out of reprs (pydantic SecretStr)
 
     @property
@@ -376,7 +407,9 @@ SETTINGS: tuple[Setting, ...] = (
         str,  # the raw "0,1"; EngineConfig.from_attrs parses it
         None,
         "Comma-separated device indices for this node's ranks, e.g. 0,1 (after the vendor's "
-        "CUDA_VISIBLE_DEVICES / TOPS_VISIBLE_DEVICES / HABANA_VISIBLE_MODULES).",
+        "CUDA_VISIBLE_DEVICES / TOPS_VISIBLE_DEVICES / HABANA_VISIBLE_MODULES), one per "
+        "tensor-parallel rank: more ids than --tensor-parallel-size is an error (--device-ids "
+        "0,1 needs -tp 2), never a silent one-device server.",
         "engine",
         default_text="0, 1, ...",
         check=parse_device_ids,
@@ -503,9 +536,25 @@ SETTINGS: tuple[Setting, ...] = (
         "served_model_name",
         str,
         None,
-        "The model name clients send in requests and see in /v1/models.",
+        "The model name clients send in requests and see in /v1/models; several names "
+        "(--served-model-name a b, or commas: LLM_SERVED_MODEL_NAME=a,b) are aliases, as "
+        "vLLM's: the first is the one responses and /metrics report, every one is accepted in "
+        "requests, and /v1/models lists each as a card (the first first, all with the same "
+        "root).",
         "server",
         default_text=f"--model, or {DEFAULT_MODEL_NAME} for the embedded model",
+        parse=parse_served_model_names,
+        nargs="+",
+    ),
+    Setting(
+        "accept_any_model_name",
+        bool,
+        False,
+        "Answer a request naming any model with the one served model (its responses still "
+        "report the served name; each unknown name is logged once), for clients that hard-code "
+        "a name, such as candle-vllm's samples (llama7b, llama, mistral7b). Off: vLLM's 404 "
+        "model_not_found for a name that is not one of --served-model-name's.",
+        "server",
     ),
     Setting(
         "api_key",
@@ -681,6 +730,8 @@ def add_arguments(parser: argparse.ArgumentParser, group: Group, *, from_environ
                 kwargs["type"] = s.parse or (s.type if s.type is not str else None)
             if s.choices is not None:
                 kwargs["choices"] = list(s.choices)
+            if s.nargs is not None:
+                kwargs["nargs"] = s.nargs
         g.add_argument(s.flag, *s.aliases, **kwargs)
 
 

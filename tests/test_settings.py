@@ -143,3 +143,69 @@ def test_serve_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
     add_serve_args(serve)
     undocumented = [a.option_strings for a in serve._actions if not a.help]
     assert not undocumented
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        ([], {}, [DEFAULT_MODEL_NAME]),
+        (["--model", "/m/x.gguf"], {}, ["/m/x.gguf"]),
+        (["--served-model-name", "a"], {}, ["a"]),
+        (["--served-model-name", "a", "b", "c"], {}, ["a", "b", "c"]),  # vLLM's spelling
+        (["--served-model-name", "a,b"], {}, ["a", "b"]),
+        ([], {"LLM_SERVED_MODEL_NAME": "a, b"}, ["a", "b"]),
+        ([], {"LLM_SERVED_MODEL_NAME": "a b a"}, ["a", "b"]),  # a repeated name once
+        (["--served-model-name", "x"], {"LLM_SERVED_MODEL_NAME": "a,b"}, ["x"]),  # flag wins
+    ],
+)
+def test_served_model_names_are_aliases_the_first_reported(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict, names: list[str]
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    s = serve_settings(*argv)
+    assert s.model_names == names and s.model_name == names[0]
+
+
+def test_accept_any_model_name_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not serve_settings().accept_any_model_name  # vLLM's 404 stays the default
+    assert serve_settings("--accept-any-model-name").accept_any_model_name
+    monkeypatch.setenv("LLM_ACCEPT_ANY_MODEL_NAME", "true")
+    assert serve_settings().accept_any_model_name
+    assert not serve_settings("--no-accept-any-model-name").accept_any_model_name
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--device-ids", "0,1"], {}),
+        ([], {"LLM_DEVICE_IDS": "0,1"}),
+        (["--device-ids", "0,1,2,3", "-tp", "2"], {}),
+    ],
+)
+def test_more_device_ids_than_ranks_says_to_add_tp(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict
+) -> None:
+    """It served on the first device alone, silently."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as info:
+        serve_settings(*argv)
+    message = str(info.value)
+    n = len(message.split("--device-ids ")[1].split()[0].split(","))
+    assert f"add -tp {n}" in message, message
+    assert "\n" not in message
+
+
+def test_device_ids_matching_the_ranks_are_accepted() -> None:
+    assert serve_settings("--device-ids", "2,3", "-tp", "2").engine_config().device_ids == [2, 3]
+    assert serve_settings("--device-ids", "1").engine_config().device_ids == [1]
+
+
+def test_engine_config_refuses_more_device_ids_than_ranks() -> None:
+    """generate, bench and worker build EngineConfig from flags without ServerSettings."""
+    from model_server.config import EngineConfig
+
+    with pytest.raises(ValueError, match="add -tp 2"):
+        EngineConfig(device_ids=[0, 1]).validate()
+    EngineConfig(device_ids=[0, 1], tensor_parallel_size=2).validate()

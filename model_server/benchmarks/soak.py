@@ -63,9 +63,11 @@ HOSTILE: tuple[tuple[str, str, str, Any], ...] = (
         CHAT_PATH,
         lambda: b'{"messages": [{"role": "user", "content": "' + b"a" * (64 * MIB) + b'"}]}',
     ),
+    # The model server refuses it (400); the microservice replaces it with U+FFFD, as browsers
+    # do, since a text splitter can cut an emoji of a RAG document in half.
     (
         "lone surrogate",
-        "front",
+        "model",
         CHAT_PATH,
         lambda: b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}',
     ),

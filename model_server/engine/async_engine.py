@@ -387,6 +387,10 @@ class AsyncLLM(EngineClient):
             # The thread may be busy loading the model, which cannot be interrupted: give it a
             # bounded time, then leave the daemon thread behind.
             await asyncio.to_thread(stop.done.wait, 10.0)
+            # Then the thread's last frees: none may run while the interpreter exits.
+            thread = self._thread
+            if thread is not None and stop.done.is_set():
+                await asyncio.to_thread(thread.join, 10.0)
         if self._phase is not EnginePhase.ERROR:
             self._set_phase(EnginePhase.STOPPED)
 
@@ -537,6 +541,7 @@ class AsyncLLM(EngineClient):
             self._set_phase(EnginePhase.READY)
             logger.info("engine ready")
             self._serve()
+            return
         except BaseException as exc:  # the thread must never die silently: fail everyone
             if self._phase is EnginePhase.LOADING and isinstance(exc, ValueError | OSError):
                 logger.error("could not load the model: %s", exc)  # the message says it all
@@ -546,7 +551,12 @@ class AsyncLLM(EngineClient):
                 self._error = f"{type(exc).__name__}: {exc}"
                 self._phase = EnginePhase.ERROR  # before posting: generate() checks it
                 self._post(self._fail_all, self._error)
-            self._drain_stop_commands()
+        # Out of the except block, the traceback and what only it holds (a half-built engine:
+        # the model's tensors) are freed here, before shutdown() hears back. Freed after, on
+        # this daemon thread while the interpreter exits, a tensor's deallocator re-taking the
+        # GIL killed the thread mid C++ frame: SIGABRT, "terminate called without an active
+        # exception" (seen on 2 of 6 starts with a too-small --kv-cache-memory).
+        self._drain_stop_commands()
 
     def _on_engine_failure(self, message: str) -> None:
         """From the executor's monitor thread: a tensor-parallel worker died. Fail now, even

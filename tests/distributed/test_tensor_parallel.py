@@ -225,3 +225,15 @@ def test_step_input_carries_the_sliding_block_table() -> None:
     back = StepInput.unpack(step.pack(block_size=4))
     assert [list(c.sliding_block_ids) for c in back.chunks] == [[0, 0, 0, 6, 2], []]
     assert [list(c.block_ids) for c in back.chunks] == [[3, 9, 4, 11, 1], [8]]
+
+
+def test_device_ids_are_one_per_local_rank() -> None:
+    """On several nodes --device-ids names this node's devices: tp 4 over NNODES=2 runs 2 local
+    ranks, so 0,1 fits and 0,1,2,3 (two devices left idle) or 0 (a rank without one) do not."""
+    from model_server.engine.execution.worker import check_device_ids
+
+    check_device_ids([0, 1], 2)
+    check_device_ids(None, 2)
+    for ids in ([0, 1, 2, 3], [0]):
+        with pytest.raises(ValueError, match=f"names {len(ids)} device.* runs 2 tensor-parallel"):
+            check_device_ids(ids, 2)

@@ -58,6 +58,8 @@ def test_help_documents_engine_flags() -> None:
         (("--max-model-len", "99999999"), "max_position_embeddings"),  # was an OOM kill
         (("--attention-backend", "triton"), "need a CUDA or GCU device"),  # was a traceback
         (("--block-size", "7"), "power of two"),
+        # Served on one device, silently: each rank takes one id.
+        (("--device-ids", "0,1"), "add -tp 2"),
     ],
 )
 def test_serve_misconfiguration_exits_with_one_error_line(
@@ -76,3 +78,11 @@ def test_serve_misconfiguration_exits_with_one_error_line(
         line for line in proc.stderr.splitlines() if " ERROR " in line or line.startswith("error:")
     ]
     assert len(errors) == 1 and needle in errors[0], proc.stderr[-3000:]
+
+
+def test_generate_with_more_device_ids_than_ranks_is_one_error_line() -> None:
+    proc = run_cli("generate", "--prompt", "hi", "--device-ids", "0,1,2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: --device-ids 0,1,2 names 3 devices") and "add -tp 3" in line

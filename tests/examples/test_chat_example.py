@@ -64,3 +64,27 @@ def test_chat_unreachable_server() -> None:
     proc = _chat("http://127.0.0.1:9", "")
     assert proc.returncode == 1
     assert "cannot reach" in proc.stdout
+
+
+def test_chat_takes_the_base_url_with_or_without_v1() -> None:
+    """docs/deployment.md's `--base-url http://localhost:8008/v1` (the openai SDK's spelling)
+    requested /v1/v1/models; both spellings now reach /v1/..."""
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        procs = [_chat(base, "hi\n") for base in (f"{url}/v1", f"{url}/v1/", url)]
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr
+        assert "cannot reach" not in proc.stdout
+        assert "you said: hi" in proc.stdout
+    assert len(fake.requests) == 3
+
+
+def test_chat_live_piped_stays_plain_text() -> None:
+    """candle-vllm's `chat.py --live` is accepted; with nothing to redraw (a pipe) the reply is
+    the plain text, with no terminal control sequences."""
+    fake = FakeOpenAI()
+    with serve(fake) as url:
+        proc = _chat(url, "hello\n", "--live")
+    assert proc.returncode == 0, proc.stderr
+    assert "you said: hello" in proc.stdout
+    assert "\x1b[" not in proc.stdout

@@ -33,10 +33,13 @@ class WorkerSpec:
 
 
 def check_device_ids(device_ids: Sequence[int] | None, local_world_size: int) -> None:
-    if device_ids is not None and len(device_ids) < local_world_size:
+    """This node's ids, one per local rank: fewer leaves a rank without a device, more leaves
+    devices idle (on one node EngineConfig.validate already refused that, naming -tp)."""
+    if device_ids is not None and len(device_ids) != local_world_size:
         raise ValueError(
             f"--device-ids {','.join(map(str, device_ids))} names {len(device_ids)} device(s) "
-            f"but this node runs {local_world_size} tensor-parallel ranks"
+            f"but this node runs {local_world_size} tensor-parallel ranks "
+            "(--tensor-parallel-size / NNODES): name one device per rank"
         )
 
 

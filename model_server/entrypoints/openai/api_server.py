@@ -32,6 +32,7 @@ from model_server import __version__
 from model_server.engine.async_engine import EngineClient, EnginePhase
 from model_server.entrypoints.openai.chat_page import mount_chat_page
 from model_server.entrypoints.openai.protocol import (
+    STOP_SHAPES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,6 +46,7 @@ from model_server.entrypoints.openai.request_limits import BodySizeLimitMiddlewa
 from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from model_server.entrypoints.openai.serving_engine import json_response
+from model_server.entrypoints.openai.serving_models import OpenAIServingModels
 from model_server.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
 from model_server.loader.embedded import embedded_model_path
@@ -133,12 +135,12 @@ async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
 
 
 def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSettings) -> None:
-    name = settings.model_name
+    served = OpenAIServingModels(settings.model_names, settings.accept_any_model_name)
     root = model_root(settings)
     limits = RequestLimits.from_settings(settings)
-    completion = OpenAIServingCompletion(engine_client, name, limits)
-    chat = OpenAIServingChat(engine_client, name, settings.tool_call_parser, limits)
-    tokenization = OpenAIServingTokenization(engine_client, name, limits)
+    completion = OpenAIServingCompletion(engine_client, served, limits)
+    chat = OpenAIServingChat(engine_client, served, settings.tool_call_parser, limits)
+    tokenization = OpenAIServingTokenization(engine_client, served, limits)
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -158,14 +160,19 @@ def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSetti
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        card = ModelCard(
-            id=name,
-            root=root,
-            max_model_len=engine_client.max_model_len,
-            quantization=engine_client.quantization,
-            kv_cache_dtype=engine_client.kv_cache_dtype,
-        )
-        return ModelList(data=[card])
+        # One card per served name, the reported one first (vLLM lists every name the same
+        # way): clients that take data[0] get the name responses report.
+        cards = [
+            ModelCard(
+                id=name,
+                root=root,
+                max_model_len=engine_client.max_model_len,
+                quantization=engine_client.quantization,
+                kv_cache_dtype=engine_client.kv_cache_dtype,
+            )
+            for name in served.served_model_names
+        ]
+        return ModelList(data=cards)
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -328,7 +335,7 @@ def validation_message(errors: Any, content_type: str | None = None) -> tuple[st
 _UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
     "content": "a string or a list of text parts ({'type': 'text', 'text': ...})",
-    "stop": "a string or a list of strings",
+    "stop": STOP_SHAPES,
     "tool_choice": "a string or an object",
 }
 _SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})

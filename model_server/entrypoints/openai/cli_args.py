@@ -41,12 +41,15 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "settings"
-            if name in given:
-                name = "--" + name.replace("_", "-")
             if err["type"] == "value_error":  # our validators name the bad value themselves
                 msg = str(err["msg"]).removeprefix("Value error, ")
             else:
                 msg = f"{err['msg']} (got {err.get('input')!r})"
+            if not err["loc"]:  # a check across settings: its message names them
+                problems.append(msg)
+                continue
+            name = str(err["loc"][0])
+            if name in given:
+                name = "--" + name.replace("_", "-")
             problems.append(f"{name}: {msg}")
         raise ValueError("invalid settings: " + "; ".join(problems)) from None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from model_server.sampling_params import SamplingParams
 
@@ -119,6 +119,29 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     json_object: bool | None = None
 
 
+# What `stop` takes: OpenAI's shapes and candle-vllm's (a serde enum: `{"Single": s}`,
+# `{"Multiple": [s, ...]}`), which its README's curl sends.
+STOP_SHAPES = (
+    'a string, a list of strings, {"Single": "<string>"} or {"Multiple": ["<string>", ...]}'
+)
+
+
+def candle_stop(value: Any) -> Any:
+    """candle-vllm's `stop` objects -> OpenAI's string / list; other values pass unchanged
+    (their types are the field's to check). ValueError for any other object."""
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        ((key, inner),) = value.items()
+        if key == "Single" and isinstance(inner, str):
+            return inner
+        if key == "Multiple" and isinstance(inner, list) and all(isinstance(s, str) for s in inner):
+            return inner
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise ValueError(f"must be {STOP_SHAPES}, got the object {shown}")
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -155,6 +178,8 @@ class _SamplingRequest(OpenAIBaseModel):
     # Accepted for vLLM clients and ignored: there is one grammar engine (docs).
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
+
+    _candle_stop = field_validator("stop", mode="before")(candle_stop)
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> _SamplingRequest:

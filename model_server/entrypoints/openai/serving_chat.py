@@ -21,6 +21,7 @@ from model_server.entrypoints.openai.serving_engine import (
     sse_error,
     usage,
 )
+from model_server.entrypoints.openai.serving_models import OpenAIServingModels
 from model_server.entrypoints.openai.structured_outputs import (
     build_structured_outputs,
     request_constraints,
@@ -39,11 +40,11 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(
         self,
         engine_client: EngineClient,
-        model_name: str,
+        models: OpenAIServingModels,
         tool_call_parser: str | None = None,
         limits: RequestLimits | None = None,
     ) -> None:
-        super().__init__(engine_client, model_name, limits)
+        super().__init__(engine_client, models, limits)
         self._tool_call_parser_name = tool_call_parser
         self._tool_parser: ToolParser | None = None
 

@@ -32,6 +32,7 @@ from model_server.entrypoints.openai.request_limits import (
     max_chars_per_token,
     prompt_too_long,
 )
+from model_server.entrypoints.openai.serving_models import OpenAIServingModels
 from model_server.entrypoints.openai.unavailable import ServiceUnavailable
 from model_server.entrypoints.utils import prepend
 from model_server.sampling_params import RequestOutputKind, SamplingParams
@@ -155,26 +156,26 @@ class OpenAIServing:
     """Base of the endpoint handlers; one instance per app, all on the event loop."""
 
     def __init__(
-        self, engine_client: EngineClient, model_name: str, limits: RequestLimits | None = None
+        self,
+        engine_client: EngineClient,
+        models: OpenAIServingModels,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine_client = engine_client
-        self.model_name = model_name
+        self.models = models
         self.limits = limits or RequestLimits()
         # Token id -> its text, for logprobs (bounded by the vocabulary).
         self._token_text: dict[int, str] = {}
 
     # -------------------------------------------------------------------- checks
 
+    @property
+    def model_name(self) -> str:
+        """The name responses report (the first served name)."""
+        return self.models.model_name
+
     def check_model(self, model: str | None) -> None:
-        # A missing/empty model means "the one you serve", which is what single-model servers
-        # are used for; a wrong one is a 404 like OpenAI's.
-        if model and model != self.model_name:
-            raise APIError(
-                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                404,
-                param="model",
-                code="model_not_found",
-            )
+        self.models.check_model(model)
 
     def tokenizer(self) -> Any:
         engine = self.engine_client
