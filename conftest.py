@@ -11,9 +11,14 @@ from model_server.openmp_env import set_openmp_wait_defaults
 set_openmp_wait_defaults()
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """`gpu` tests need CUDA: on machines without one they are deselected (reported as such),
     not collected as skips, so a green CPU run never hides a skipped test.
+
+    Tests that take the `device` fixture (tests/kernels/conftest.py) run on CUDA when it is
+    present and interpreted on the CPU otherwise: with CUDA they get the `gpu` mark too, so that
+    `pytest -m gpu` selects every test that runs on the GPU.
 
     `container` tests (podman image builds, minutes, root) run only when asked for by marker:
     `-m container`."""
@@ -26,6 +31,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         import torch
 
         if torch.cuda.is_available():
+            for item in items:
+                if "device" in getattr(item, "fixturenames", ()):
+                    item.add_marker(pytest.mark.gpu)
             return
     except ImportError:  # a microservice-only environment has no torch
         pass

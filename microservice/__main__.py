@@ -75,6 +75,22 @@ FLAGS: dict[str, tuple[str, str, str]] = {
         "LLM_USVC_MAX_MESSAGES",
         "most chat messages in one request (default 1000; 0: no limit)",
     ),
+    "--allowed-origins": (
+        "allowed_origins",
+        "LLM_USVC_ALLOWED_ORIGINS",
+        "origins whose browser pages may call this service (CORS), comma-separated or a JSON "
+        "list, * for any (default: none, no CORS headers); preflights need no API key",
+    ),
+    "--allowed-methods": (
+        "allowed_methods",
+        "LLM_USVC_ALLOWED_METHODS",
+        "HTTP methods cross-origin pages may use (default *)",
+    ),
+    "--allowed-headers": (
+        "allowed_headers",
+        "LLM_USVC_ALLOWED_HEADERS",
+        "request headers cross-origin pages may send (default *)",
+    ),
 }
 SWITCHES: dict[str, tuple[str, str, str]] = {
     "--disable-streaming": (
@@ -92,6 +108,11 @@ SWITCHES: dict[str, tuple[str, str, str]] = {
         "LLM_STRICT_MODEL_NAME",
         "answer the model server's 404 to a request naming a model it does not serve, instead "
         "of serving it with the one model there (OPEA's behaviour, the default)",
+    ),
+    "--allow-credentials": (
+        "allow_credentials",
+        "LLM_USVC_ALLOW_CREDENTIALS",
+        "let cross-origin pages send cookies and HTTP authentication (with --allowed-origins)",
     ),
 }
 

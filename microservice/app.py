@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from microservice import __version__, formats
 from microservice.connectors.base import Connector
+from microservice.cors import CORSApp
 from microservice.drain import Drain, DrainMiddleware
 from microservice.errors import ServiceError, UpstreamError, error_body
 from microservice.health import CachedHealth
@@ -100,12 +101,13 @@ def build_app(
         finally:
             await connector.aclose()
 
-    app = FastAPI(
+    app = CORSApp(
         title="Wick LLM microservice",
         version=__version__,
         description="OPEA-compatible chat completions over the Wick model server.",
         lifespan=lifespan,
     )
+    app.cors = settings.cors  # around everything, the drain and key checks too: see cors.py
     app.state.settings = settings
     app.state.connector = connector
     app.state.metrics = metrics

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from microservice.cors import CORSPolicy, check_origins, parse_list
 from microservice.limits import (
     DEFAULT_MAX_DOCUMENTS,
     DEFAULT_MAX_DOCUMENTS_SIZE,
@@ -82,6 +90,13 @@ class MicroserviceSettings(BaseSettings):
     max_messages: int = Field(
         DEFAULT_MAX_MESSAGES, ge=0, validation_alias=_env("LLM_USVC_MAX_MESSAGES")
     )
+    # CORS (cors.py), off unless origins are given. Lists are given with commas, spaces or as
+    # a JSON list and kept as comma-joined text (a list field would make pydantic-settings
+    # read the variable as JSON only).
+    allowed_origins: str = Field("", validation_alias=_env("LLM_USVC_ALLOWED_ORIGINS"))
+    allowed_methods: str = Field("*", validation_alias=_env("LLM_USVC_ALLOWED_METHODS"))
+    allowed_headers: str = Field("*", validation_alias=_env("LLM_USVC_ALLOWED_HEADERS"))
+    allow_credentials: bool = Field(False, validation_alias=_env("LLM_USVC_ALLOW_CREDENTIALS"))
 
     @field_validator("connector", "response_format", mode="before")
     @classmethod
@@ -92,6 +107,12 @@ class MicroserviceSettings(BaseSettings):
     @classmethod
     def _size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers", mode="before")
+    @classmethod
+    def _list(cls, value: Any, info: ValidationInfo) -> str:
+        items = parse_list(value)
+        return ",".join(check_origins(items) if info.field_name == "allowed_origins" else items)
 
     @model_validator(mode="after")
     def _check_formats(self) -> MicroserviceSettings:
@@ -122,6 +143,18 @@ class MicroserviceSettings(BaseSettings):
     @property
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    @property
+    def cors(self) -> CORSPolicy | None:
+        """The CORS policy; None (no CORS headers at all) unless origins are given."""
+        if not self.allowed_origins:
+            return None
+        return CORSPolicy(
+            tuple(self.allowed_origins.split(",")),
+            tuple(self.allowed_methods.split(",") if self.allowed_methods else ()),
+            tuple(self.allowed_headers.split(",") if self.allowed_headers else ()),
+            self.allow_credentials,
+        )
 
     @property
     def usvc_api_key_value(self) -> str | None:

@@ -16,6 +16,16 @@ MAX_LOGPROBS = 20
 # state (negatives are taken modulo 2**64 by the sampler).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**63 - 1
+# OpenAI's range for logit_bias values: -100 bans a token in practice, 100 forces it.
+MAX_LOGIT_BIAS = 100.0
+
+
+class InvalidParamError(ValueError):
+    """A bad value of one request field, named by `param` (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestOutputKind(enum.Enum):
@@ -51,6 +61,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # candle-vllm's window of the repetition penalty: only the last N tokens of prompt + output
+    # count as seen; 0: all of them (vLLM's and transformers' behaviour).
+    repeat_last_n: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -60,6 +73,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> added to its logit before penalties, temperature and the filters (OpenAI's and
+    # vLLM's order); the ids are checked against the vocabulary when the engine takes the request.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +84,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = self.logit_bias or None
         self._validate()
 
     def _validate(self) -> None:
@@ -111,10 +128,36 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if self.repeat_last_n < 0:
+            raise ValueError(f"repeat_last_n must be non-negative, got {self.repeat_last_n}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids.")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidParamError(
+                    f"logit_bias keys must be token ids (non-negative integers), got {token!r}.",
+                    "logit_bias",
+                )
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidParamError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token}.",
+                    "logit_bias",
+                )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """InvalidParamError for a logit_bias token id the model's vocabulary does not have."""
+        bad = [t for t in self.logit_bias or () if t >= vocab_size]
+        if bad:
+            raise InvalidParamError(
+                f"logit_bias: token id {bad[0]} is out of range for the vocabulary "
+                f"(0-{vocab_size - 1}).",
+                "logit_bias",
+            )
 
     @property
     def greedy(self) -> bool:

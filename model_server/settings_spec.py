@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from model_server.settings_aliases import aliases_markdown
+
 Group = Literal["engine", "server"]
 
 # Engine settings are flags of every command that runs an engine; only `serve` has the server
@@ -172,7 +174,12 @@ def parse_hf_overrides(text: str | dict[str, Any] | None) -> dict[str, Any] | No
     return value or None
 
 
+# Applied at load (models/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
+# Names of a checkpoint's own format (vLLM-GCU's --quantization gptq|awq|w8a16): checked
+# against its quantization_config when it loads (layers/quantization/wna16.py
+# `resolve_quantization`); w8a16 on a float checkpoint is int8 at load.
+CHECKPOINT_QUANTIZATION_METHODS = ("gptq", "awq", "w8a16")
 # Spellings of "no quantization" (settings, env files, Helm values).
 _NONE = ("", "none", "auto")
 
@@ -185,10 +192,10 @@ def parse_quantization(value: str | None) -> str | None:
     if method == "gguf":
         # GGUF files are read (and dequantized) by the loader whatever this says.
         return None
-    if method not in QUANTIZATION_METHODS:
+    known = QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION_METHODS
+    if method not in known:
         raise ValueError(
-            f"quantization {value!r} is not supported; choose one of: "
-            f"{', '.join(QUANTIZATION_METHODS)} (or none)"
+            f"quantization {value!r} is not supported; choose one of: {', '.join(known)} (or none)"
         )
     return method
 
@@ -240,6 +247,49 @@ def _check_tool_call_parser(value: str) -> None:
         raise ValueError(f"tool_call_parser {value!r} is not known; choose one of: {known}")
 
 
+def parse_list(text: str | list[str] | None) -> str | None:
+    """A list setting (`--allowed-origins`, ...) -> its canonical comma-joined text; empty ->
+    None. Takes vLLM's JSON list (`'["http://a", "http://b"]'`), commas or spaces, or the
+    flag's list: origins, methods and header names hold neither commas nor spaces."""
+    if text is None:
+        return None
+    parts = text if isinstance(text, list) else [text]
+    items: list[str] = []
+    for part in parts:
+        part = str(part).strip()
+        if part.startswith("["):
+            import json
+
+            try:
+                value = json.loads(part)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON list of strings: {part!r}: {exc}") from None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"not a JSON list of strings: {part!r}")
+            items += [v.strip() for v in value if v.strip()]
+        else:
+            items += [v for v in re.split(r"[,\s]+", part) if v]
+    return ",".join(dict.fromkeys(items)) or None
+
+
+def split_list(text: str | None) -> list[str]:
+    """The items of a list setting's canonical text."""
+    return text.split(",") if text else []
+
+
+# scheme://host[:port], what a browser sends as Origin: no path, no trailing slash.
+_ORIGIN_RE = re.compile(r"^[a-z][a-z0-9+.-]*://[^/\s]+$", re.IGNORECASE)
+
+
+def _check_allowed_origins(value: str) -> None:
+    for origin in split_list(value):
+        if origin != "*" and not _ORIGIN_RE.match(origin):
+            raise ValueError(
+                f"allowed_origins: {origin!r} is not an origin: write scheme://host[:port] "
+                "without a path or trailing slash (what browsers send), or *"
+            )
+
+
 # --max-waiting-requests auto: this many full batches (--max-num-seqs) may wait behind the
 # running one.
 WAITING_BATCHES = 4
@@ -272,6 +322,27 @@ def _non_negative(name: str) -> Callable[[int], None]:
             raise ValueError(f"{name} must be non-negative (0: no limit), got {value}")
 
     return check
+
+
+def _at_least(name: str, low: float) -> Callable[[float], None]:
+    def check(value: float) -> None:
+        if not value >= low:  # NaN too
+            raise ValueError(f"{name} must be at least {low:g}, got {value}")
+
+    return check
+
+
+def _positive(name: str) -> Callable[[float], None]:
+    def check(value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+    return check
+
+
+def _check_top_p(value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
 
 
 # -------------------------------------------------------------------------------- declarations
@@ -360,7 +431,9 @@ SETTINGS: tuple[Setting, ...] = (
         "faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel (cpu and cuda only). "
         "GGUF files are read in their own format (see --gguf-weights). GPTQ and AWQ checkpoints "
         "(an HF folder whose config.json has a quantization_config) are served kept quantized "
-        "without this flag, which must then stay none.",
+        "without this flag; gptq, awq or w8a16 (vLLM-GCU's names) only check that the "
+        "checkpoint is that (w8a16: 8-bit weights; on a float checkpoint it is int8), and a "
+        "conflict is an error before the weights load.",
         "engine",
         default_text="none",
         aliases=("-q",),
@@ -566,6 +639,49 @@ SETTINGS: tuple[Setting, ...] = (
         default_text="no key",
         secret=True,
     ),
+    # CORS (vLLM's flags): off unless --allowed-origins names some, so a server reached from
+    # no browser page answers no cross-origin request.
+    Setting(
+        "allowed_origins",
+        str,
+        None,
+        "Origins whose browser pages may call the API (CORS), e.g. http://localhost:3000 "
+        '(several: spaces, commas, or vLLM\'s JSON list \'["http://a", "http://b"]\'); * '
+        "allows any. Preflight requests are answered without the API key; every response to an "
+        "allowed origin, errors included, carries the CORS headers.",
+        "server",
+        default_text="none (no CORS headers)",
+        parse=parse_list,
+        check=_check_allowed_origins,
+        nargs="+",
+    ),
+    Setting(
+        "allowed_methods",
+        str,
+        "*",
+        "HTTP methods cross-origin pages may use (with --allowed-origins); * is any.",
+        "server",
+        parse=parse_list,
+        nargs="+",
+    ),
+    Setting(
+        "allowed_headers",
+        str,
+        "*",
+        "Request headers cross-origin pages may send (with --allowed-origins), e.g. "
+        "Authorization Content-Type; * is any.",
+        "server",
+        parse=parse_list,
+        nargs="+",
+    ),
+    Setting(
+        "allow_credentials",
+        bool,
+        False,
+        "Let cross-origin pages send cookies and HTTP authentication (with --allowed-origins).",
+        "server",
+        negatable=False,
+    ),
     Setting(
         "skip_warmup",
         bool,
@@ -677,6 +793,80 @@ SETTINGS: tuple[Setting, ...] = (
         choices=TOOL_CALL_PARSERS,
         check=_check_tool_call_parser,
     ),
+    # Server-wide sampling defaults (candle-vllm's flags, vLLM's --generation-config): a request
+    # field left unset takes the flag, else the model's generation_config.json, else OpenAI's
+    # default (entrypoints/openai/sampling_defaults.py).
+    Setting(
+        "generation_config",
+        str,
+        "auto",
+        "Sampling defaults from a generation_config.json, as vLLM's flag: auto (the model "
+        "folder's, when it has one), none (OpenAI's defaults only), or a folder holding one. "
+        "Its temperature, top_p, top_k, repetition_penalty and max_new_tokens apply where a "
+        "request leaves the field unset; the flags below win over it. The server logs what it "
+        "applied at startup.",
+        "server",
+    ),
+    Setting(
+        "temperature",
+        float,
+        None,
+        "Default temperature of requests that set none (candle-vllm's flag; 0 is greedy).",
+        "server",
+        default_text="generation_config's, else 1",
+        check=_at_least("temperature", 0.0),
+    ),
+    Setting(
+        "top_p",
+        float,
+        None,
+        "Default top_p of requests that set none, in (0, 1].",
+        "server",
+        default_text="generation_config's, else 1",
+        check=_check_top_p,
+    ),
+    Setting(
+        "top_k",
+        int,
+        None,
+        "Default top_k of requests that set none (0 or -1: off).",
+        "server",
+        default_text="generation_config's, else off",
+        check=_at_least("top_k", -1),
+    ),
+    Setting(
+        "repetition_penalty",
+        float,
+        None,
+        "Default repetition_penalty of requests that set none (candle-vllm's --penalty; 1: "
+        "off): a seen token's positive logit is divided by it, a negative one multiplied.",
+        "server",
+        default_text="generation_config's, else 1",
+        aliases=("--penalty",),
+        check=_positive("repetition_penalty"),
+    ),
+    Setting(
+        "repeat_last_n",
+        int,
+        0,
+        "The repetition penalty's window (candle-vllm's flag): only the last N tokens of prompt "
+        "+ output count as seen. 0: all of them, as vLLM and transformers do.",
+        "server",
+        default_text="0 (the whole sequence)",
+        check=_at_least("repeat_last_n", 0),
+    ),
+    Setting(
+        "max_tokens",
+        int,
+        None,
+        "Default max_tokens of requests that set none (candle-vllm's --max-gen-tokens). "
+        "Without it (nor max_new_tokens in generation_config), completions take OpenAI's 16 and "
+        "chat completions run to the end of the context.",
+        "server",
+        default_text="generation_config's max_new_tokens, else 16 / the context",
+        aliases=("--max-gen-tokens",),
+        check=_at_least("max_tokens", 1),
+    ),
     Setting("access_log", bool, True, "Log one line per HTTP request.", "server"),
     Setting(
         "log_level",
@@ -772,6 +962,7 @@ def configuration_markdown() -> str:
             env = ", ".join([f"`{s.env_names[0]}`", *(f"`{n}` (OPEA)" for n in s.opea)])
             help_ = s.help + (f" One of: {', '.join(s.choices)}." if s.choices else "")
             out.append(f"| {flags} | {env} | {_cell(s.default_help)} | {_cell(help_)} |")
+    out += aliases_markdown()
     return "\n".join(out) + "\n"
 
 

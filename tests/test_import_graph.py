@@ -14,7 +14,14 @@ from tests.import_graph import cycles, import_graph, longest_chain, module_files
 
 LAYERS: list[tuple[str, ...]] = [
     # Plain values every layer shares; the settings' declarations (config's defaults).
-    ("sampling_params", "config", "settings_spec", "engine.outputs", "structured_output.params"),
+    (
+        "sampling_params",
+        "config",
+        "settings_spec",
+        "settings_aliases",
+        "engine.outputs",
+        "structured_output.params",
+    ),
     ("openmp_env",),  # set by the entry points before torch loads; imports nothing of ours
     ("distributed", "kernels"),
     ("platforms",),  # devices, and the kernel table each hands the model builder

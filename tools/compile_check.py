@@ -7,19 +7,22 @@
 The CPU test suite runs the kernels under the Triton interpreter, which accepts programs the GPU
 compiler rejects (and runs bf16 dots upcast, unlike the GPU variant). This check closes that gap
 without a GPU: it drives the real call sites (the `triton` attention backend's forward, the fused
-RMSNorm / add+RMSNorm / SiLU-and-mul) on small CPU tensors shaped like real models' (the dummy
-presets' configs), with Triton's launcher swapped for compile-only. Each launch goes through
-Triton's own pipeline down to a cubin (its bundled ptxas) for the target architecture and is never
-executed, so outputs stay unwritten.
+RMSNorm / add+RMSNorm / SiLU-and-mul, the int8 and wNa16 matmuls, the fused-MoE grouped GEMMs of
+MoE presets, the MLA latent decode of MLA presets) on small CPU tensors shaped like real models'
+(the dummy presets' configs), with Triton's launcher swapped for compile-only. Each launch goes
+through Triton's own pipeline down to a cubin (its bundled ptxas) for the target architecture and
+is never executed, so outputs stay unwritten.
 
 Per kernel variant it reports the dynamic shared memory a program needs against the
 architecture's per-block limit, and the registers and spilled (local) bytes per thread from the
-cubin (cuobjdump). Exit status 1 when a kernel fails to compile or needs more shared memory than
-the architecture has; spills are reported, not failed (they cost speed, not correctness).
+cubin (cuobjdump). Exit status 1 when a kernel fails to compile, needs more shared memory than
+the architecture has, or more registers than a block may hold (registers per thread times the
+block's threads over the 64 Ki register file: the launch would fail with "too many resources
+requested"); spills are reported, not failed (they cost speed, not correctness).
 
-The compile-only launcher reaches into Triton's runtime (`JITFunction.run`, the active driver);
-it is written for Triton 3.x. Run it in a fresh process: the kernel modules must be imported with
-TRITON_INTERPRET off, which `main` sets before importing them.
+The compile-only launcher reaches into Triton's runtime (`JITFunction.run`, the active driver
+through kernels/triton_compat.py); it is written for Triton >= 3.4. Run it in a fresh process: the
+kernel modules must be imported with TRITON_INTERPRET off, which `main` sets before importing them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class Arch:
     gpus: str
     sm_count: int  # of the named GPU, so the backend picks the split-K it would pick there
     max_shared_bytes: int  # opt-in dynamic shared memory per block
+    # 32-bit registers: a thread may address 255; one block's threads share a 64 Ki file.
+    max_registers_per_thread: int = 255
+    max_registers_per_block: int = 64 * 1024
 
 
 ARCHS: dict[int, Arch] = {
@@ -71,6 +77,13 @@ class ModelShape:
     hidden_size: int
     intermediate_size: int
     qk_norm: bool  # Qwen3 normalises per-head views of q and k
+    # Mixture of experts (0: dense): routed experts, each expert's intermediate size, top k.
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    top_k: int = 0
+    # Multi-head latent attention (DeepSeek-V2/V3; 0: none): the latent and rotary widths.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     @classmethod
     def from_preset(cls, name: str) -> ModelShape:
@@ -81,6 +94,9 @@ class ModelShape:
             raise ValueError(f"no dummy preset named {name!r}")
         cfg = json.loads(Path(path).read_text())
         heads = cfg["num_attention_heads"]
+        experts = (
+            cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
+        )
         return cls(
             name=name,
             num_heads=heads,
@@ -89,6 +105,13 @@ class ModelShape:
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             qk_norm=cfg.get("model_type") == "qwen3",
+            num_experts=experts or 0,
+            moe_intermediate_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+            if experts
+            else 0,
+            top_k=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            kv_lora_rank=cfg.get("kv_lora_rank") or 0,
+            qk_rope_head_dim=cfg.get("qk_rope_head_dim") or 0,
         )
 
 
@@ -147,8 +170,9 @@ def compile_only(capability: int) -> Iterator[list[tuple[str, Any]]]:
 
     Yields the list of (kernel name, CompiledKernel) launched, in launch order.
     """
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
+
+    from model_server.kernels.triton_compat import restore_active_driver, swap_active_driver
 
     launched: list[tuple[str, Any]] = []
     original_run = JITFunction.run
@@ -158,14 +182,13 @@ def compile_only(capability: int) -> Iterator[list[tuple[str, Any]]]:
         launched.append((self.fn.__name__, kernel))
         return kernel
 
-    previous = driver._active  # None until something asked; reset_active() needs a real GPU
-    driver.set_active(_TargetDriver(capability))
+    previous = swap_active_driver(_TargetDriver(capability))
     JITFunction.run = run
     try:
         yield launched
     finally:
         JITFunction.run = original_run
-        driver._active = previous
+        restore_active_driver(previous)
 
 
 _RESOURCE_LINE = re.compile(r"REG:(\d+).*?LOCAL:(\d+)")
@@ -173,14 +196,14 @@ _RESOURCE_LINE = re.compile(r"REG:(\d+).*?LOCAL:(\d+)")
 
 def cubin_resources(cubin: bytes) -> tuple[int, int] | None:
     """(registers, local bytes) per thread of the cubin's kernel, from Triton's cuobjdump."""
-    from triton import knobs
+    from model_server.kernels.triton_compat import cuobjdump_path
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         try:
             out = subprocess.run(
-                [knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
+                [cuobjdump_path(), "--dump-resource-usage", f.name],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -290,6 +313,62 @@ def fused_op_calls(
             )
 
 
+def _standin(size: int, floor: int = 128) -> int:
+    """A small size Triton specializes like `size` (it keys integer arguments, strides included,
+    on divisibility by 16): stands in for a weight dimension without allocating the weight."""
+    return floor + size % 16
+
+
+def moe_calls(shape: ModelShape, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The fused-MoE grouped GEMMs (gate_up with the token gather, down with the routing
+    weights; kernels/fused_moe.py) at a decode and a prefill size, with the table's Triton
+    SiLU-and-mul between them. Expert count and weight sizes are stand-ins (`_standin`): the
+    variants depend on top k (A_ROW_DIV), the dtype and the sizes' divisibility only."""
+    if not shape.num_experts:
+        return
+    from model_server.kernels.fused_moe import fused_experts_triton
+    from model_server.kernels.table import triton_kernels
+
+    experts = min(shape.num_experts, 8)
+    hidden, inter = _standin(shape.hidden_size), _standin(shape.moe_intermediate_size)
+    w13 = torch.zeros(experts, 2 * inter, hidden, dtype=dtype)
+    w2 = torch.zeros(experts, hidden, inter, dtype=dtype)
+    kernels = triton_kernels()
+    for tokens in (1, 64):
+        x = torch.zeros(tokens, hidden, dtype=dtype)
+        ids = torch.randint(0, experts, (tokens, shape.top_k))
+        weights = torch.full((tokens, shape.top_k), 1.0 / shape.top_k)
+        yield (
+            f"fused MoE top-{shape.top_k}, {tokens} tokens",
+            lambda x=x, ids=ids, weights=weights: fused_experts_triton(
+                x, w13, w2, weights, ids, kernels
+            ),
+        )
+
+
+def mla_calls(
+    shape: ModelShape, dtype: torch.dtype, block_size: int
+) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The MLA latent decode (kernels/mla_decode.py) at the model's latent and rotary widths and
+    head count: query [B, H, L + R] against the compressed cache [blocks, block_size, L + R]."""
+    if not shape.kv_lora_rank:
+        return
+    from model_server.kernels.mla_decode import mla_decode_attention
+
+    width = shape.kv_lora_rank + shape.qk_rope_head_dim
+    for batch in (1, 32):
+        query = torch.zeros(batch, shape.num_heads, width, dtype=dtype)
+        cache = torch.zeros(4 * batch, block_size, width, dtype=dtype)
+        seq_lens = torch.full((batch,), 3 * block_size, dtype=torch.int32)
+        tables = torch.arange(4 * batch, dtype=torch.int32).view(batch, 4)
+        yield (
+            f"MLA decode, batch {batch}",
+            lambda q=query, c=cache, s=seq_lens, t=tables: mla_decode_attention(
+                q, c, s, t, shape.kv_lora_rank, 0.1
+            ),
+        )
+
+
 def check(
     archs: Sequence[int],
     shapes: Sequence[ModelShape],
@@ -312,6 +391,8 @@ def check(
                     for call in attention_calls(shape, dtype, block_size, arch.sm_count, kv)
                 ]
                 calls += fused_op_calls(shape, dtype)
+                calls += moe_calls(shape, dtype)
+                calls += mla_calls(shape, dtype, block_size)
                 for case, call in calls:
                     where = f"sm_{capability} {shape.name} {dtype_name} {case}"
                     with compile_only(capability) as launched:
@@ -344,6 +425,16 @@ def _variant(kernel_name: str, kernel: Any, arch: Arch, where: str, report: Repo
     resources = cubin_resources(kernel.asm["cubin"])
     if resources is not None:
         variant.registers, variant.local_bytes = resources
+    threads = md.num_warps * 32
+    if variant.registers is not None and (
+        variant.registers > arch.max_registers_per_thread
+        or variant.registers * threads > arch.max_registers_per_block
+    ):
+        report.failures.append(
+            f"{where}: {kernel_name} needs {variant.registers} registers per thread x {threads} "
+            f"threads; sm_{arch.capability} allows {arch.max_registers_per_thread} per thread "
+            f"and {arch.max_registers_per_block} per block"
+        )
     if md.shared > arch.max_shared_bytes:
         report.failures.append(
             f"{where}: {kernel_name} needs {md.shared / 1024:.1f} KiB of shared memory per "
@@ -372,9 +463,11 @@ def format_report(report: Report, archs: Sequence[int]) -> str:
             continue
         peak = max(v.shared_bytes for v in mine)
         spilled = sum(1 for v in mine if v.local_bytes)
+        regs = max((v.registers or 0) * v.num_warps * 32 for v in mine)
         lines.append(
             f"sm_{capability} ({arch.gpus}): {len(mine)} variants compiled; most shared memory "
-            f"{peak / 1024:.1f} of {arch.max_shared_bytes // 1024} KiB; {spilled} spill registers"
+            f"{peak / 1024:.1f} of {arch.max_shared_bytes // 1024} KiB; most registers per block "
+            f"{regs} of {arch.max_registers_per_block}; {spilled} spill registers"
         )
     if report.failures:
         lines.append(f"{len(report.failures)} FAILED:")

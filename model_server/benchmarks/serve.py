@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     import httpx
 
 
+# vLLM's benchmark backends that speak the OpenAI completions API as Wick serves it.
+BACKENDS = ("vllm", "openai")
+
+
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-url", default="http://127.0.0.1:8008", help="Server root URL (no /v1)."
@@ -72,7 +76,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="Requests per second, Poisson arrivals (inf: all at once).",
     )
     parser.add_argument(
-        "--ignore-eos", action="store_true", help="Send vLLM's ignore_eos (full output lengths)."
+        "--ignore-eos",
+        "--ignore_eos",  # vLLM-GCU's benchmark_serving line spells it so
+        action="store_true",
+        help="Send vLLM's ignore_eos (full output lengths).",
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
     parser.add_argument(
@@ -103,6 +110,56 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--save-result", default=None, help="Write all figures to this JSON file.")
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    g = parser.add_argument_group("vLLM-GCU's benchmark_serving flags")
+    g.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="vllm",
+        help="The server's API: vllm and openai are both /v1/completions (--endpoint picks "
+        "another path); other backends of vLLM's benchmark are not supported.",
+    )
+    g.add_argument(
+        "--dataset-name",
+        choices=("random",),
+        default="random",
+        help="Prompts: random (--random-input-len tokens each); no other dataset is supported.",
+    )
+    g.add_argument(
+        "--strict-in-out-len",
+        action="store_true",
+        help="Exact lengths: --ignore-eos and min_tokens = max_tokens (every output is "
+        "--random-output-len tokens), --random-range-ratio 0.",
+    )
+    g.add_argument(
+        "--keep-special-tokens",
+        action="store_true",
+        help="Send skip_special_tokens false: special tokens stay in the output text.",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Accepted and ignored: tokenizers load without running a checkpoint's code.",
+    )
+
+
+def default_tokenizer(args: argparse.Namespace) -> str | None:
+    """`--tokenizer`, else `--model` when it is a local folder or file (vLLM's benchmark takes
+    the model's tokenizer so; a served name is no path), else None (load_tokenizer's default)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    if args.model is not None and os.path.exists(os.path.expanduser(args.model)):
+        return os.path.expanduser(args.model)
+    return None
+
+
+def extra_fields(args: argparse.Namespace, output_len: int) -> dict[str, Any]:
+    """vLLM's request fields the vLLM-GCU flags ask for."""
+    extra: dict[str, Any] = {}
+    if args.strict_in_out_len:
+        extra["min_tokens"] = output_len
+    if args.keep_special_tokens:
+        extra["skip_special_tokens"] = False
+    return extra
 
 
 def parse_percentiles(text: str) -> list[float]:
@@ -122,10 +179,14 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be positive (inf: all at once)")
     percentiles = parse_percentiles(args.metric_percentiles)
+    if args.strict_in_out_len:
+        if args.random_range_ratio != 0:
+            raise ValueError("--strict-in-out-len needs --random-range-ratio 0 (exact lengths)")
+        args.ignore_eos = True
 
     from model_server.benchmarks.random_prompts import load_tokenizer, sample_requests
 
-    tokenizer, tokenizer_name = load_tokenizer(args.tokenizer)
+    tokenizer, tokenizer_name = load_tokenizer(default_tokenizer(args))
     requests = sample_requests(
         args.num_prompts,
         args.random_input_len,
@@ -178,6 +239,7 @@ async def benchmark(
                 chat=chat,
                 temperature=args.temperature,
                 ignore_eos=args.ignore_eos,
+                extra=extra_fields(args, req.output_len),
             )
 
         async def send(req: SampleRequest) -> RequestResult:

@@ -45,6 +45,23 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-output-len", type=int, default=32, help="Shortest output.")
     parser.add_argument("--max-output-len", type=int, default=256, help="Longest output.")
     parser.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="Every prompt this many tokens (vLLM's flag; sets --min/--max-input-len).",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="Every output this many tokens (vLLM's flag; sets --min/--max-output-len).",
+    )
+    parser.add_argument(
+        "--demo",
+        default=None,
+        help="vLLM-GCU's demo prompt set: accepted and ignored (prompts are random token ids).",
+    )
+    parser.add_argument(
         "--workload",
         choices=["default", "nano-vllm"],
         default="default",
@@ -67,13 +84,22 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _lengths(fixed: int | None, low: int, high: int) -> tuple[int, int]:
+    """vLLM's fixed `--input-len`/`--output-len` where given, else the range."""
+    if fixed is None:
+        return low, high
+    if fixed < 1:
+        raise ValueError(f"--input-len and --output-len must be at least 1, got {fixed}")
+    return fixed, fixed
+
+
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     if args.workload == "nano-vllm":
         num, lo_in, hi_in, lo_out, hi_out = 256, 100, 1024, 100, 1024
     else:
         num = args.num_prompts
-        lo_in, hi_in = args.min_input_len, args.max_input_len
-        lo_out, hi_out = args.min_output_len, args.max_output_len
+        lo_in, hi_in = _lengths(args.input_len, args.min_input_len, args.max_input_len)
+        lo_out, hi_out = _lengths(args.output_len, args.min_output_len, args.max_output_len)
     rng = random.Random(args.workload_seed)
     # Like nano-vllm's bench: token ids drawn from the low 10k of the vocabulary.
     top = min(10_000, vocab_size)

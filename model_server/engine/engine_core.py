@@ -171,6 +171,7 @@ class EngineCore:
             raise ValueError(
                 f"token id {bad[0]} is out of range for the vocabulary (0-{vocab - 1})"
             )
+        request.sampling_params.check_vocabulary(vocab)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

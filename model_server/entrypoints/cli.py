@@ -82,11 +82,15 @@ def _bench_soak(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from model_server.entrypoints.openai.api_server import run_server
     from model_server.entrypoints.openai.cli_args import settings_from_args
+    from model_server.entrypoints.seed_flags import check_model_type
+    from model_server.loader.model_info import model_architectures
     from model_server.platforms import get_platform
 
     settings = settings_from_args(args)
     get_platform(settings.device)  # a missing runtime: one clear error before the server starts
-    return run_server(settings)
+    if args.model_type is not None:  # candle-vllm's positional: checked before the model loads
+        check_model_type(args.model_type, model_architectures(settings.model, settings.load_format))
+    return run_server(settings, args.startup_notes)
 
 
 def _quantize(args: argparse.Namespace) -> int:

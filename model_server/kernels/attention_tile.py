@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model_server.kernels.triton_compat import interpreting
+
 # kv_cache_dtype.py's format codes, as Triton constants.
 _INT8 = tl.constexpr(1)
 _FP8_E4M3 = tl.constexpr(2)
@@ -202,5 +204,5 @@ def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
     interpreter multiplies bf16 dot operands as their raw uint16 bits, so under it bf16 tiles are
     upcast to fp32 first (UPCAST_DOT); compiled GPU kernels keep bf16 tensor-core dots.
     """
-    upcast = dtype == torch.bfloat16 and triton.knobs.runtime.interpret
+    upcast = dtype == torch.bfloat16 and interpreting()
     return upcast, "ieee" if dtype == torch.float32 or upcast else "tf32"

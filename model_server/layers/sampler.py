@@ -2,7 +2,9 @@
 
 Order of operations (as in vLLM v1):
   1. raw logprobs = log_softmax(logits), only when some row asked for logprobs
-  2. min_tokens: stop tokens -> -inf for rows below their min_tokens
+  2. min_tokens: stop tokens -> -inf for rows below their min_tokens; logit_bias: each row's
+     biases added to its logits (so +100 forces a token, -100 bans it, before anything else
+     rescales the logits: OpenAI's and vLLM's order)
   3. penalties: repetition (prompt + output), frequency and presence (output)
   4. grammar bitmask: tokens a row's grammar forbids -> -inf, on the constrained rows only
   5. greedy rows: argmax (ties -> lowest id)
@@ -121,6 +123,7 @@ class Sampler:
             metadata.all_greedy
             and metadata.max_num_logprobs is None
             and metadata.min_tokens_rows is None
+            and metadata.logit_bias_rows is None
             and metadata.output_token_ids is None
             and metadata.grammar_rows is None
         ):
@@ -135,6 +138,16 @@ class Sampler:
                 (metadata.min_tokens_rows, metadata.min_tokens_token_ids),
                 logits.new_full((), float("-inf")),  # filled on the device: no copy
             )
+        if metadata.logit_bias_rows is not None:
+            assert metadata.logit_bias_token_ids is not None
+            assert metadata.logit_bias_values is not None
+            # Out of place: `logits.float()` is the caller's tensor when it already was float32.
+            # (row, token) pairs are distinct (one dict per row), so accumulate adds each once.
+            logits = logits.index_put(
+                (metadata.logit_bias_rows, metadata.logit_bias_token_ids),
+                metadata.logit_bias_values,
+                accumulate=True,
+            )
         if metadata.output_token_ids is not None:
             logits = apply_penalties(
                 logits,
@@ -143,6 +156,7 @@ class Sampler:
                 metadata.repetition_penalty,
                 metadata.presence_penalty,
                 metadata.frequency_penalty,
+                repetition_token_ids=metadata.repetition_token_ids,
             )
 
         if metadata.grammar_rows is not None:

@@ -44,6 +44,8 @@ _DTYPE_ALIASES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    "f16": torch.float16,  # candle-vllm's spelling (with bf16)
+    "f32": torch.float32,
     "half": torch.float16,
 }
 

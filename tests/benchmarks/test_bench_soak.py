@@ -64,7 +64,8 @@ def test_a_short_soak_reports_everything_and_loses_nothing(
         sys.executable, "-m", "model_server", "bench", "soak",
         "--base-url", usvc.url, "--model-server-url", server.url,
         "--duration-minutes", "0.5", "--report-every-s", "10", "--concurrency", "3",
-        "--max-tokens", "8", "--cancel-fraction", "0.3", "--bad-fraction", "0.3",
+        "--max-tokens", "8", "--cancel-fraction", "0.3", "--bad-fraction", "0.2",
+        "--hostile-fraction", "0.2", "--max-rss-growth-mib", "300",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     out = proc.stdout
@@ -78,5 +79,8 @@ def test_a_short_soak_reports_everything_and_loses_nothing(
     assert counts["failed"] == 0 and counts["lost"] == 0
     # Answered, and malformed requests refused (a loaded machine may see few of each kind).
     assert counts["ok"] + counts["cancelled"] > 0 and counts["bad->4xx"] > 0
+    # Hostile requests (some sent to the model server itself, which the microservice never
+    # counts: not "lost") all answered 4xx.
+    assert counts["hostile->4xx"] > 0 and "hostile requests answered in: p50" in out
     assert "KV cache at the end: 0.0" in out
     assert "latency of answered requests: p50" in out and "model server RSS: start" in out

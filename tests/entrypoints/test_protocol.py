@@ -150,7 +150,12 @@ def test_image_parts_are_refused_by_name() -> None:
         (ChatCompletionRequest, {"messages": MSG, "top_logprobs": 2}, "requires logprobs"),
         (CompletionRequest, {"prompt": ["a", [1]]}, "prompt: must be a string, a list"),
         (CompletionRequest, {"prompt": []}, "must not be an empty list"),
-        (CompletionRequest, {"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        (
+            CompletionRequest,
+            {"prompt": "x", "logit_bias": {"one": 5}},
+            "logit_bias: keys must be token ids",
+        ),
+        (CompletionRequest, {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
         (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of"),
         (CompletionRequest, {"prompt": "x", "stream_options": {}}, "only allowed when stream"),
         (CompletionRequest, {"prompt": "x", "n": 100000}, "n must be at most 128"),

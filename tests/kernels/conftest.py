@@ -17,4 +17,6 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def device() -> str:
+    """Where a kernel test runs: CUDA when present (compiled kernels), else the CPU (the
+    interpreter). Tests taking it are `gpu`-marked on CUDA machines (the root conftest.py)."""
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -15,10 +15,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
+from model_server.engine.execution.cuda_graph import CUDAGraphRunner, GraphKey, capture_sizes
 from model_server.engine.execution.input_batch import SeqChunk
 from model_server.engine.execution.step_input import StepInput
 from model_server.engine.llm import LLM
+from model_server.layers.attention.triton_backend import TritonAttentionBackend
 from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import TINY_CONFIGS, tiny_llm
@@ -92,7 +93,13 @@ class RerunCapturer:
 
 @pytest.fixture
 def rerun_graphs(monkeypatch) -> RerunCapturer:
-    """Make the CPU platform "support graphs" with the stand-in capturer."""
+    """Make the CPU platform "support graphs" with the stand-in capturer.
+
+    With CUDA present the engine runs on it, not on the patched CPU platform: the tests that use
+    the stand-in skip there (the `gpu` tests run real graphs instead).
+    """
+    if torch.cuda.is_available():
+        pytest.skip("CPU stand-in for CUDA graphs: with CUDA the gpu tests capture real ones")
     capturer = RerunCapturer()
     monkeypatch.setattr(CpuPlatform, "supports_graphs", True)
     monkeypatch.setattr(CpuPlatform, "graph_capturer", lambda self: capturer, raising=False)
@@ -120,12 +127,99 @@ def test_bucket_choice() -> None:
     decode = SeqChunk([5], 3, [0])
     assert runner.bucket_for([decode]) is None  # nothing captured yet
     runner.capture()
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
-    assert runner.bucket_for([decode] * 3) == 4
-    assert runner.bucket_for([decode] * 8) == 8
+    assert sorted(runner.graphs) == [(1, 32), (2, 32), (4, 32), (8, 32)]
+    assert runner.bucket_for([decode] * 3) == GraphKey(4, 32)
+    assert runner.bucket_for([decode] * 8) == GraphKey(8, 32)
     assert runner.bucket_for([decode] * 9) is None  # larger than the largest bucket: eager
     assert runner.bucket_for([decode, SeqChunk([1, 2], 0, [1])]) is None  # a prefill: eager
     assert runner.bucket_for([]) is None
+
+
+class RecordingForward:
+    """A forward that records the metadata's host bound of each call and returns zeros."""
+
+    def __init__(self) -> None:
+        self.bounds: list[int] = []
+
+    def __call__(self, ids, positions, md) -> torch.Tensor:
+        self.bounds.append(md.max_seq_len)
+        assert md.seq_lens_cpu == [md.max_seq_len] * ids.shape[0]
+        return torch.zeros(ids.shape[0], 4)
+
+
+def test_context_bound_is_the_smallest_captured_above_the_longest_context() -> None:
+    forward = RecordingForward()
+    runner = CUDAGraphRunner(
+        forward,
+        RerunCapturer(),
+        sizes=[1, 2, 4],
+        block_size=4,
+        max_model_len=64,
+        device=torch.device("cpu"),
+        # Batch 4 fills the device without splitting: one bound (max_model_len) is enough.
+        context_bounds=lambda bs: [8, 16, 64] if bs < 4 else [64],
+    )
+    runner.capture()
+    assert sorted(runner.graphs) == [(1, 8), (1, 16), (1, 64), (2, 8), (2, 16), (2, 64), (4, 64)]
+    short, mid = SeqChunk([5], 3, [0]), SeqChunk([5], 8, [0, 1, 2])  # contexts 4 and 9
+    long = SeqChunk([5], 40, list(range(11)))  # context 41
+    assert runner.bucket_for([short]) == GraphKey(1, 8)
+    assert runner.bucket_for([short, mid]) == GraphKey(2, 16)  # the longest decides
+    assert runner.bucket_for([mid, long]) == GraphKey(2, 64)
+    assert runner.bucket_for([short] * 3) == GraphKey(4, 64)
+    forward.bounds.clear()
+    runner.run([short, mid], GraphKey(2, 16))
+    assert forward.bounds == [16]  # the replayed graph is the one captured at bound 16
+
+
+def test_triton_backend_captures_one_bound_per_split_count() -> None:
+    cpu = torch.device("cpu")
+    backend = TritonAttentionBackend(16, 8, 128, 0.1)  # Llama-3.1-8B's heads
+    backend._sm_count = 132  # an H100: 528 programs wanted
+    # Batch 1 (8 programs): 1, 2, 4, 8, 16 splits at 256, 512, ... tokens; 16 from 4096 on.
+    assert backend.graph_context_bounds(1, 131072, cpu) == [256, 512, 1024, 2048, 131072]
+    assert [backend.decode_splits(1, b, cpu) for b in (256, 512, 1024, 2048, 131072)] == [
+        1, 2, 4, 8, 16,
+    ]  # fmt: skip
+    assert backend.decode_splits(1, 300, cpu) == 2  # a context between two bounds
+    # Batch 64 (512 programs) fills the GPU unsplit: one graph, at max_model_len.
+    assert backend.graph_context_bounds(64, 131072, cpu) == [131072]
+    assert backend.graph_context_bounds(1, 200, cpu) == [200]  # shorter than one split
+    windowed = TritonAttentionBackend(16, 8, 128, 0.1, sliding_window=512)
+    windowed._sm_count = 132
+    assert windowed.graph_context_bounds(1, 8192, cpu) == [256, 8192]  # 2 splits at most
+
+
+def test_step_inputs_come_from_persistent_staging_buffers() -> None:
+    runner = CUDAGraphRunner(
+        lambda ids, positions, md: torch.zeros(ids.shape[0], 4),
+        RerunCapturer(),
+        sizes=[1, 2, 4],
+        block_size=4,
+        max_model_len=32,
+        device=torch.device("cpu"),
+    )
+    runner.capture()
+    staging = (runner.host_token_inputs, runner.host_seq_lens, runner.host_block_tables)
+    pointers = [t.data_ptr() for t in staging]
+    chunks = [SeqChunk([11], 5, [7, 3]), SeqChunk([12], 0, [9]), SeqChunk([13], 8, [1, 2, 6])]
+    runner.run(chunks, runner.bucket_for(chunks))
+    # The device buffers: three rows, then one padding row (slot -1, length 0).
+    assert runner.token_inputs[:, :4].tolist() == [
+        [11, 12, 13, 0],
+        [5, 0, 8, 0],
+        [3 * 4 + 1, 9 * 4 + 0, 6 * 4 + 0, -1],
+    ]
+    assert runner.seq_lens[:4].tolist() == [6, 1, 9, 0]
+    assert runner.block_tables[0, :2].tolist() == [7, 3]
+    assert runner.block_tables[2, :3].tolist() == [1, 2, 6]
+    # A smaller step: stale rows past it become padding again.
+    runner.run(chunks[1:2], runner.bucket_for(chunks[1:2]))
+    assert runner.token_inputs[:, :1].tolist() == [[12], [0], [36]]
+    assert runner.seq_lens[:1].tolist() == [1]
+    # The same staging tensors every step (no per-step host tensors).
+    assert [t.data_ptr() for t in staging] == pointers
+    assert not any(t.is_pinned() for t in staging)  # pinned on CUDA only
 
 
 def _llm(tmp_path, name: str, **overrides) -> LLM:
@@ -157,15 +251,49 @@ def test_greedy_output_identical_with_and_without_graphs(tmp_path, rerun_graphs,
     assert rerun_graphs.replays >= 10
 
 
+def test_graphs_split_k_by_the_longest_context_of_the_batch(
+    tmp_path, rerun_graphs, monkeypatch
+) -> None:
+    """With 8-token splits the Triton backend captures each bucket at several context bounds
+    (one per split count); steps replay the bound of their longest context, and the greedy
+    output equals the eager run's."""
+    monkeypatch.setitem(
+        TritonAttentionBackend.__init__.__kwdefaults__, "decode_min_split_tokens", 8
+    )
+    expected = [
+        o.outputs[0].token_ids
+        for o in _llm(tmp_path, "llama-gqa", enforce_eager=True).generate(PROMPTS, PARAMS)
+    ]
+    replayed: list[GraphKey] = []
+    run = CUDAGraphRunner.run
+
+    def spy(self, chunks, key):
+        replayed.append(key)
+        return run(self, chunks, key)
+
+    monkeypatch.setattr(CUDAGraphRunner, "run", spy)
+    llm = _llm(tmp_path, "llama-gqa")
+    graph_runner = llm.engine.core.model_runner.graph_runner
+    # CPU stand-in SM count 16 -> 64 programs; 2 KV heads: batch 1 splits up to 16 ways, 8 up
+    # to 4 ways; bounds 8, 16, 32, ... (powers of two of the split length) then max_model_len.
+    assert graph_runner.bounds[1] == [8, 16, 32, 64, 256]
+    assert graph_runner.bounds[8] == [8, 16, 256]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    assert len({key.max_context for key in replayed}) >= 2
+    for key in replayed:  # never a bound below the batch's longest context (checked in run)
+        assert key.max_context in graph_runner.bounds[key.batch_size]
+
+
 def test_padding_rows_write_no_kv(tmp_path, rerun_graphs) -> None:
     """Three decodes in the 4-bucket: exactly their three slots change in the KV cache."""
     llm = _llm(tmp_path, "llama-gqa")
     runner = llm.engine.core.model_runner
     before = [c.clone() for c in runner.kv_caches]
     chunks = [SeqChunk([11], 0, [2]), SeqChunk([12], 9, [0, 5]), SeqChunk([13], 3, [7])]
-    assert runner.graph_runner.bucket_for(chunks) == 4
+    key = runner.graph_runner.bucket_for(chunks)
+    assert key.batch_size == 4
     with torch.inference_mode():  # as in ModelRunner.execute_step
-        hidden = runner.graph_runner.run(chunks, 4)
+        hidden = runner.graph_runner.run(chunks, key)
     assert hidden.shape[0] == 3 and torch.isfinite(hidden).all()
     bs = runner.block_size
     expected_slots = {2 * bs + 0, 5 * bs + 1, 7 * bs + 3}

@@ -116,8 +116,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.view(torch.uint8)
 
 
-def check_backend(run, requests, num_heads, num_kv_heads, head_dim, block_size, dtype, fmt):
-    """`run(b, kc, vc, ks, vs) -> out`, storing b.k, b.v and attending, on quantized caches."""
+def check_backend(
+    run, requests, num_heads, num_kv_heads, head_dim, block_size, dtype, fmt, device: str = "cpu"
+):
+    """`run(b, kc, vc, ks, vs) -> out`, storing b.k, b.v and attending, on quantized caches
+    built on `device`."""
     b = make_batch(
         requests,
         num_heads=num_heads,
@@ -125,6 +128,7 @@ def check_backend(run, requests, num_heads, num_kv_heads, head_dim, block_size, 
         head_dim=head_dim,
         block_size=block_size,
         dtype=dtype,
+        device=device,
         seed=3,
     )
     md = b.metadata

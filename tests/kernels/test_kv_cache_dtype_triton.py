@@ -1,7 +1,8 @@
 """The Triton backend with quantized KV caches (store_kv.py, paged_decode.py, paged_prefill.py
-through attention_tile.py), under TRITON_INTERPRET=1 on CPUs: the same checks as the other
-backends in test_kv_cache_dtype.py (the store bit for bit, the read against the dequantized and
-the unquantized references), on small shapes (the interpreter runs ~1 ms per program)."""
+through attention_tile.py), compiled on CUDA, else under TRITON_INTERPRET=1: the same checks as
+the other backends in test_kv_cache_dtype.py (the store bit for bit, the read against the
+dequantized and the unquantized references), on small shapes (the interpreter runs ~1 ms per
+program)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ def _triton(split: bool):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 64), (3, 3, 40)])
-def test_triton_quantized(fmt, dtype, num_heads, num_kv_heads, head_dim) -> None:
-    check_backend(_triton(False), REQUESTS, num_heads, num_kv_heads, head_dim, 8, dtype, fmt)
+def test_triton_quantized(fmt, dtype, num_heads, num_kv_heads, head_dim, device) -> None:
+    check_backend(
+        _triton(False), REQUESTS, num_heads, num_kv_heads, head_dim, 8, dtype, fmt, device
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_triton_quantized_split_decode(fmt) -> None:
-    check_backend(_triton(True), REQUESTS, 4, 1, 32, 4, torch.float32, fmt)
+def test_triton_quantized_split_decode(fmt, device) -> None:
+    check_backend(_triton(True), REQUESTS, 4, 1, 32, 4, torch.float32, fmt, device)

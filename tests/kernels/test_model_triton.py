@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from model_server.engine.llm import LLM
 from model_server.sampling_params import SamplingParams
@@ -17,11 +16,11 @@ pytestmark = pytest.mark.kernels
 
 
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_triton_backend_generates_like_torch(tmp_path, name: str) -> None:
+def test_triton_backend_generates_like_torch(tmp_path, name: str, device: str) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):
-        llm = tiny_llm(tmp_path, name, attention_backend=backend)
+        llm = tiny_llm(tmp_path, name, attention_backend=backend, device=device)
         assert llm.engine.core.model_runner.attn_backend.name == backend
         outputs[backend] = [o.outputs[0].token_ids for o in llm.generate(MIXED_PROMPTS, params)]
     assert outputs["triton"] == outputs["torch"]
@@ -49,7 +48,7 @@ GEMMA2 = {
 }
 
 
-def test_triton_backend_runs_gemma2_windows_and_soft_caps_like_torch(tmp_path) -> None:
+def test_triton_backend_runs_gemma2_windows_and_soft_caps_like_torch(tmp_path, device) -> None:
     (tmp_path / "config.json").write_text(json.dumps(GEMMA2))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = {}
@@ -58,7 +57,7 @@ def test_triton_backend_runs_gemma2_windows_and_soft_caps_like_torch(tmp_path) -
             str(tmp_path),
             load_format="dummy",
             dtype="float32",
-            device="cuda" if torch.cuda.is_available() else "cpu",
+            device=device,
             attention_backend=backend,
             block_size=8,
             kv_cache_memory=2 * 1024**2,
@@ -96,7 +95,7 @@ DEEPSEEK_V2 = {
 }
 
 
-def test_triton_backend_runs_deepseek_latent_attention_like_torch(tmp_path) -> None:
+def test_triton_backend_runs_deepseek_latent_attention_like_torch(tmp_path, device) -> None:
     """MLA on the triton backend: latents stored and decodes read by the Triton kernels, the
     cache one latent + rope row per token as on the other backends."""
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2))
@@ -107,7 +106,7 @@ def test_triton_backend_runs_deepseek_latent_attention_like_torch(tmp_path) -> N
             str(tmp_path),
             load_format="dummy",
             dtype="float32",
-            device="cuda" if torch.cuda.is_available() else "cpu",
+            device=device,
             attention_backend=backend,
             block_size=8,
             kv_cache_memory=2 * 1024**2,

@@ -16,6 +16,7 @@ from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import LinearBase, dense
 from model_server.layers.quantization import Int8Weight, quantize_int8
+from model_server.layers.quantization.wna16 import WNA16Config, resolve_quantization
 from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from model_server.settings import ServerSettings
@@ -80,14 +81,15 @@ def test_parse_quantization() -> None:
     for off in (None, "", "none", "None", "auto", "gguf"):
         assert parse_quantization(off) is None
     assert parse_quantization(" INT8 ") == "int8"
-    with pytest.raises(ValueError, match=r"'awq' is not supported; choose one of: int8"):
-        parse_quantization("awq")
+    assert [parse_quantization(m) for m in ("GPTQ", "awq", "w8a16")] == ["gptq", "awq", "w8a16"]
+    with pytest.raises(ValueError, match=r"'fp4' is not supported; choose one of: int8, gptq"):
+        parse_quantization("fp4")
 
 
 def test_settings_validate_the_method() -> None:
     assert ServerSettings(quantization="int8").engine_config().quantization == "int8"
     with pytest.raises(ValidationError, match="choose one of: int8"):
-        ServerSettings(quantization="gptq")
+        ServerSettings(quantization="w4a4")
 
 
 def test_platforms_without_an_int8_kernel_refuse_it() -> None:
@@ -161,3 +163,46 @@ def test_int8_model_answers(models) -> None:
     prompt = int8.apply_chat_template(chat)
     out = int8.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))
     assert "Paris" in out[0].outputs[0].text
+
+
+def _checkpoint(method: str, bits: int) -> WNA16Config:
+    return WNA16Config.from_quantization_config(
+        {"quant_method": method, "bits": bits, "group_size": 128, "desc_act": False, "sym": True,
+         **({"version": "gemm", "zero_point": True} if method == "awq" else {})}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("requested", "checkpoint", "expected"),
+    [
+        (None, None, None),
+        ("int8", None, "int8"),
+        ("w8a16", None, "int8"),  # a float checkpoint: W8A16 is int8 weights at load
+        ("gptq", ("gptq", 4), None),  # the checkpoint's own format: served as stored
+        ("awq", ("awq", 4), None),
+        ("w8a16", ("gptq", 8), None),
+    ],
+)
+def test_quantization_matching_the_checkpoint_is_accepted(
+    requested: str | None, checkpoint: tuple[str, int] | None, expected: str | None
+) -> None:
+    qc = _checkpoint(*checkpoint) if checkpoint else None
+    assert resolve_quantization(requested, qc) == expected
+
+
+@pytest.mark.parametrize(
+    ("requested", "checkpoint", "needle"),
+    [
+        ("gptq", ("awq", 4), "--quantization gptq does not match the model, a awq w4 g128"),
+        ("awq", None, "a float checkpoint (no quantization_config in its config.json): -q int8"),
+        ("w8a16", ("gptq", 4), "a gptq w4 g128 checkpoint"),
+        ("int8", ("gptq", 4), "cannot re-quantize a gptq checkpoint (gptq w4 g128"),
+    ],
+)
+def test_quantization_conflicting_with_the_checkpoint_is_refused(
+    requested: str, checkpoint: tuple[str, int] | None, needle: str
+) -> None:
+    qc = _checkpoint(*checkpoint) if checkpoint else None
+    with pytest.raises(ValueError) as exc:
+        resolve_quantization(requested, qc)
+    assert needle in str(exc.value)

@@ -138,6 +138,32 @@ def test_float_scales_stored_as_ints_are_refused(tmp_path: Path) -> None:
     assert "expected a float tensor" in message
 
 
+@pytest.mark.parametrize(
+    ("fmt", "named"), [(Format("gptq", 4, 32), "gptq"), (Format("gptq", 8, 128), "w8a16")]
+)
+def test_quantization_naming_the_checkpoints_format_serves_it(
+    fmt: Format, named: str, tmp_path: Path
+) -> None:
+    """vLLM-GCU's --quantization gptq|w8a16 on a checkpoint of that format: served as stored,
+    with the same tokens as without the flag."""
+    qfolder, _ = save_pair(tmp_path, fmt)
+    plain, llm = _generate(qfolder)
+    llm.shutdown()
+    named_run, llm = _generate(qfolder, quantization=named)
+    try:
+        assert llm.engine.core.model_runner.quantization is None  # nothing re-quantized
+        assert llm.engine.quantization == WNA16_DESCRIPTIONS[fmt.name]
+    finally:
+        llm.shutdown()
+    assert [t for t, _ in named_run] == [t for t, _ in plain]
+
+
+def test_quantization_conflicting_with_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    qfolder, _ = save_pair(tmp_path, Format("gptq", 4, 32))
+    with pytest.raises(ValueError, match="--quantization awq does not match the model, a gptq"):
+        LLM(str(qfolder), quantization="awq", **ENGINE_ARGS)
+
+
 def test_requantizing_a_checkpoint_is_refused(tmp_path: Path) -> None:
     qfolder, _ = save_pair(tmp_path, Format("awq", 4, 32))
     with pytest.raises(ValueError, match="cannot re-quantize a awq checkpoint"):

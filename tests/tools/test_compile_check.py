@@ -2,7 +2,8 @@
 
 `python -m tools.compile_check` runs in a fresh process (the kernels must be
 decorated with TRITON_INTERPRET off) and compiles, with Triton's bundled ptxas, every variant the
-attention backend and the fused ops launch for real models' shapes.
+attention backend, the fused ops, the quantized matmuls, the fused MoE and the MLA decode launch
+for real models' shapes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from model_server.kernels.attention_tile import default_tile_n
+from tools import compile_check
 
 pytestmark = pytest.mark.kernels
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +33,8 @@ KERNELS = (
     "_silu_and_mul_kernel",
     "_int8_linear_kernel",
     "_wna16_linear_kernel",
+    "_grouped_gemm_kernel",  # fused MoE (deepseek-v2-lite: 64 experts, top 6)
+    "_mla_decode_kernel",  # latent attention (deepseek-v2-lite: L 512, R 64, 16 heads)
 )
 
 
@@ -41,18 +46,18 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess[s
 
 
 @pytest.mark.slow
-def test_every_kernel_compiles_for_sm89_and_sm90() -> None:
-    # sm_89 (L4, RTX 40xx: mma, 99 KiB of shared memory per block) and sm_90 (H100: wgmma);
-    # Qwen3-0.6B (D 128, GQA 2, per-head q/k norm views) and SmolLM2-135M (D 64, GQA 3);
+def test_every_kernel_compiles_for_sm80_and_sm90() -> None:
+    # sm_80 (A100: mma, 163 KiB of shared memory per block) and sm_90 (H100, H200: wgmma);
+    # Qwen3-0.6B (D 128, GQA 2, per-head q/k norm views) and DeepSeek-V2-Lite (MLA, MoE);
     # bf16 (tensor-core dots, never run by the interpreter tests) and fp32 (the largest tiles).
     proc = _run(
         [
             "-m",
             "tools.compile_check",
             "--arch",
-            "89,90",
+            "80,90",
             "--preset",
-            "qwen3-0.6b,smollm2-135m",
+            "qwen3-0.6b,deepseek-v2-lite",
             "--dtype",
             "bf16,fp32",
             "--kv-cache-dtype",
@@ -63,15 +68,43 @@ def test_every_kernel_compiles_for_sm89_and_sm90() -> None:
     assert proc.returncode == 0, out
     assert "all kernels compiled" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"sm_\d+\s+_", line)]
-    for arch in ("sm_89", "sm_90"):
+    for arch in ("sm_80", "sm_90"):
         compiled = {row[1] for row in rows if row[0] == arch}
         assert compiled == set(KERNELS), (arch, compiled)
         # Every variant's cubin was inspected: registers and spills are numbers, not "?".
         for row in (r for r in rows if r[0] == arch):
             assert row[5].isdigit() and row[6].isdigit(), row
-    summary = re.search(r"sm_89 \(.*?\): (\d+) variants compiled; most shared memory ([\d.]+)", out)
-    assert summary and int(summary[1]) >= 2 * 2 * len(KERNELS)
-    assert float(summary[2]) <= 99
+            assert int(row[5]) * int(row[2]) * 32 <= 64 * 1024, row
+    for arch, limit in (("80", 163), ("90", 227)):
+        summary = re.search(
+            rf"sm_{arch} \(.*?\): (\d+) variants compiled; most shared memory ([\d.]+) of "
+            rf"{limit} KiB; most registers per block (\d+) of 65536",
+            out,
+        )
+        assert summary and int(summary[1]) >= 2 * 2 * len(KERNELS), out[-2000:]
+        assert float(summary[2]) <= limit and int(summary[3]) <= 65536
+
+
+def _fake_kernel(num_warps: int, shared: int) -> SimpleNamespace:
+    metadata = SimpleNamespace(shared=shared, num_warps=num_warps, num_stages=3, hash="h")
+    return SimpleNamespace(metadata=metadata, asm={"cubin": b""})
+
+
+def test_register_and_shared_memory_limits_fail_the_check(monkeypatch) -> None:
+    monkeypatch.setattr(compile_check, "cubin_resources", lambda cubin: (255, 0))
+    arch = compile_check.ARCHS[80]
+    report = compile_check.Report()
+    # 255 registers x 256 threads = 65280: fits the 64 Ki register file of a block.
+    compile_check._variant("k", _fake_kernel(8, 1024), arch, "fits", report)
+    assert report.failures == []
+    # x 512 threads: a launch would fail ("too many resources requested for launch").
+    variant = compile_check._variant("k", _fake_kernel(16, 1024), arch, "too wide", report)
+    assert variant.registers == 255
+    (failure,) = report.failures
+    assert failure.startswith("too wide: k needs 255 registers per thread x 512 threads")
+    compile_check._variant("k", _fake_kernel(4, 164 * 1024), arch, "shared", report)
+    assert report.failures[-1].startswith("shared: k needs 164.0 KiB of shared memory")
+    assert "FAILED" in compile_check.format_report(report, [80])
 
 
 @pytest.mark.slow

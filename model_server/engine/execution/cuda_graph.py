@@ -12,15 +12,25 @@ Padding: a step of B decodes replays the smallest bucket >= B. Rows B.. get slot
 store skips them) and seq_len 0 (attention reads nothing and returns zeros); their hidden rows
 are never read.
 
-Host values baked into a graph: num_decodes = bs and the context-length bound max_model_len
-(`seq_lens_cpu`/`max_seq_len` of the captured metadata, which graph-capable backends use only as
-bounds; the kernels read the real lengths from `seq_lens`). Only backends whose class sets
-`supports_graphs` are captured.
+Host values baked into a graph: num_decodes = bs and a context-length bound (`seq_lens_cpu` /
+`max_seq_len` of the captured metadata, which graph-capable backends use only as bounds; the
+kernels read the real lengths from `seq_lens`). The bound decides the decode's split-K, so each
+batch bucket is captured at the context bounds its attention backend tells apart
+(`AttentionBackend.graph_context_bounds`: for the Triton backend, powers of two of its split
+length up to max_model_len, one per split count) and a step replays the smallest bound >= the
+longest context in its batch: short contexts no longer pay max_model_len's 16 splits and reduce.
+Only backends whose class sets `supports_graphs` are captured.
+
+Step inputs: one persistent host staging buffer per input (pinned on CUDA, so the copies are
+truly asynchronous), filled through numpy views and copied into the static device buffers each
+step. Before overwriting the staging buffers a step waits for the previous step's copies (an
+event), which the sampler's host read has normally completed already.
 
 Invariants: the KV cache is allocated before capture and never reallocated (graphs hold its
 addresses); graphs are captured largest first into one shared memory pool, so the smaller ones
 reuse its blocks; under tensor parallelism every rank captures the same buckets in the same
-order and replays the same bucket each step (the choice depends only on the step's chunks).
+order and replays the same graph each step (the choice depends only on the step's chunks and
+on the context bounds, which come from host values alike on ranks of one GPU model).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +54,15 @@ MAX_CAPTURE_SIZE = 512
 
 # Forward of the model on static inputs: (input_ids, positions, metadata) -> hidden [bs, hidden].
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# Context-length bounds to capture a batch size at, ascending; the last one is max_model_len.
+ContextBoundsFn = Callable[[int], Sequence[int]]
+
+
+class GraphKey(NamedTuple):
+    """One captured graph: its batch bucket and the context-length bound it was captured at."""
+
+    batch_size: int
+    max_context: int
 
 
 def capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -70,6 +90,7 @@ class CUDAGraphRunner:
         block_size: int,
         max_model_len: int,
         device: torch.device,
+        context_bounds: ContextBoundsFn | None = None,
     ) -> None:
         self.forward = forward
         self.capturer = capturer
@@ -77,6 +98,7 @@ class CUDAGraphRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.device = device
+        self.context_bounds = context_bounds or (lambda bs: [max_model_len])
         max_bs = self.sizes[-1]
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # Rows: input_ids, positions, slot_mapping (one int64 host-to-device copy per step).
@@ -86,14 +108,29 @@ class CUDAGraphRunner:
             (max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=device
         )
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        # bucket -> (replay, static hidden states [bucket, hidden])
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        # Host staging buffers of the same shapes; numpy views write them without building
+        # tensors from lists. Pinned where copies from pageable memory would be synchronous.
+        pin = device.type == "cuda"
+        self.host_token_inputs = torch.zeros((3, max_bs), dtype=torch.int64, pin_memory=pin)
+        self.host_seq_lens = torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin)
+        self.host_block_tables = torch.zeros(
+            (max_bs, self.max_blocks_per_seq), dtype=torch.int32, pin_memory=pin
+        )
+        self._np_tokens = self.host_token_inputs.numpy()
+        self._np_seq_lens = self.host_seq_lens.numpy()
+        self._np_tables = self.host_block_tables.numpy()
+        # Recorded after each step's copies; waited on before the staging buffers are rewritten.
+        self._copies_done = torch.cuda.Event() if pin else None
+        # (bucket, context bound) -> (replay, static hidden states [bucket, hidden])
+        self.graphs: dict[GraphKey, tuple[Callable[[], None], torch.Tensor]] = {}
+        # bucket -> its captured context bounds, ascending
+        self.bounds: dict[int, list[int]] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, max_context: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.token_inputs[2, :bs],
             query_start_loc=self.query_start_loc[: bs + 1],
@@ -101,28 +138,33 @@ class CUDAGraphRunner:
             block_tables=self.block_tables[:bs],
             num_decodes=bs,
             max_query_len=1,
-            max_seq_len=self.max_model_len,
+            max_seq_len=max_context,
             query_start_loc_cpu=list(range(bs + 1)),
-            seq_lens_cpu=[self.max_model_len] * bs,  # bounds, see the module docstring
+            seq_lens_cpu=[max_context] * bs,  # bounds, see the module docstring
         )
 
     def capture(self) -> None:
-        """Capture every bucket, largest first. Static inputs hold padding rows only, so the
-        warm-up and capture runs write nothing to the KV cache."""
+        """Capture every bucket at each of its context bounds, largest first. Static inputs hold
+        padding rows only, so the warm-up and capture runs write nothing to the KV cache."""
         start = time.perf_counter()
         self.token_inputs[0:2].zero_()
         self.token_inputs[2].fill_(-1)
         self.seq_lens.zero_()
         self.block_tables.zero_()
         for bs in reversed(self.sizes):
-            metadata = self._metadata(bs)
-            ids, positions = self.token_inputs[0, :bs], self.token_inputs[1, :bs]
+            bounds = sorted({min(b, self.max_model_len) for b in self.context_bounds(bs)})
+            if not bounds or bounds[-1] < self.max_model_len:
+                bounds.append(self.max_model_len)  # every context length has a graph
+            self.bounds[bs] = bounds
+            for max_context in reversed(bounds):
+                metadata = self._metadata(bs, max_context)
+                ids, positions = self.token_inputs[0, :bs], self.token_inputs[1, :bs]
 
-            def run(ids=ids, positions=positions, metadata=metadata) -> torch.Tensor:
-                return self.forward(ids, positions, metadata)
+                def run(ids=ids, positions=positions, metadata=metadata) -> torch.Tensor:
+                    return self.forward(ids, positions, metadata)
 
-            run()  # warm-up: JIT compiles, library handles and workspaces outside the capture
-            self.graphs[bs] = self.capturer.capture(run)
+                run()  # warm-up: JIT compiles, library handles and workspaces outside the capture
+                self.graphs[GraphKey(bs, max_context)] = self.capturer.capture(run)
         logger.info(
             "captured %d decode graphs (batch sizes %s) in %.1fs",
             len(self.graphs),
@@ -130,50 +172,60 @@ class CUDAGraphRunner:
             time.perf_counter() - start,
         )
 
-    def bucket_for(self, chunks: Sequence[SeqChunk]) -> int | None:
-        """The bucket that runs this step, or None when it must run eagerly (a prefill chunk
-        in the batch, or more requests than the largest bucket)."""
+    def bucket_for(self, chunks: Sequence[SeqChunk]) -> GraphKey | None:
+        """The graph that runs this step, or None when it must run eagerly (a prefill chunk
+        in the batch, or more requests than the largest bucket): the smallest bucket that holds
+        the batch, at the smallest context bound >= its longest context."""
         if not chunks or len(chunks) > self.max_batch_size or not self.graphs:
             return None
         if any(len(c.token_ids) != 1 for c in chunks):
             return None
-        return next(s for s in self.sizes if s >= len(chunks))
+        bs = next(s for s in self.sizes if s >= len(chunks))
+        longest = max(c.num_computed_tokens for c in chunks) + 1
+        bound = next((b for b in self.bounds[bs] if b >= longest), None)
+        return None if bound is None else GraphKey(bs, bound)
 
-    def run(self, chunks: Sequence[SeqChunk], bucket: int) -> torch.Tensor:
+    def _stage(self, chunks: Sequence[SeqChunk], bucket: int) -> int:
+        """Writes the step's inputs into the host staging buffers; returns the block-table width
+        in use. Rows past the chunks are padding: slot -1, seq_len 0."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the previous step's copies have read the buffers
+        bs = self.block_size
+        tokens, tables = self._np_tokens, self._np_tables
+        width = 1
+        for i, c in enumerate(chunks):
+            pos = c.num_computed_tokens
+            num_blocks = pos // bs + 1
+            tokens[0, i] = c.token_ids[0]
+            tokens[1, i] = pos
+            tokens[2, i] = c.block_ids[pos // bs] * bs + pos % bs
+            self._np_seq_lens[i] = pos + 1
+            # Entries past a row's last block are stale but never read (past its length).
+            tables[i, :num_blocks] = c.block_ids[:num_blocks]
+            width = max(width, num_blocks)
+        n = len(chunks)
+        tokens[0:2, n:bucket] = 0
+        tokens[2, n:bucket] = -1
+        self._np_seq_lens[n:bucket] = 0
+        return width
+
+    def run(self, chunks: Sequence[SeqChunk], key: GraphKey) -> torch.Tensor:
         """Hidden states [len(chunks), hidden] of a decode-only step (row i: chunks[i]).
 
         The result is a view of the graph's static output: read it before the next `run`.
         """
-        num_reqs = len(chunks)
-        pad = bucket - num_reqs
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        rows: list[Sequence[int]] = []
-        for c in chunks:
-            pos = c.num_computed_tokens
-            ids.append(c.token_ids[0])
-            positions.append(pos)
-            slots.append(c.block_ids[pos // bs] * bs + pos % bs)
-            seq_lens.append(pos + 1)
-            rows.append(c.block_ids[: pos // bs + 1])
-        width = max(len(r) for r in rows)
-        rows.extend([()] * pad)
-        tables = torch.tensor([list(r) + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-        host = torch.tensor(
-            [ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64
+        bucket = key.batch_size
+        width = self._stage(chunks, bucket)
+        self.token_inputs[:, :bucket].copy_(self.host_token_inputs[:, :bucket], non_blocking=True)
+        self.seq_lens[:bucket].copy_(self.host_seq_lens[:bucket], non_blocking=True)
+        self.block_tables[: len(chunks), :width].copy_(
+            self.host_block_tables[: len(chunks), :width], non_blocking=True
         )
-        self.token_inputs[:, :bucket].copy_(host, non_blocking=True)
-        self.seq_lens[:bucket].copy_(
-            torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True
-        )
-        # Entries past a row's last block are stale but never read (they lie past its length).
-        self.block_tables[:bucket, :width].copy_(tables, non_blocking=True)
-        replay, hidden = self.graphs[bucket]
+        if self._copies_done is not None:
+            self._copies_done.record()
+        replay, hidden = self.graphs[key]
         replay()
-        return hidden[:num_reqs]
+        return hidden[: len(chunks)]
 
 
 def _ranges(sizes: Sequence[int]) -> str:

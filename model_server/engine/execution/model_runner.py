@@ -42,8 +42,9 @@ from model_server.kernels.kv_cache_dtype import (
     resolve_kv_cache_dtype,
 )
 from model_server.layers.attention import get_attention_backend
+from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.attention.layer import Attention
-from model_server.layers.quantization.wna16 import checkpoint_quantization
+from model_server.layers.quantization.wna16 import checkpoint_quantization, resolve_quantization
 from model_server.layers.sampler import Sampler
 from model_server.loader import ModelSource
 from model_server.models.gguf_weights import GGUFWeightCollector
@@ -92,17 +93,15 @@ class ModelRunner:
         self.memory_baseline: MemorySnapshot | None = take_memory_snapshot(platform)
         # This rank's budget once `local_num_blocks` has profiled it.
         self.memory_profile: MemoryProfile | None = None
-        self.quantization = parse_quantization(config.quantization)
-        platform.check_quantization(self.quantization)  # before minutes of loading
-        # A checkpoint kept quantized (GPTQ, AWQ: its config's quantization_config).
+        # A checkpoint kept quantized (GPTQ, AWQ: its config's quantization_config), and what
+        # --quantization asks of it: int8 at load, or (gptq, awq, w8a16) a check of its format.
         self.checkpoint_quant = checkpoint_quantization(self.hf_config)
+        self.quantization = resolve_quantization(
+            parse_quantization(config.quantization), self.checkpoint_quant
+        )
+        platform.check_quantization(self.quantization)  # before minutes of loading
         if self.checkpoint_quant is not None:
             platform.check_quantization(self.checkpoint_quant.method)
-            if self.quantization is not None:
-                raise ValueError(
-                    f"--quantization {self.quantization} cannot re-quantize a "
-                    f"{self.checkpoint_quant.method} checkpoint (it is served as it is quantized)"
-                )
         keep_gguf = platform.keep_gguf_quantized(config.gguf_weights)  # also checks it
         backend_name = config.attention_backend or platform.default_attention_backend
         if (
@@ -347,13 +346,28 @@ class ModelRunner:
         since the forward holds collectives). A no-op when graphs are disabled."""
         if not self.graphs_enabled():
             return
+        max_len = self.model.max_position
+        # One instance per distinct layer configuration (KV heads, window) is enough.
+        impls = {
+            (impl.num_kv_heads, impl.sliding_window): impl
+            for module in self.model.modules()
+            if isinstance(impl := getattr(module, "impl", None), AttentionBackend)
+        }.values()
+
+        def context_bounds(bs: int) -> list[int]:
+            bounds = {
+                b for impl in impls for b in impl.graph_context_bounds(bs, max_len, self.device)
+            }
+            return sorted(bounds) or [max_len]
+
         self.graph_runner = CUDAGraphRunner(
             lambda ids, positions, md: self.model(ids, positions, self.kv_caches, md),
             self.platform.graph_capturer(),
             sizes=capture_sizes(self.config.max_num_seqs),
             block_size=self.block_size,
-            max_model_len=self.model.max_position,
+            max_model_len=max_len,
             device=self.device,
+            context_bounds=context_bounds,
         )
         self.graph_runner.capture()
         self.platform.synchronize()

@@ -17,7 +17,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from model_server import __version__
 from model_server.engine.async_engine import EngineClient, EnginePhase
 from model_server.entrypoints.openai.chat_page import mount_chat_page
+from model_server.entrypoints.openai.cors import CORSApp, CORSPolicy
 from model_server.entrypoints.openai.protocol import (
     STOP_SHAPES,
     APIError,
@@ -43,6 +44,11 @@ from model_server.entrypoints.openai.protocol import (
 )
 from model_server.entrypoints.openai.request_id import RequestIdMiddleware
 from model_server.entrypoints.openai.request_limits import BodySizeLimitMiddleware, RequestLimits
+from model_server.entrypoints.openai.sampling_defaults import (
+    SamplingDefaults,
+    resolve_sampling_defaults,
+    server_flag_defaults,
+)
 from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from model_server.entrypoints.openai.serving_engine import json_response
@@ -61,9 +67,15 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version"})
 
 
-def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
+def build_app(
+    engine_client: EngineClient,
+    settings: ServerSettings,
+    sampling_defaults: SamplingDefaults | None = None,
+) -> FastAPI:
     """The FastAPI app over `engine_client`. Its lifespan starts and stops the engine; set
-    `app.state.on_engine_failed` to a callable(message) to hear about an engine crash."""
+    `app.state.on_engine_failed` to a callable(message) to hear about an engine crash.
+    `sampling_defaults`: what requests' unset sampling fields take; None: the server's flags
+    only (run_server resolves the generation config too)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -75,7 +87,7 @@ def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
             watchdog.cancel()
             await engine_client.shutdown(settings.drain_timeout)
 
-    app = FastAPI(
+    app = CORSApp(
         title="Wick model server",
         version=__version__,
         description="OpenAI-compatible API over the Wick engine.",
@@ -84,6 +96,7 @@ def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.engine_client = engine_client
     app.state.settings = settings
     app.state.on_engine_failed = None
+    app.cors = CORSPolicy.from_settings(settings)  # around everything below: see cors.py
     engine_client.max_waiting_requests = resolve_max_waiting_requests(
         settings.max_waiting_requests, settings.max_num_seqs
     )
@@ -92,7 +105,9 @@ def build_app(engine_client: EngineClient, settings: ServerSettings) -> FastAPI:
         engine_client.max_waiting_requests or "any number of",
         "auto" if settings.max_waiting_requests is None else settings.max_waiting_requests,
     )
-    _add_routes(app, engine_client, settings)
+    if sampling_defaults is None:
+        sampling_defaults = SamplingDefaults(**server_flag_defaults(settings))
+    _add_routes(app, engine_client, settings, sampling_defaults)
     mount_chat_page(app)
     _add_error_handlers(app)
     _mount_metrics(app, engine_client, settings)
@@ -134,13 +149,19 @@ async def _watch_engine(app: FastAPI, engine_client: EngineClient) -> None:
         callback(message)
 
 
-def _add_routes(app: FastAPI, engine_client: EngineClient, settings: ServerSettings) -> None:
+def _add_routes(
+    app: FastAPI,
+    engine_client: EngineClient,
+    settings: ServerSettings,
+    sampling_defaults: SamplingDefaults,
+) -> None:
     served = OpenAIServingModels(settings.model_names, settings.accept_any_model_name)
     root = model_root(settings)
     limits = RequestLimits.from_settings(settings)
     completion = OpenAIServingCompletion(engine_client, served, limits)
     chat = OpenAIServingChat(engine_client, served, settings.tool_call_parser, limits)
     tokenization = OpenAIServingTokenization(engine_client, served, limits)
+    completion.sampling_defaults = chat.sampling_defaults = sampling_defaults
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
@@ -398,15 +419,20 @@ def _mount_metrics(app: FastAPI, engine_client: EngineClient, settings: ServerSe
 # ------------------------------------------------------------------------------- server
 
 
-def run_server(settings: ServerSettings) -> int:
-    """Serve until SIGTERM/SIGINT (exit code 0) or an engine failure (exit code 1)."""
+def run_server(settings: ServerSettings, notes: Sequence[str] = ()) -> int:
+    """Serve until SIGTERM/SIGINT (exit code 0) or an engine failure (exit code 1). `notes`:
+    what the command line's aliases said (logged once logging is set up)."""
     from model_server.engine.async_engine import AsyncLLM
 
     level = settings.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)
+    for note in notes:
+        logger.info("%s", note)
+    # Read before the engine loads the model: a missing --generation-config folder fails fast.
+    sampling_defaults = resolve_sampling_defaults(settings)
     engine = AsyncLLM(settings.engine_config(), skip_warmup=settings.skip_warmup)
-    app = build_app(engine, settings)
+    app = build_app(engine, settings, sampling_defaults)
     config = uvicorn.Config(
         app,
         host=settings.host,

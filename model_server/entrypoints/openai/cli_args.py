@@ -9,6 +9,7 @@ import textwrap
 
 from pydantic import ValidationError
 
+from model_server.entrypoints.seed_flags import add_alias_arguments, apply_flag_aliases
 from model_server.settings import ServerSettings
 from model_server.settings_spec import SETTINGS, add_arguments
 
@@ -29,11 +30,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     # Defaults are None, so the namespace tells given flags from the rest (see add_arguments).
     add_arguments(parser, "engine", from_environment=True)
     add_arguments(parser, "server", from_environment=True)
+    add_alias_arguments(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """Settings from the environment, overridden by the flags that were given. Raises
     ValueError with one line per bad setting (named as the user wrote it: flag or variable)."""
+    # The seeds' flags (--w, --mem, ...) become the settings they stand for; what they note is
+    # logged once logging is set up (run_server).
+    args.startup_notes = [*getattr(args, "startup_notes", []), *apply_flag_aliases(args)]
     fields = ServerSettings.model_fields
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     try:

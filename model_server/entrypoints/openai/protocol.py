@@ -16,8 +16,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from model_server.entrypoints.openai.sampling_defaults import SamplingDefaults
 from model_server.sampling_params import SamplingParams
 
 # Most samples per request: n is multiplied into KV cache and compute, so cap the absurd.
@@ -142,6 +150,11 @@ def candle_stop(value: Any) -> Any:
     raise ValueError(f"must be {STOP_SHAPES}, got the object {shown}")
 
 
+def _first(*values: Any) -> Any:
+    """The first value that is not None (the last is the built-in default)."""
+    return next((v for v in values if v is not None), values[-1])
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -167,6 +180,8 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM: logprobs name tokens `token_id:<id>` instead of their text.
+    return_tokens_as_token_ids: bool = False
     # vLLM: lets the caller pick the request id (also read from the X-Request-Id header).
     request_id: str | None = None
     # Structured outputs (vLLM): the current form, and the older guided_* fields.
@@ -181,10 +196,18 @@ class _SamplingRequest(OpenAIBaseModel):
 
     _candle_stop = field_validator("stop", mode="before")(candle_stop)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # JSON object keys are strings: each must spell a token id (the range checks are
+        # SamplingParams', the vocabulary's the engine's).
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return value
+
     @model_validator(mode="after")
     def _check_unsupported(self) -> _SamplingRequest:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.n > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}")
         if self.stream_options is not None and not self.stream:
@@ -192,18 +215,25 @@ class _SamplingRequest(OpenAIBaseModel):
         return self
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        default_max_tokens: int | None,
+        defaults: SamplingDefaults | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (-> 400) for out-of-range values, with SamplingParams' message."""
+        """Raises ValueError (-> 400) for out-of-range values, with SamplingParams' message.
+        A field the request leaves unset takes the server's default (`defaults`), else OpenAI's."""
+        d = defaults or SamplingDefaults()
         return SamplingParams(
             n=self.n,
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            max_tokens=_first(max_tokens, d.max_tokens, default_max_tokens),
             min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
+            temperature=_first(self.temperature, d.temperature, 1.0),
+            top_p=_first(self.top_p, d.top_p, 1.0),
+            top_k=_first(self.top_k, d.top_k, 0),
             min_p=0.0 if self.min_p is None else self.min_p,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=_first(self.repetition_penalty, d.repetition_penalty, 1.0),
+            repeat_last_n=d.repeat_last_n,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,
@@ -213,6 +243,7 @@ class _SamplingRequest(OpenAIBaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
     @property
@@ -221,7 +252,9 @@ class _SamplingRequest(OpenAIBaseModel):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+        # vLLM: only together with include_usage (it adds to the final usage chunk).
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 # ------------------------------------------------------------------------ completions
@@ -238,19 +271,47 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's beam search fields: not implemented, so anything but their defaults is a 400
+    # (accepted and ignored, they would answer a different question than the one asked).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported: it must be unset or equal to n")
+        return value
+
+    @field_validator("use_beam_search", "length_penalty", "early_stopping")
+    @classmethod
+    def _no_beam_search(cls, value: Any, info: ValidationInfo) -> Any:
+        default = cls.model_fields[str(info.field_name)].default
+        if value != default:
+            raise ValueError(
+                f"beam search is not supported: {info.field_name} must be unset or {default!r}"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it must be unset or equal to n)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens=None)
+    def to_sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
+        # OpenAI's 16 only where the request says nothing: a server default comes first, and an
+        # explicit null still means "to the end of the context".
+        unset = "max_tokens" not in self.model_fields_set
+        return self._sampling_params(
+            None if unset else self.max_tokens,
+            self.logprobs,
+            default_max_tokens=16 if unset else None,
+            defaults=defaults,
+        )
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one engine request each."""
@@ -399,7 +460,7 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
         max_tokens = (
             self.max_completion_tokens
             if self.max_completion_tokens is not None
@@ -407,7 +468,7 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # Chat has no token limit by default: up to the end of the context (max_tokens=None).
-        return self._sampling_params(max_tokens, logprobs, default_max_tokens=None)
+        return self._sampling_params(max_tokens, logprobs, None, defaults)
 
 
 # ----------------------------------------------------------------------- tokenization

@@ -64,9 +64,9 @@ class OpenAIServingChat(OpenAIServing):
         check_unicode(request)
         self.check_model(request.model)
         try:
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.sampling_defaults)
         except ValueError as exc:
-            raise APIError(str(exc), 400) from None
+            raise APIError(str(exc), 400, param=getattr(exc, "param", None)) from None
         plan = plan_tools(request)
         forced = plan.constraint()
         constraints = request_constraints(request) + ([forced] if forced else [])
@@ -108,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
         for sample in out.outputs:
             logprobs = None
             if request.logprobs and sample.logprobs is not None:
-                logprobs = self.chat_logprobs(sample.logprobs)
+                logprobs = self.chat_logprobs(sample.logprobs, request.return_tokens_as_token_ids)
             message: dict[str, Any] = {"role": "assistant", "content": sample.text}
             finish_reason = sample.finish_reason
             if plan.parses_output:
@@ -172,7 +172,9 @@ class OpenAIServingChat(OpenAIServing):
                                 "finish_reason": None,
                             }
                             for i in range(n)
-                        ]
+                        ],
+                        # vLLM: with continuous usage, every chunk has it, this one too.
+                        usage(prompt_tokens, 0) if request.continuous_usage else None,
                     )
                 choices = []
                 for sample in out.outputs:
@@ -202,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> dict[str, Any] | None:
         logprobs = None
         if request.logprobs and sample.logprobs_delta:
-            logprobs = self.chat_logprobs(sample.logprobs_delta)
+            logprobs = self.chat_logprobs(sample.logprobs_delta, request.return_tokens_as_token_ids)
         content = sample.text_delta
         tool_calls: list[dict[str, Any]] = []
         finish_reason = sample.finish_reason

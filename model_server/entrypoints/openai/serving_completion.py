@@ -37,9 +37,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_prompts(request, prompts)
         self.check_model(request.model)
         try:
-            params = request.to_sampling_params()
+            params = request.to_sampling_params(self.sampling_defaults)
         except ValueError as exc:
-            raise APIError(str(exc), 400) from None
+            raise APIError(str(exc), 400, param=getattr(exc, "param", None)) from None
         params.structured_outputs = build_structured_outputs(request_constraints(request))
         if request.echo and request.logprobs is not None:
             raise APIError("echo with logprobs is not supported (no prompt logprobs)", 400)
@@ -86,7 +86,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(sample.token_ids)
                 logprobs = None
                 if request.logprobs is not None and sample.logprobs is not None:
-                    logprobs, _ = self.completion_logprobs(sample.logprobs, 0)
+                    logprobs, _ = self.completion_logprobs(
+                        sample.logprobs, 0, request.return_tokens_as_token_ids
+                    )
                 choices.append(
                     {
                         "index": prompt_index * request.n + sample.index,
@@ -169,7 +171,7 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if request.logprobs is not None and sample.logprobs_delta:
             logprobs, text_offsets[index] = self.completion_logprobs(
-                sample.logprobs_delta, text_offsets[index]
+                sample.logprobs_delta, text_offsets[index], request.return_tokens_as_token_ids
             )
         text = echo_pending[index] + sample.text_delta
         if not text and logprobs is None and not sample.finished:

@@ -32,6 +32,7 @@ from model_server.entrypoints.openai.request_limits import (
     max_chars_per_token,
     prompt_too_long,
 )
+from model_server.entrypoints.openai.sampling_defaults import SamplingDefaults
 from model_server.entrypoints.openai.serving_models import OpenAIServingModels
 from model_server.entrypoints.openai.unavailable import ServiceUnavailable
 from model_server.entrypoints.utils import prepend
@@ -67,8 +68,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, StructuredOutputError):
         return APIError(str(exc), 400, param=exc.param)
-    if isinstance(exc, ValueError):
-        return APIError(str(exc), 400)
+    if isinstance(exc, ValueError):  # InvalidParamError names its field
+        return APIError(str(exc), 400, param=getattr(exc, "param", None))
     if isinstance(exc, EngineOverloadedError):
         return ServiceUnavailable(str(exc), code="overloaded")
     if isinstance(exc, EngineNotReadyError | RequestAbortedError):
@@ -164,6 +165,8 @@ class OpenAIServing:
         self.engine_client = engine_client
         self.models = models
         self.limits = limits or RequestLimits()
+        # What a request's unset sampling fields take (the server's flags, generation config).
+        self.sampling_defaults = SamplingDefaults()
         # Token id -> its text, for logprobs (bounded by the vocabulary).
         self._token_text: dict[int, str] = {}
 
@@ -326,20 +329,21 @@ class OpenAIServing:
     # --------------------------------------------------------------- logprobs
 
     def completion_logprobs(
-        self, entries: Sequence[TokenLogprobs], text_offset: int
+        self, entries: Sequence[TokenLogprobs], text_offset: int, as_ids: bool = False
     ) -> tuple[dict[str, Any], int]:
         """The legacy completions `logprobs` object for `entries`; returns it and the text offset
-        after the last token. `top_logprobs` holds the sampled token and the k likeliest."""
+        after the last token. `top_logprobs` holds the sampled token and the k likeliest.
+        Offsets count characters of the text whatever `as_ids` makes of the token names."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
-            text = self.token_text(entry.token_id)
-            tokens.append(text)
+            label = self.token_label(entry.token_id, as_ids)
+            tokens.append(label)
             token_logprobs.append(clamp_logprob(entry.logprob))
-            top = {self.token_text(t): clamp_logprob(lp) for t, lp in entry.top}
-            top.setdefault(text, clamp_logprob(entry.logprob))
+            top = {self.token_label(t, as_ids): clamp_logprob(lp) for t, lp in entry.top}
+            top.setdefault(label, clamp_logprob(entry.logprob))
             top_logprobs.append(top)
             offsets.append(text_offset)
-            text_offset += len(text)
+            text_offset += len(self.token_text(entry.token_id))
         return {
             "text_offset": offsets,
             "token_logprobs": token_logprobs,
@@ -347,11 +351,19 @@ class OpenAIServing:
             "top_logprobs": top_logprobs,
         }, text_offset
 
-    def chat_logprobs(self, entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    def token_label(self, token_id: int, as_ids: bool) -> str:
+        """How logprobs name a token: its text, or vLLM's `token_id:<id>` when the request set
+        `return_tokens_as_token_ids` (texts that do not round-trip, such as byte pieces of a
+        UTF-8 character, stay identifiable)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id)
+
+    def chat_logprobs(
+        self, entries: Sequence[TokenLogprobs], as_ids: bool = False
+    ) -> dict[str, Any]:
         """The chat `logprobs` object: per token, its logprob and the top-k alternatives."""
         content = []
         for entry in entries:
-            text = self.token_text(entry.token_id)
+            text = self.token_label(entry.token_id, as_ids)
             content.append(
                 {
                     "token": text,
@@ -359,7 +371,7 @@ class OpenAIServing:
                     "bytes": list(text.encode("utf-8")),
                     "top_logprobs": [
                         {
-                            "token": (alt := self.token_text(t)),
+                            "token": (alt := self.token_label(t, as_ids)),
                             "logprob": clamp_logprob(lp),
                             "bytes": list(alt.encode("utf-8")),
                         }

@@ -95,6 +95,14 @@ class AttentionBackend(ABC):
     supports_sliding_window: bool = False
     supports_logits_soft_cap: bool = False
 
+    def graph_context_bounds(
+        self, num_seqs: int, max_model_len: int, device: torch.device
+    ) -> list[int]:
+        """Context-length bounds at which to capture decode graphs of `num_seqs` requests
+        (engine/execution/cuda_graph.py): one per distinct choice the backend makes from the
+        metadata's host bounds. Default: max_model_len alone."""
+        return [max_model_len]
+
     def __init__(
         self,
         num_heads: int,

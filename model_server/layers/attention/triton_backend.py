@@ -12,6 +12,7 @@ import torch
 from model_server.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from model_server.kernels.paged_prefill import paged_prefill_attention
 from model_server.kernels.store_kv import store_kv_cache
+from model_server.kernels.triton_compat import require_supported_triton
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 
 # Decode programs wanted per SM before splitting the context stops paying off.
@@ -52,6 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
+        require_supported_triton()  # a clear error here, not an AttributeError at a launch
         self.decode_min_split_tokens = decode_min_split_tokens
         self.max_decode_splits = max_decode_splits
         self._sm_count: int | None = None
@@ -64,6 +66,36 @@ class TritonAttentionBackend(AttentionBackend):
             units = platform_class(device.type).compute_units(device)
             self._sm_count = units or _DEFAULT_SM_COUNT
         return _PROGRAMS_PER_SM * self._sm_count
+
+    def decode_splits(self, num_seqs: int, max_len: int, device: torch.device) -> int:
+        """The split-K of a decode batch whose longest context is (at most) `max_len`."""
+        if self.sliding_window is not None:
+            max_len = min(max_len, self.sliding_window)  # what a split may cover
+        return choose_num_splits(
+            num_seqs,
+            self.num_kv_heads,
+            max_len,
+            min_split_tokens=self.decode_min_split_tokens,
+            max_splits=self.max_decode_splits,
+            target_programs=self._target_programs(device),
+        )
+
+    def graph_context_bounds(
+        self, num_seqs: int, max_model_len: int, device: torch.device
+    ) -> list[int]:
+        """decode_min_split_tokens times powers of two below max_model_len, then max_model_len,
+        keeping the largest bound of each split count (the split count grows with the bound):
+        a batch replays at most twice the splits its longest context would choose."""
+        candidates = []
+        bound = self.decode_min_split_tokens
+        while bound < max_model_len:
+            candidates.append(bound)
+            bound *= 2
+        candidates.append(max_model_len)
+        largest: dict[int, int] = {}
+        for bound in candidates:  # ascending: a later bound of the same count replaces
+            largest[self.decode_splits(num_seqs, bound, device)] = bound
+        return sorted(largest.values())
 
     def forward(
         self,
@@ -98,17 +130,7 @@ class TritonAttentionBackend(AttentionBackend):
         nd = md.num_decodes
         if nd:
             # Decodes are the first nd tokens and the first nd requests (one token each).
-            max_len = max(md.seq_lens_cpu[:nd])
-            if self.sliding_window is not None:
-                max_len = min(max_len, self.sliding_window)  # what a split may cover
-            num_splits = choose_num_splits(
-                nd,
-                self.num_kv_heads,
-                max_len,
-                min_split_tokens=self.decode_min_split_tokens,
-                max_splits=self.max_decode_splits,
-                target_programs=self._target_programs(q.device),
-            )
+            num_splits = self.decode_splits(nd, max(md.seq_lens_cpu[:nd]), q.device)
             paged_decode_attention(
                 out[:nd],
                 q[:nd],

@@ -377,6 +377,33 @@ def checkpoint_quantization(hf_config: Any) -> WNA16Config | None:
     return WNA16Config.from_quantization_config(qc)
 
 
+def resolve_quantization(requested: str | None, checkpoint: WNA16Config | None) -> str | None:
+    """What `--quantization` (parsed) does to a checkpoint: "int8" to quantize at load, or None
+    (served as stored). gptq, awq and w8a16 (vLLM-GCU's names) name the checkpoint's own format:
+    a match is accepted, anything else a ValueError saying what the checkpoint is."""
+    if requested is None:
+        return None
+    what = "a float checkpoint (no quantization_config in its config.json)"
+    if checkpoint is not None:
+        what = f"a {checkpoint.description} checkpoint (its quantization_config)"
+    if requested == "w8a16" and checkpoint is None:
+        return "int8"  # int8 weights, activations in --dtype: W8A16, quantized at load
+    if requested == "int8":
+        if checkpoint is not None:
+            raise ValueError(
+                f"--quantization int8 cannot re-quantize a {checkpoint.method} checkpoint "
+                f"({checkpoint.description}; it is served as it is quantized): drop the flag"
+            )
+        return "int8"
+    matches = checkpoint is not None and (
+        checkpoint.bits == 8 if requested == "w8a16" else checkpoint.method == requested
+    )
+    if not matches:
+        hint = "-q int8 to quantize it at load" if checkpoint is None else "drop the flag"
+        raise ValueError(f"--quantization {requested} does not match the model, {what}: {hint}")
+    return None
+
+
 # ---- unpacking ---------------------------------------------------------------------------------
 
 

@@ -75,6 +75,10 @@ class SamplingMetadata:
     # [B, Lp] int64 prompt token ids padded with `vocab_size`; set only when some row has a
     # repetition penalty (rows without one are left all padding).
     prompt_token_ids: torch.Tensor | None
+    # [B, L] int64 padded with `vocab_size`: the ids the repetition penalty sees, set (and
+    # `prompt_token_ids` left None) only when some penalized row has a `repeat_last_n` window:
+    # the window's ids on those rows, prompt + output on the other penalized ones.
+    repetition_token_ids: torch.Tensor | None
     # [B, Lo] int64 output token ids padded with `vocab_size`; set only when some row has a
     # penalty (rows without any penalty are left all padding).
     output_token_ids: torch.Tensor | None
@@ -82,6 +86,12 @@ class SamplingMetadata:
     # stop tokens of rows that have not yet produced `min_tokens` tokens.
     min_tokens_rows: torch.Tensor | None
     min_tokens_token_ids: torch.Tensor | None
+    # [K] int64, int64, float32: logits[logit_bias_rows[j], logit_bias_token_ids[j]] +=
+    # logit_bias_values[j], every (row, token) pair of the rows' `logit_bias`; None when no row
+    # has one.
+    logit_bias_rows: torch.Tensor | None = None
+    logit_bias_token_ids: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
     # Row -> generator for seeded random rows (greedy rows never draw noise).
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # Largest `logprobs` asked by any row; None when no row asked for logprobs.
@@ -147,8 +157,14 @@ def build_sampling_metadata(
     presence_penalty = floats(pres, 0.0)
     frequency_penalty = floats(freq, 0.0)
 
-    prompt_token_ids = output_token_ids = None
-    if repetition_penalty is not None:
+    prompt_token_ids = output_token_ids = repetition_token_ids = None
+    windowed = repetition_penalty is not None and any(
+        r.sampling_params.repeat_last_n > 0 and r.sampling_params.repetition_penalty != 1.0
+        for r in requests
+    )
+    if windowed:
+        repetition_token_ids = _pad([_repetition_window(r) for r in requests], vocab_size, device)
+    elif repetition_penalty is not None:
         prompt_token_ids = _pad(
             [
                 r.prompt_token_ids if r.sampling_params.repetition_penalty != 1.0 else []
@@ -181,6 +197,15 @@ def build_sampling_metadata(
                 mask_rows.append(i)
                 mask_ids.append(t)
 
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    for i, req in enumerate(requests):
+        for token, bias in (req.sampling_params.logit_bias or {}).items():
+            bias_rows.append(i)
+            bias_ids.append(token)
+            bias_values.append(bias)
+
     logprobs = [r.sampling_params.logprobs for r in requests]
     asked = [k for k in logprobs if k is not None]
 
@@ -205,12 +230,22 @@ def build_sampling_metadata(
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         prompt_token_ids=prompt_token_ids,
+        repetition_token_ids=repetition_token_ids,
         output_token_ids=output_token_ids,
         min_tokens_rows=(
             torch.tensor(mask_rows, dtype=torch.int64, device=device) if mask_rows else None
         ),
         min_tokens_token_ids=(
             torch.tensor(mask_ids, dtype=torch.int64, device=device) if mask_rows else None
+        ),
+        logit_bias_rows=(
+            torch.tensor(bias_rows, dtype=torch.int64, device=device) if bias_rows else None
+        ),
+        logit_bias_token_ids=(
+            torch.tensor(bias_ids, dtype=torch.int64, device=device) if bias_rows else None
+        ),
+        logit_bias_values=(
+            torch.tensor(bias_values, dtype=torch.float32, device=device) if bias_rows else None
         ),
         generators=generators,
         max_num_logprobs=max(asked) if asked else None,
@@ -225,6 +260,22 @@ def build_sampling_metadata(
             else None
         ),
     )
+
+
+def _repetition_window(request: SamplingRequest) -> Sequence[int]:
+    """The ids a row's repetition penalty sees: the last `repeat_last_n` of prompt + output
+    (all of them for 0), none without a penalty."""
+    sp = request.sampling_params
+    if sp.repetition_penalty == 1.0:
+        return []
+    n = sp.repeat_last_n
+    output = list(request.output_token_ids)
+    if n == 0:
+        return [*request.prompt_token_ids, *output]
+    if n <= len(output):
+        return output[len(output) - n :]
+    prompt = request.prompt_token_ids
+    return [*prompt[max(0, len(prompt) - (n - len(output))) :], *output]
 
 
 def _pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:

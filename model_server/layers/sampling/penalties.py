@@ -41,6 +41,7 @@ def apply_penalties(
     repetition_penalty: torch.Tensor | None,
     presence_penalty: torch.Tensor | None,
     frequency_penalty: torch.Tensor | None,
+    repetition_token_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns penalized logits [B, V] (a new tensor; the input is not modified).
 
@@ -48,15 +49,19 @@ def apply_penalties(
     are int64 padded with V; penalties are [B] float32 or None.
     - repetition (HF/vLLM): for every token seen in prompt or output, a positive logit is divided
       by the penalty and a negative one multiplied by it.
+      `repetition_token_ids` [B, L] (padded with V), when given, are the ids it sees instead of
+      prompt + output: candle-vllm's window, the last `repeat_last_n` of them.
     - frequency / presence (OpenAI), then: `logit - frequency * count - presence * (count > 0)`
       over output tokens only.
     """
     vocab_size = logits.shape[-1]
     out = logits.clone()
     if repetition_penalty is not None:
-        if prompt_token_ids is None:
-            raise ValueError("repetition penalty needs the prompt token ids")
-        ids, has_ids = _fill_padding(torch.cat([prompt_token_ids, output_token_ids], 1), vocab_size)
+        if repetition_token_ids is None:
+            if prompt_token_ids is None:
+                raise ValueError("repetition penalty needs the prompt token ids")
+            repetition_token_ids = torch.cat([prompt_token_ids, output_token_ids], 1)
+        ids, has_ids = _fill_padding(repetition_token_ids, vocab_size)
         factor = torch.where(has_ids, repetition_penalty, 1.0).unsqueeze(1)  # [B, 1]
         seen = out.gather(1, ids)
         out.scatter_(1, ids, torch.where(seen > 0, seen / factor, seen * factor))
