@@ -4,7 +4,7 @@ glibc keeps memory freed by Python (a burst of large request bodies, their parse
 outputs, chat templates) in its arenas; without a trim the process's RSS stays at its high-water
 mark after the burst, and requests refused by the HTTP layer (over a limit) free as much as the
 served ones. `malloc_trim(0)` walks every arena and returns their free pages: about 13 ms after
-100 MB were freed, ~20 us when there is nothing to return (measured, Zen 4), so the engine thread
+100 MB were freed, ~20 us when there is nothing to return (measured, Zen 5), so the engine thread
 calls it on a clock: every `idle_interval_s` while it has nothing to run (it wakes for that), and
 every `busy_interval_s` between steps under sustained load (a trim holds the arenas' locks, so
 other threads' allocations wait for it).

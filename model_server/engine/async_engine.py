@@ -239,6 +239,8 @@ class _AddRequest:
     params: SamplingParams
     arrival_time: float
     collector: RequestOutputCollector
+    # The prompt's tokens when tokenized off the engine thread (None: the engine tokenizes).
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -416,11 +418,22 @@ class AsyncLLM(EngineClient):
             self._check_accepting(request_id)  # the engine may have failed or begun draining
             if request_id in self._collectors:
                 raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = None
+        if isinstance(prompt, str) and getattr(self._engine, "tokenize", None) is not None:
+            # On a worker thread, never in an engine step: a request's prompts may hold tens of
+            # MB of text (up to --max-request-body-size), seconds of tokenizing that would stall
+            # every running request.
+            prompt_token_ids = await asyncio.to_thread(self._tokenize, prompt)
+            self._check_accepting(request_id)
+            if request_id in self._collectors:
+                raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None
         collector = RequestOutputCollector(self._loop.create_future())
         self._collectors[request_id] = collector
         self._admitted.pop(request_id, None)  # its slot is the collector's now
-        self._commands.put(_AddRequest(request_id, prompt, params, time.monotonic(), collector))
+        self._commands.put(
+            _AddRequest(request_id, prompt, params, time.monotonic(), collector, prompt_token_ids)
+        )
         finished = False
         try:
             await collector.added
@@ -436,6 +449,15 @@ class AsyncLLM(EngineClient):
             self._collectors.pop(request_id, None)
             if not finished:  # cancelled, closed early or client gone: free its KV blocks now
                 self._commands.put(_AbortRequests([request_id]))
+
+    def _tokenize(self, prompt: str) -> list[int]:
+        """The engine's own tokenizing (thread-safe: the tokenizer only), on a worker thread."""
+        try:
+            return self._engine.tokenize(prompt)
+        except ValueError:
+            raise
+        except Exception as exc:  # the tokenizer's own errors are about the text
+            raise ValueError(f"the prompt could not be tokenized: {exc}") from exc
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_AbortRequests([request_id]))
@@ -685,7 +707,15 @@ class AsyncLLM(EngineClient):
     def _apply(self, command: _AddRequest, stats: IterationStats) -> None:
         engine = self._engine
         try:
-            engine.add_request(command.request_id, command.prompt, command.params)
+            if command.prompt_token_ids is None:
+                engine.add_request(command.request_id, command.prompt, command.params)
+            else:
+                engine.add_request(
+                    command.request_id,
+                    command.prompt,
+                    command.params,
+                    prompt_token_ids=command.prompt_token_ids,
+                )
         except Exception as exc:
             # The caller's problem, not the engine's: answer it and keep serving the others.
             if not isinstance(exc, ValueError):

@@ -64,9 +64,17 @@ class LLMEngine:
             return list(self.tokenizer(prompt).input_ids)
         return list(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Queue a request (all `params.n` samples); raises ValueError if it can never run."""
-        prompt_token_ids = self.tokenize(prompt)
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request (all `params.n` samples); raises ValueError if it can never run.
+        `prompt_token_ids`: the text `prompt` already tokenized (as `tokenize` does)."""
+        if prompt_token_ids is None:
+            prompt_token_ids = self.tokenize(prompt)
         constraint = params.structured_outputs
         if constraint is not None:
             self.structured_output.compile(constraint)  # raises before anything is queued

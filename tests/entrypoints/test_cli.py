@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,12 +11,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "model_server", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
 
 
@@ -69,9 +71,12 @@ def test_serve_misconfiguration_exits_with_one_error_line(
     says why: no traceback, no second line repeating it."""
     from tests.loopback import free_port
 
+    # The suite sets TRITON_INTERPRET=1 for the kernel tests; a user's shell does not.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = run_cli(
-        "serve", "--port", str(free_port()), "--log-level", "warning", "--skip-warmup", *flags
-    )
+        "serve", "--port", str(free_port()), "--log-level", "warning", "--skip-warmup", *flags,
+        env=env,
+    )  # fmt: skip
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [

@@ -109,8 +109,9 @@ class CUDAGraphRunner:
         )
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         # Host staging buffers of the same shapes; numpy views write them without building
-        # tensors from lists. Pinned where copies from pageable memory would be synchronous.
-        pin = device.type == "cuda"
+        # tensors from lists. Pinned (page-locked) wherever CUDA can pin host memory, so the
+        # copies to the device are asynchronous; the CPU stand-ins of the tests run unpinned.
+        pin = torch.cuda.is_available()
         self.host_token_inputs = torch.zeros((3, max_bs), dtype=torch.int64, pin_memory=pin)
         self.host_seq_lens = torch.zeros(max_bs, dtype=torch.int32, pin_memory=pin)
         self.host_block_tables = torch.zeros(
