@@ -27,6 +27,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -93,13 +94,12 @@ HOSTILE: tuple[tuple[str, str, str, Any], ...] = (
     ),
     ("10 MB /tokenize", "model", "/tokenize", lambda: _json_bytes({"prompt": "hi " * 3_500_000})),
 )
-_hostile_bodies: dict[str, bytes] = {}
 
 
+@cache
 def hostile_body(name: str, build: Any) -> bytes:
-    if name not in _hostile_bodies:
-        _hostile_bodies[name] = build()
-    return _hostile_bodies[name]
+    """`build()`'s body, built once (the 64 MiB one is reused, not rebuilt per request)."""
+    return build()
 
 
 def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:

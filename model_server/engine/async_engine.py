@@ -707,15 +707,12 @@ class AsyncLLM(EngineClient):
     def _apply(self, command: _AddRequest, stats: IterationStats) -> None:
         engine = self._engine
         try:
-            if command.prompt_token_ids is None:
-                engine.add_request(command.request_id, command.prompt, command.params)
-            else:
-                engine.add_request(
-                    command.request_id,
-                    command.prompt,
-                    command.params,
-                    prompt_token_ids=command.prompt_token_ids,
-                )
+            engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                prompt_token_ids=command.prompt_token_ids,
+            )
         except Exception as exc:
             # The caller's problem, not the engine's: answer it and keep serving the others.
             if not isinstance(exc, ValueError):

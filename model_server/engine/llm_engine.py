@@ -105,9 +105,6 @@ class LLMEngine:
             self.output_processor.remove_request(request_id)
             raise
 
-    def abort_request(self, request_id: str) -> None:
-        self.abort_requests((request_id,))
-
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort any number of requests in one scheduler pass: O(ids + live requests), where
         one call per id would rebuild the scheduler's queues once per id (O(n^2) for a flood)."""

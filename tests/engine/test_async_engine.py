@@ -65,7 +65,13 @@ class FakeEngine:
         self.max_model_len = MAX_LEN
         self.tokenizer = None
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         if isinstance(prompt, str):
             raise ValueError("this model has no tokenizer: pass prompt token ids instead")
         if len(prompt) + (params.max_tokens or 0) > MAX_LEN:
