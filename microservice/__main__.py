@@ -103,6 +103,12 @@ SWITCHES: dict[str, tuple[str, str, str]] = {
         "LLM_OPENAI_FORMAT_STREAMING",
         "stream OpenAI chat.completion.chunk events instead of OPEA's repr lines",
     ),
+    "--include-reasoning": (
+        "include_reasoning",
+        "LLM_USVC_INCLUDE_REASONING",
+        "put a reasoning model's thinking into OPEA's text answers, between <think> and "
+        "</think> before the answer (OpenAI's format always carries it, in reasoning_content)",
+    ),
     "--strict-model-name": (
         "strict_model_name",
         "LLM_STRICT_MODEL_NAME",

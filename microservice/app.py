@@ -38,7 +38,7 @@ from microservice.metrics import RequestMetricsMiddleware, ServiceMetrics
 from microservice.protocol import ChatRequest, GenerationRequest, generated_doc, parse_chat_request
 from microservice.request_id import RequestIdMiddleware, current_request_id
 from microservice.settings import MicroserviceSettings
-from microservice.sse import DONE, error_event
+from microservice.sse import DONE, error_event, thinking_text
 from microservice.upstream import Piece, default_limit, is_model_not_found
 
 logger = logging.getLogger("microservice")
@@ -202,7 +202,8 @@ class _ChatHandler:
         completion = await _until_disconnected(self.connector.answer(generation), request)
         if fmt == "openai":
             return JSONResponse(formats.chat_completion(request_id, model, completion))
-        return JSONResponse(generated_doc(request_id, completion.text, chat))
+        text = thinking_text(completion.text, completion.reasoning, self.settings.include_reasoning)
+        return JSONResponse(generated_doc(request_id, text, chat))
 
     async def _generation(self, chat: ChatRequest, model: str) -> GenerationRequest:
         model_server = self.connector.model_server
@@ -235,7 +236,13 @@ class _ChatHandler:
         if first is not None and started is not None:
             self.metrics.ttft.observe(time.monotonic() - started)
         return _ClosingStreamingResponse(
-            self._events(formats.stream_format(fmt, request_id, generation.model), first, pieces),
+            self._events(
+                formats.stream_format(
+                    fmt, request_id, generation.model, self.settings.include_reasoning
+                ),
+                first,
+                pieces,
+            ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

@@ -36,12 +36,16 @@ def choose(settings: MicroserviceSettings, chat: ChatRequest, stream: bool) -> F
     return "enterprise_rag"
 
 
-def stream_format(fmt: Format, request_id: str, model: str) -> StreamFormat:
+def stream_format(
+    fmt: Format, request_id: str, model: str, include_reasoning: bool = False
+) -> StreamFormat:
+    """OpenAI's chunks carry a reasoning model's thinking in their own fields; the text formats
+    leave it out unless `include_reasoning` (LLM_USVC_INCLUDE_REASONING)."""
     if fmt == "openai":
         return OpenAIFormat(request_id, model)
     if fmt == "downstream":
-        return DownstreamFormat()
-    return OpeaFormat()
+        return DownstreamFormat(include_reasoning)
+    return OpeaFormat(include_reasoning)
 
 
 def chat_completion(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
@@ -67,9 +71,13 @@ def chat_completion(request_id: str, model: str, completion: Completion) -> dict
 
 def _message(completion: Completion) -> dict[str, Any]:
     if not completion.tool_calls:
-        return {"role": "assistant", "content": completion.text}
-    return {
-        "role": "assistant",
-        "content": completion.text or None,
-        "tool_calls": completion.tool_calls,
-    }
+        message = {"role": "assistant", "content": completion.text}
+    else:
+        message = {
+            "role": "assistant",
+            "content": completion.text or None,
+            "tool_calls": completion.tool_calls,
+        }
+    if completion.reasoning is not None:
+        message["reasoning_content"] = message["reasoning"] = completion.reasoning
+    return message

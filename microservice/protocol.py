@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
     Tag,
     ValidationError,
     field_validator,
@@ -68,6 +69,7 @@ FORWARDED = (
     "add_generation_prompt",
     "continue_final_message",
     "chat_template_kwargs",
+    "enable_thinking",
     # Structured outputs and function calling (the model server checks them).
     "response_format",
     "tools",
@@ -212,6 +214,8 @@ class ChatRequest(BaseModel):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The model server's shortcut for chat_template_kwargs.enable_thinking (reasoning models).
+    enable_thinking: StrictBool | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -61,6 +61,9 @@ class MicroserviceSettings(BaseSettings):
     response_format: ResponseFormatSetting = Field(
         "auto", validation_alias=_env("LLM_RESPONSE_FORMAT")
     )
+    # A reasoning model's thinking in OPEA's text answers (between <think> and </think>, before
+    # the answer); OpenAI's format always carries it in its own fields.
+    include_reasoning: bool = Field(False, validation_alias=_env("LLM_USVC_INCLUDE_REASONING"))
     # true: a request naming a model the model server does not serve gets its 404 (vLLM);
     # false: with one model served, that model answers (OPEA), with a warning per name.
     strict_model_name: bool = Field(False, validation_alias=_env("LLM_STRICT_MODEL_NAME"))
@@ -121,6 +124,11 @@ class MicroserviceSettings(BaseSettings):
                 "LLM_OPENAI_FORMAT_STREAMING=true asks for OpenAI chunks, but "
                 f"LLM_RESPONSE_FORMAT={self.response_format} asks for another format: "
                 "set only one of them"
+            )
+        if self.include_reasoning and self.connector == "langchain":
+            raise ValueError(
+                "LLM_USVC_INCLUDE_REASONING=true needs LLM_CONNECTOR=generic: the langchain "
+                "connector's chain keeps only the answer's text, not a reasoning model's thinking"
             )
         return self
 

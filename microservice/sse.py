@@ -22,14 +22,47 @@ def error_event(exc: ServiceError) -> str:
     return _event({"error": exc.body()["error"]})
 
 
+class ThinkingText:
+    """The text modes' view of a reasoning model's answer: its text only, or (with
+    LLM_USVC_INCLUDE_REASONING) the thinking too, between <think> and </think> before the
+    answer, as the model wrote it."""
+
+    def __init__(self, include_reasoning: bool = False) -> None:
+        self.include_reasoning = include_reasoning
+        self._thinking = False
+
+    def __call__(self, piece: Piece) -> str:
+        if not self.include_reasoning:
+            return piece.text
+        text = ""
+        if piece.reasoning:
+            text = piece.reasoning if self._thinking else f"<think>{piece.reasoning}"
+            self._thinking = True
+        if self._thinking and (piece.text or piece.tool_calls or piece.finish_reason):
+            text += "</think>"
+            self._thinking = False
+        return text + piece.text
+
+
+def thinking_text(text: str, reasoning: str | None, include_reasoning: bool) -> str:
+    """A whole answer's text in the text modes (see ThinkingText)."""
+    if include_reasoning and reasoning:
+        return f"<think>{reasoning}</think>{text}"
+    return text
+
+
 class OpeaFormat:
     """What OPEA clients parse: the repr of each text piece, then [DONE]."""
+
+    def __init__(self, include_reasoning: bool = False) -> None:
+        self.text = ThinkingText(include_reasoning)
 
     def start(self) -> list[str]:
         return []
 
     def piece(self, piece: Piece) -> list[str]:
-        return [f"data: {piece.text!r}\n\n"] if piece.text else []
+        text = self.text(piece)
+        return [f"data: {text!r}\n\n"] if text else []
 
 
 class DownstreamFormat:
@@ -38,11 +71,15 @@ class DownstreamFormat:
     that node. So the text goes in raw (no escaping), which gives that node the text itself;
     the orchestrator reads one network chunk per line, which holds as each line is one chunk."""
 
+    def __init__(self, include_reasoning: bool = False) -> None:
+        self.text = ThinkingText(include_reasoning)
+
     def start(self) -> list[str]:
         return []
 
     def piece(self, piece: Piece) -> list[str]:
-        return [f"data: b'{piece.text}'\n\n"] if piece.text else []
+        text = self.text(piece)
+        return [f"data: b'{text}'\n\n"] if text else []
 
 
 class OpenAIFormat:
@@ -72,6 +109,8 @@ class OpenAIFormat:
 
     def piece(self, piece: Piece) -> list[str]:
         delta: dict[str, Any] = {"content": piece.text} if piece.text else {}
+        if piece.reasoning:  # the model server's fields, passed through
+            delta["reasoning_content"] = delta["reasoning"] = piece.reasoning
         if piece.tool_calls:
             delta["tool_calls"] = piece.tool_calls
         if not delta and piece.finish_reason is None:

@@ -48,6 +48,8 @@ class Piece:
     finish_reason: str | None = None
     # OpenAI's `delta.tool_calls` entries of this piece, as the model server sent them.
     tool_calls: list[dict[str, Any]] | None = None
+    # A reasoning model's thinking (the model server's `delta.reasoning_content`).
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Completion:
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # A reasoning model's thinking (`message.reasoning_content`), None when there was none.
+    reasoning: str | None = None
 
 
 def timeouts(connect: float, read: float) -> httpx.Timeout:
@@ -183,8 +187,22 @@ def _first_delta(chunk: dict[str, Any]) -> Piece | None:
     if not isinstance(text, str):
         raise TypeError("content is not a string")
     tool_calls = checked_tool_calls(delta.get("tool_calls"), delta=True)
+    reasoning = _reasoning(delta) or ""
     reason = choice.get("finish_reason")
-    return Piece(text, reason, tool_calls) if text or reason or tool_calls else None
+    if not (text or reason or tool_calls or reasoning):
+        return None
+    return Piece(text, reason, tool_calls, reasoning)
+
+
+def _reasoning(body: dict[str, Any]) -> str | None:
+    """The thinking of a message or delta: vLLM's `reasoning_content`, or its newer
+    `reasoning`; TypeError when it is not a string."""
+    value = body.get("reasoning_content")
+    if value is None:
+        value = body.get("reasoning")
+    if not isinstance(value, str | None):
+        raise TypeError("reasoning_content is not a string")
+    return value
 
 
 def checked_tool_calls(calls: Any, *, delta: bool) -> list[dict[str, Any]] | None:
@@ -221,6 +239,7 @@ def parse_completion(body: bytes) -> Completion:
         choice = data["choices"][0]
         text = choice["message"]["content"] or ""
         tool_calls = checked_tool_calls(choice["message"].get("tool_calls"), delta=False)
+        reasoning = _reasoning(choice["message"])
         if not isinstance(text, str):
             raise TypeError("content is not a string")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
@@ -233,6 +252,7 @@ def parse_completion(body: bytes) -> Completion:
         choice.get("finish_reason"),
         usage if isinstance(usage, dict) else None,
         tool_calls if isinstance(tool_calls, list) else None,
+        reasoning,
     )
 
 
@@ -435,6 +455,10 @@ class ModelServer:
             return None
         body: dict[str, Any] = {"model": model, "messages": messages}
         body.update({name: params[name] for name in TEMPLATE_FIELDS if name in params})
+        if params.get("enable_thinking") is not None:  # the chat endpoint's shortcut
+            kwargs = {**body.get("chat_template_kwargs", {})}
+            kwargs.setdefault("enable_thinking", params["enable_thinking"])
+            body["chat_template_kwargs"] = kwargs
         try:
             response = await self.client.post(TOKENIZE_PATH, json=body)
         except httpx.HTTPError as exc:

@@ -12,11 +12,13 @@ from model_server.settings_spec import (
     parse_device_ids,
     parse_quantization,
     parse_size,
+    resolve_setting,
 )
 
 __all__ = [
     "QUANTIZATION_METHODS",
     "EngineConfig",
+    "KernelOptions",
     "parse_device_ids",
     "parse_quantization",
     "parse_size",
@@ -24,6 +26,40 @@ __all__ = [
 
 # The defaults are the engine settings' (settings_spec.py), so each is spelled once.
 _D: dict[str, Any] = engine_defaults()
+
+
+@dataclass(slots=True, frozen=True)
+class KernelOptions:
+    """The kernels' per-model settings as decided (no None: flag, else WICK_* variable, else the
+    declared value). Made once per engine, on rank 0, and handed to the platform's
+    `kernel_table`, `resolve_dtype`, `plan_linears` and `native_decoder_step` as a value."""
+
+    linear_tuning: bool  # --cpu-linear-tuning: time the matmuls, plan each weight's kernels
+    tuning_budget_s: float  # --cpu-linear-tuning-budget
+    auto_dtype: str  # --cpu-auto-dtype: measure | bfloat16 | float32
+    gguf_int8_dot: str  # --gguf-int8-dot: auto | on | off
+
+    @classmethod
+    def resolve(cls, source: object | None = None) -> KernelOptions:
+        """From `source`'s fields (an EngineConfig; None ones and a missing `source`: the
+        variables, as tests and tools that call the platform directly set them)."""
+
+        def value(name: str) -> Any:
+            return resolve_setting(name, getattr(source, name, None))
+
+        return cls(
+            linear_tuning=bool(value("cpu_linear_tuning")),
+            tuning_budget_s=float(value("cpu_linear_tuning_budget")),
+            auto_dtype=value("cpu_auto_dtype"),
+            gguf_int8_dot=value("gguf_int8_dot"),
+        )
+
+    def describe(self) -> str:
+        tuning = f"on, {self.tuning_budget_s:g}s budget" if self.linear_tuning else "off"
+        return (
+            f"cpu linear tuning {tuning}; cpu auto dtype {self.auto_dtype}; "
+            f"gguf int8 dot {self.gguf_int8_dot}"
+        )
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +97,22 @@ class EngineConfig:
     enforce_eager: bool = _D["enforce_eager"]
     gpu_memory_utilization: float = _D["gpu_memory_utilization"]
     num_threads: int | None = _D["num_threads"]
+    # The CPU kernels' settings: None is "not given": the WICK_* variable decides, else the
+    # declared value (settings_spec.resolve_setting). The per-model ones reach the platform as
+    # `KernelOptions`; the process ones are exported to their variables (export_process_settings).
+    cpu_linear_tuning: bool | None = _D["cpu_linear_tuning"]
+    cpu_linear_tuning_budget: float | None = _D["cpu_linear_tuning_budget"]  # seconds
+    cpu_auto_dtype: str | None = _D["cpu_auto_dtype"]  # measure | bfloat16 | float32
+    gguf_int8_dot: str | None = _D["gguf_int8_dot"]  # auto | on | off
+    cpu_isa: str | None = _D["cpu_isa"]  # auto | avx512_bf16 | avx512 | avx2 | generic
+    cpu_flags: str | None = _D["cpu_flags"]  # fake /proc/cpuinfo flags, space-separated
+    cache_dir: str | None = _D["cache_dir"]
+    gguf_weight_cache: bool | None = _D["gguf_weight_cache"]
+
+    def kernel_options(self) -> KernelOptions:
+        """The per-model kernel settings, each unset one from its variable (resolved once, on
+        rank 0, by the model-preparation stage)."""
+        return KernelOptions.resolve(self)
 
     @classmethod
     def from_attrs(cls, source: object) -> EngineConfig:
@@ -86,6 +138,7 @@ class EngineConfig:
             )
         check_device_count(self.device_ids, self.tensor_parallel_size)
         parse_quantization(self.quantization)
+        self.kernel_options()  # a bad kernel setting or WICK_* variable: one error, before loading
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

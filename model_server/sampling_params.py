@@ -69,6 +69,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -102,8 +103,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        prompt_only = self.max_tokens == 0 and self.prompt_logprobs is not None
+        if self.max_tokens is not None and self.max_tokens < 1 and not prompt_only:
+            raise ValueError(
+                f"max_tokens must be at least 1, got {self.max_tokens}"
+                + (" (0 only with prompt logprobs or echo)." if self.max_tokens == 0 else ".")
+            )
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -132,6 +137,14 @@ class SamplingParams:
             raise ValueError(f"repeat_last_n must be non-negative, got {self.repeat_last_n}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        k = self.prompt_logprobs
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
+        ):
+            raise InvalidParamError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}.",
+                "prompt_logprobs",
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids.")
         self._validate_logit_bias()

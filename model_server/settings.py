@@ -60,7 +60,11 @@ class ServerSettings(_Fields):
     @field_validator("*", mode="before")
     @classmethod
     def _parse(cls, value: Any, info: ValidationInfo) -> Any:
-        parse = SETTINGS_BY_NAME[str(info.field_name)].parse
+        setting = SETTINGS_BY_NAME[str(info.field_name)]
+        if setting.everywhere and isinstance(value, str):
+            # A WICK_* variable's text: read as every command reads it (a negated bool too).
+            return setting.from_env_text(value)
+        parse = setting.parse
         if parse is None or value is None or isinstance(value, bool):
             return value
         return parse(value)

@@ -12,9 +12,10 @@ Imports nothing heavy (no torch, no pydantic): `--help` must stay instant, and `
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -228,6 +229,106 @@ def _check_kv_cache_dtype(value: str) -> None:
         )
 
 
+def read_kv_cache_scales(path: str) -> tuple[str, dict[int, dict[int, float]]]:
+    """vLLM's --quantization-param-path file, strictly: `{"model_type": str | null, "kv_cache":
+    {"dtype": "float8_e4m3fn", "scaling_factor": {TP rank: {layer: scale}}}}` (vLLM's
+    QuantParamSchema, as AMMO's and AMD's quantizers write it): ranks 0..R-1 each with layers
+    0..L-1, every scale a positive finite number. Returns (dtype, scales); ValueError (one line
+    naming the file and the field) for anything else."""
+    import json
+    import math
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: {what} (expected vLLM's KV cache scales JSON)")
+
+    def index(key: str, what: str) -> int:
+        if not key.isdigit():
+            raise bad(f"{what} {key!r} is not a non-negative integer")
+        return int(key)
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise bad("the top level is not an object")
+    unknown = sorted(set(data) - {"model_type", "kv_cache"})
+    if unknown:
+        raise bad(f"unknown field {unknown[0]!r}")
+    if not isinstance(data.get("model_type"), str | None):
+        raise bad("model_type is not a string")
+    kv = data.get("kv_cache")
+    if not isinstance(kv, dict):
+        raise bad("no kv_cache object")
+    unknown = sorted(set(kv) - {"dtype", "scaling_factor"})
+    if unknown:
+        raise bad(f"unknown field kv_cache.{unknown[0]}")
+    dtype = kv.get("dtype")
+    if dtype != "float8_e4m3fn":
+        raise bad(f"kv_cache.dtype is {dtype!r}, not 'float8_e4m3fn'")
+    ranks = kv.get("scaling_factor")
+    if not isinstance(ranks, dict) or not ranks:
+        raise bad("kv_cache.scaling_factor is not a non-empty object of TP ranks")
+    scales: dict[int, dict[int, float]] = {}
+    for rank_key, layers in ranks.items():
+        rank = index(rank_key, "TP rank")
+        where = f"kv_cache.scaling_factor.{rank_key}"
+        if not isinstance(layers, dict) or not layers:
+            raise bad(f"{where} is not a non-empty object of layers")
+        scales[rank] = {}
+        for layer_key, value in layers.items():
+            layer = index(layer_key, f"{where}: layer")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise bad(f"{where}.{layer_key} is {value!r}, not a positive number")
+            scales[rank][layer] = float(value)
+        if sorted(scales[rank]) != list(range(len(scales[rank]))):
+            raise bad(f"{where}: the layers are not 0..{len(scales[rank]) - 1}")
+    if sorted(scales) != list(range(len(scales))):
+        raise bad(f"kv_cache.scaling_factor: the TP ranks are not 0..{len(scales) - 1}")
+    if len({len(layers) for layers in scales.values()}) > 1:
+        raise bad("kv_cache.scaling_factor: the TP ranks have different numbers of layers")
+    return dtype, scales
+
+
+def _refuse_quantization_param_path(value: str | None) -> None:
+    """A well-formed scales file is still refused: Wick's quantized KV caches
+    (kernels/kv_cache_dtype.py) compute one scale per token and KV head as they are written, and
+    have nowhere to put static per-layer ones. Never accepted and ignored."""
+    if value is None or not str(value).strip():
+        return
+    _, scales = read_kv_cache_scales(str(value).strip())
+    layers = len(next(iter(scales.values())))
+    raise ValueError(
+        f"{value}: static per-layer KV cache scales ({len(scales)} TP rank(s) x {layers} "
+        "layers) are not supported: Wick's quantized KV caches compute a scale per token and "
+        "KV head as they are written and need no calibration file; leave it out and use "
+        "--kv-cache-dtype fp8_e4m3 (cpu, cuda) or --kv-cache-dtype int8 (every device)"
+    )
+
+
+class _CheckedAtParse(argparse.Action):
+    """A flag whose setting's check runs while the command line parses: a bad value ends the
+    command with one `error:` line and exit 2 (argparse's status for a bad argument), without
+    the usage block."""
+
+    check: Callable[[Any], None]
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        try:
+            self.check(values)
+        except ValueError as exc:
+            parser.exit(2, f"error: {self.option_strings[0]}: {exc}\n")
+        setattr(namespace, self.dest, values)
+
+
 def _check_port(value: int) -> None:
     if not 0 <= value <= 65535:
         raise ValueError(f"port must be in 0-65535, got {value}")
@@ -245,6 +346,15 @@ def _check_tool_call_parser(value: str) -> None:
     if value not in TOOL_CALL_PARSERS:
         known = ", ".join(TOOL_CALL_PARSERS)
         raise ValueError(f"tool_call_parser {value!r} is not known; choose one of: {known}")
+
+
+REASONING_PARSERS = ("none", "auto", "qwen3", "deepseek_r1")
+
+
+def _check_reasoning_parser(value: str) -> None:
+    if value not in REASONING_PARSERS:
+        known = ", ".join(REASONING_PARSERS)
+        raise ValueError(f"reasoning_parser {value!r} is not known; choose one of: {known}")
 
 
 def parse_list(text: str | list[str] | None) -> str | None:
@@ -345,6 +455,62 @@ def _check_top_p(value: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {value}")
 
 
+# The CPU kernels' settings (kernels/cpu/). Their variables are the WICK_* names the kernels
+# have always read; every command reads them when the flag is not given (`Setting.everywhere`).
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_on_off(text: str | bool) -> bool:
+    """`1/true/yes/on` -> True, `0/false/no/off` -> False (any case); ValueError otherwise."""
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"expected on or off (1/0, true/false, yes/no), got {text!r}")
+
+
+CPU_AUTO_DTYPES = ("measure", "bfloat16", "float32")
+
+
+def parse_cpu_auto_dtype(text: str) -> str:
+    value = str(text).strip().lower()
+    value = {"bf16": "bfloat16", "fp32": "float32"}.get(value, value)
+    if value not in CPU_AUTO_DTYPES:
+        raise ValueError(
+            f"cpu_auto_dtype {text!r} is not one of {', '.join(CPU_AUTO_DTYPES)} (bf16, fp32)"
+        )
+    return value
+
+
+GGUF_INT8_DOT_MODES = ("auto", "on", "off")
+
+
+def parse_gguf_int8_dot(text: str) -> str:
+    value = str(text).strip().lower()
+    if value in _TRUE or value in _FALSE:
+        value = "on" if value in _TRUE else "off"
+    if value not in GGUF_INT8_DOT_MODES:
+        raise ValueError(
+            f"gguf_int8_dot {text!r} is not one of {', '.join(GGUF_INT8_DOT_MODES)} "
+            "(1/0, true/false too)"
+        )
+    return value
+
+
+# kernels/cpu/isa.py's ISA_NAMES, best first (which imports nothing heavy, but a test keeps them
+# equal so that --help needs no kernel module).
+CPU_ISAS = ("auto", "avx512_bf16", "avx512", "avx2", "generic")
+
+
+def parse_cpu_isa(text: str) -> str:
+    value = str(text).strip().lower()
+    if value not in CPU_ISAS:
+        raise ValueError(f"cpu_isa {text!r} is not one of {', '.join(CPU_ISAS)}")
+    return value
+
+
 # -------------------------------------------------------------------------------- declarations
 
 
@@ -368,6 +534,14 @@ class Setting:
     negatable: bool = True  # a bool flag gets --no-<flag>; False: a plain store_true switch
     nargs: str | None = None  # argparse's, for a flag taking several values (`parse` joins them)
     secret: bool = False  # kept out of reprs (pydantic SecretStr)
+    # Read by every command, not only `serve`: a WICK_* variable of the kernels. Its default is
+    # None ("not given"), so that the variable still decides under commands that read no
+    # environment and engines built in code (`resolve_setting`); `unset` is the value when
+    # neither flag nor variable gives one.
+    everywhere: bool = False
+    unset: Any = None
+    env_negated: bool = False  # a bool whose variable says the opposite (WICK_NO_GGUF_CACHE=1)
+    check_flag: bool = False  # `check` runs on the flag while parsing (exit 2, one line)
 
     @property
     def flag(self) -> str:
@@ -391,7 +565,29 @@ class Setting:
     def help_text(self, *, env: bool) -> str:
         text = f"{self.help} Default: {self.default_help}"
         text += "" if text.endswith(".") else "."
-        return f"{text} Env: {', '.join(self.env_names)}." if env else text
+        return f"{text} Env: {', '.join(self.env_names)}." if env or self.everywhere else text
+
+    def from_env_text(self, text: str) -> Any:
+        """The value a variable's text means (parsed and checked); ValueError naming both."""
+        try:
+            if self.type is bool:
+                value = parse_on_off(text)
+                value = not value if self.env_negated else value
+            elif self.parse is not None:
+                value = self.parse(text)
+            else:
+                value = self.type(text)
+            if self.check is not None:
+                self.check(value)
+        except ValueError as exc:
+            raise ValueError(f"{self.env_names[0]}={text!r} ({self.flag}): {exc}") from None
+        return value
+
+    def env_text(self, value: Any) -> str:
+        """The variable's text for `value` (what `from_env_text` reads back)."""
+        if self.type is bool:
+            return "1" if bool(value) != self.env_negated else "0"
+        return str(value)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -418,7 +614,11 @@ SETTINGS: tuple[Setting, ...] = (
         "dtype",
         str,
         "auto",
-        "auto (fp32 on CPUs without native bf16, bf16 on GPUs), float32, bfloat16, float16.",
+        "float32, bfloat16, float16, or auto: on cpu float32 without native bf16 "
+        "(avx512_bf16 or AMX, where bf16 runs 3-10x slower); with it bfloat16 where the model's "
+        "own linear shapes time faster in bf16 than in float32 on this machine (timed at the "
+        "first start, cached; see --cpu-auto-dtype), else float32; bfloat16 on accelerators "
+        "(float16 on CUDA devices without bf16).",
         "engine",
         opea=("VLLM_DTYPE",),
     ),
@@ -428,7 +628,8 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "int8: weight-only int8 quantization at load (per output channel; activations, norms, "
         "embeddings and the KV cache stay in --dtype): 4x less weight memory than float32 and "
-        "faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel (cpu and cuda only). "
+        "faster few-row decode steps on CPU; on cuda a Triton w8a16 kernel; on gcu and hpu the "
+        "portable torch matmul (dequantizes the weight on every call: slower than float). "
         "GGUF files are read in their own format (see --gguf-weights). GPTQ and AWQ checkpoints "
         "(an HF folder whose config.json has a quantization_config) are served kept quantized "
         "without this flag; gptq, awq or w8a16 (vLLM-GCU's names) only check that the "
@@ -445,7 +646,7 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         "How a GGUF file's quantized matrices load: quantized (kept in their GGUF blocks, Q4_0 "
         "to Q8_0 and Q2_K to Q6_K, decoded by the matmul as it reads them, with activations "
-        "rounded to int8 per 32 values where that times faster (WICK_GGUF_INT8_DOT): weight "
+        "rounded to int8 per 32 values where that times faster (--gguf-int8-dot): weight "
         "memory about the file's size, faster batch-1 decode, slower batches of 8 and more; cpu "
         "only), dequantized (float weights in --dtype), or auto (dequantized: the faster choice "
         "from batch 8 on, and the greedy output of the float weights; README's GGUF section has "
@@ -593,6 +794,128 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
     ),
     Setting("num_threads", int, None, "CPU threads.", "engine", default_text="all available cores"),
+    # --- engine, CPU kernels: WICK_* variables every command reads (`everywhere`). The first
+    # four are per-model decisions: resolved once on rank 0 with the model's config
+    # (engine/execution/model_preparation.py) and handed to the platform as values. The last
+    # four pick what the native library is and where caches live, process-wide, before anything
+    # loads: the entry points export a given flag to its variable at startup (settings_spec
+    # `export_process_settings`), which is how the library loader, the caches and spawned
+    # tensor-parallel workers all see the same value; that is why they stay variables
+    # underneath.
+    Setting(
+        "cpu_linear_tuning",
+        bool,
+        None,
+        "Time the candidate matmul kernels of every linear weight's shape per row bucket at "
+        "startup (timings cached per machine) and run the fastest on each; the native decoder "
+        "step needs it. Off: the fixed kernels, nothing timed, --dtype auto decided by the CPU "
+        "flags alone; for a quicker first start, or to rule the tuned kernels out.",
+        "engine",
+        default_text="on",
+        env="WICK_CPU_LINEAR_TUNING",
+        everywhere=True,
+        unset=True,
+    ),
+    Setting(
+        "cpu_linear_tuning_budget",
+        float,
+        None,
+        "Seconds of kernel timing at most per start (all shapes together; shapes left untimed "
+        "take the choice of the largest timed bucket, and later starts time the rest). Raise it "
+        "for a large model's first start, lower it where startup time matters more.",
+        "engine",
+        default_text="10",
+        env="WICK_CPU_LINEAR_TUNING_BUDGET_S",
+        everywhere=True,
+        unset=10.0,
+        check=_at_least("cpu_linear_tuning_budget", 0.0),
+    ),
+    Setting(
+        "cpu_auto_dtype",
+        str,
+        None,
+        "What --dtype auto does on a CPU with native bf16: measure (time the model's linear "
+        "shapes in both dtypes, cached), or bfloat16 / float32 to pin the choice without "
+        "timing (reproducible starts, tests). CPUs without native bf16 get float32 anyway.",
+        "engine",
+        default_text="measure",
+        env="WICK_CPU_AUTO_DTYPE",
+        everywhere=True,
+        unset="measure",
+        choices=CPU_AUTO_DTYPES,
+        parse=parse_cpu_auto_dtype,
+    ),
+    Setting(
+        "gguf_int8_dot",
+        str,
+        None,
+        "Whether GGUF weights kept quantized (--gguf-weights quantized) may run the int8 "
+        "dot-product kernel, which rounds activations to int8 per 32 values: auto (where it "
+        "times fastest), off (never: the dequantized model's exact products, at some speed), or "
+        "on (always, for the block types it takes, untimed: pins the numerics).",
+        "engine",
+        default_text="auto",
+        env="WICK_GGUF_INT8_DOT",
+        everywhere=True,
+        unset="auto",
+        choices=GGUF_INT8_DOT_MODES,
+        parse=parse_gguf_int8_dot,
+    ),
+    Setting(
+        "cpu_isa",
+        str,
+        None,
+        "Vector ISA of the native CPU kernels: auto (the best the CPU runs) or a lower path "
+        "(avx512, avx2, generic) than the CPU allows, to compare paths or work around one; a "
+        "path the CPU cannot run is refused with a warning. Process-wide: exported to its "
+        "variable at startup, so tensor-parallel workers build the same library.",
+        "engine",
+        default_text="auto",
+        env="WICK_CPU_ISA",
+        everywhere=True,
+        unset="auto",
+        choices=CPU_ISAS,
+        parse=parse_cpu_isa,
+    ),
+    Setting(
+        "cpu_flags",
+        str,
+        None,
+        "Fakes the CPU's flags (space-separated, as /proc/cpuinfo's flags line), which pick the "
+        "native kernels' ISA, --dtype auto and the tuning cache's machine key: for tests, and "
+        "for reproducing another machine's choices. Process-wide, exported to its variable.",
+        "engine",
+        default_text="the CPU's own (/proc/cpuinfo)",
+        env="WICK_CPU_FLAGS",
+        everywhere=True,
+    ),
+    Setting(
+        "cache_dir",
+        str,
+        None,
+        "Wick's cache folder: native kernel builds (kernels/), kernel timings (cpu_tuning/) "
+        "and dequantized GGUF copies (gguf/); point it at a persistent volume so restarts "
+        "skip the builds and timings. Process-wide, exported to its variable.",
+        "engine",
+        default_text="~/.cache/wick",
+        env="WICK_CACHE_DIR",
+        everywhere=True,
+    ),
+    Setting(
+        "gguf_weight_cache",
+        bool,
+        None,
+        "Keep a dequantized safetensors copy of a .gguf model's weights in --cache-dir, so the "
+        "next start of the same file loads without decoding the blocks; off saves the disk "
+        "space (the copy is the float model's size). Its variable is negated: "
+        "WICK_NO_GGUF_CACHE=1 turns it off. Process-wide, exported to its variable.",
+        "engine",
+        default_text="on",
+        env="WICK_NO_GGUF_CACHE",
+        everywhere=True,
+        unset=True,
+        env_negated=True,
+    ),
     # --- server: `serve` only
     Setting("host", str, "0.0.0.0", "Address to listen on.", "server"),
     Setting(
@@ -793,6 +1116,37 @@ SETTINGS: tuple[Setting, ...] = (
         choices=TOOL_CALL_PARSERS,
         check=_check_tool_call_parser,
     ),
+    Setting(
+        "reasoning_parser",
+        str,
+        "none",
+        "How a reasoning model's thinking is split from its answer on chat completions, as "
+        "vLLM's flag: the text between <think> and </think> goes to message.reasoning_content "
+        "(and `reasoning`, the same text; delta fields when streaming) instead of content. "
+        "qwen3 (Qwen3, QwQ: <think> in the output, or opened by the chat template), "
+        "deepseek_r1 (DeepSeek-R1: the output starts inside thinking), auto (from the chat "
+        "template: one that writes <think> picks the matching parser, else none), or none (off). "
+        "A request with enable_thinking false (top level or in chat_template_kwargs) gets no "
+        "reasoning; structured outputs apply after </think>.",
+        "server",
+        choices=REASONING_PARSERS,
+        check=_check_reasoning_parser,
+    ),
+    Setting(
+        "quantization_param_path",
+        str,
+        None,
+        "vLLM's (and vLLM-GCU's) file of static per-layer KV cache scales (JSON: "
+        "kv_cache.dtype float8_e4m3fn, kv_cache.scaling_factor per TP rank and layer, as "
+        "AMMO's or AMD's quantizer writes it). Checked strictly, then refused: Wick's int8 and "
+        "fp8 KV caches compute one scale per token and KV head as they are written and need no "
+        "calibration file; use --kv-cache-dtype fp8_e4m3 (cpu, cuda) or int8 (every device). "
+        "A malformed or a valid file given as the flag is one error line and exit 2.",
+        "server",
+        default_text="none",
+        check=_refuse_quantization_param_path,
+        check_flag=True,
+    ),
     # Server-wide sampling defaults (candle-vllm's flags, vLLM's --generation-config): a request
     # field left unset takes the flag, else the model's generation_config.json, else OpenAI's
     # default (entrypoints/openai/sampling_defaults.py).
@@ -880,6 +1234,56 @@ SETTINGS: tuple[Setting, ...] = (
 SETTINGS_BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 
+# The settings that configure the process, not one model: what the native library is built for
+# and where caches live. Read from their variables where they are used (the library loader, the
+# caches), in every process: so a value given as a flag is exported to the variable at startup
+# (`export_process_settings`), before anything loads, and tensor-parallel worker processes
+# inherit it.
+PROCESS_SETTINGS = ("cpu_isa", "cpu_flags", "cache_dir", "gguf_weight_cache")
+
+
+def resolve_setting(
+    name: str, given: Any = None, environ: MutableMapping[str, str] | None = None
+) -> Any:
+    """An `everywhere` setting's value: `given` (a flag, an EngineConfig field) unless None,
+    else its variable (empty: unset; a bad value is a ValueError naming it), else `unset`."""
+    s = SETTINGS_BY_NAME[name]
+    if given is not None:
+        if s.parse is not None and isinstance(given, str):
+            given = s.parse(given)  # the parsers are idempotent, and their errors name `name`
+        if s.check is not None:
+            s.check(given)
+        return given
+    text = (os.environ if environ is None else environ).get(s.env_names[0], "").strip()
+    return s.from_env_text(text) if text else s.unset
+
+
+def wick_cache_dir() -> Path:
+    """--cache-dir (WICK_CACHE_DIR), else ~/.cache/wick: the native builds, the kernel timings
+    and the GGUF copies live under it (kernels/cpu/native.py, tuning_cache.py,
+    loader/weight_cache.py)."""
+    given = resolve_setting("cache_dir")
+    return Path(given).expanduser() if given else Path.home() / ".cache" / "wick"
+
+
+def export_process_settings(
+    source: object, environ: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """Write each process setting `source` gives (a non-None attribute: a flag on the command
+    line, an EngineConfig field) to its variable, and check the variables of the others (a bad
+    one is an error now, not a warning when the library loads). Returns what it wrote."""
+    env = os.environ if environ is None else environ
+    written: dict[str, str] = {}
+    for name in PROCESS_SETTINGS:
+        s = SETTINGS_BY_NAME[name]
+        value = getattr(source, name, None)
+        if value is None:
+            resolve_setting(name, environ=env)
+            continue
+        written[s.env_names[0]] = env[s.env_names[0]] = s.env_text(value)
+    return written
+
+
 def settings_of(group: Group) -> tuple[Setting, ...]:
     return tuple(s for s in SETTINGS if s.group == group)
 
@@ -909,6 +1313,10 @@ def add_arguments(parser: argparse.ArgumentParser, group: Group, *, from_environ
             "default": None if from_environment else s.default,
             "help": s.help_text(env=from_environment),
         }
+        if s.default is None and s.default_text is not None:
+            # The help says the default; an empty `%(default)` keeps argparse's
+            # ArgumentDefaultsHelpFormatter from adding "(default: None)" after it.
+            kwargs["help"] += "%(default).0s"
         if s.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction if s.negatable else "store_true"
         else:
@@ -922,6 +1330,10 @@ def add_arguments(parser: argparse.ArgumentParser, group: Group, *, from_environ
                 kwargs["choices"] = list(s.choices)
             if s.nargs is not None:
                 kwargs["nargs"] = s.nargs
+            if s.check_flag and s.check is not None:
+                kwargs["action"] = type(
+                    "Checked", (_CheckedAtParse,), {"check": staticmethod(s.check)}
+                )
         g.add_argument(s.flag, *s.aliases, **kwargs)
 
 
@@ -949,7 +1361,16 @@ def configuration_markdown() -> str:
         "",
         "`generate`, `worker`, `bench throughput`, `bench latency` and `bench structured` take "
         "the engine flags "
-        "with the same defaults; they do not read the environment.",
+        "with the same defaults; they do not read the environment, except the `WICK_*` "
+        "variables of the CPU kernel settings (`--cpu-linear-tuning` to `--gguf-weight-cache`), "
+        "which every command reads where the flag is not given, as engines built in Python "
+        "(`LLM(...)`) do. Of those, `--cpu-linear-tuning`, `--cpu-linear-tuning-budget`, "
+        "`--cpu-auto-dtype` and `--gguf-int8-dot` are decided once per model (on rank 0, the "
+        "same on every tensor-parallel rank, printed by `wick plan`); "
+        + ", ".join(f"`{SETTINGS_BY_NAME[n].flag}`" for n in PROCESS_SETTINGS)
+        + " configure the process (which native library loads, where caches live): a flag "
+        "given is exported to its variable at startup, before anything loads, so the library "
+        "loader and the tensor-parallel worker processes see the same value.",
     ]
     for group in GROUP_COMMANDS:
         commands = ", ".join(f"`{c}`" for c in GROUP_COMMANDS[group])

@@ -108,3 +108,30 @@ def test_the_reader_sees_deferred_imports_and_skips_type_checking_ones(tmp_path)
     assert graph["model_server.a"] == {"model_server.b"}
     assert graph["model_server.b"] == {"model_server.c"}
     assert cycles(graph) == [["model_server.a", "model_server.b", "model_server.c"]]
+
+
+def test_models_never_import_the_cpu_kernels() -> None:
+    """A model describes its layers (kernels/stack_layer.py); which of them run natively, and
+    how, is the platform's decision (platforms/, kernels/cpu/), never the model's."""
+    leaks = {
+        m: sorted(t for t in targets if t.startswith("model_server.kernels.cpu"))
+        for m, targets in GRAPH.items()
+        if m.startswith("model_server.models")
+    }
+    assert {m: t for m, t in leaks.items() if t} == {}
+
+
+def test_every_kernel_table_slot_is_one_op() -> None:
+    """The kernel table holds one function per op a layer calls; a whole-model executor (the
+    native decoder step) is the runner's fast path, planned by the platform, never a slot.
+    A new slot is added here with the op it computes."""
+    import dataclasses
+
+    from model_server.kernels.table import KernelTable
+
+    one_op_slots = {
+        "linear", "int8_linear", "wna16_linear", "gguf_linear", "gguf_dequantize", "rms_norm",
+        "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
+        "fused_experts", "argmax",
+    }  # fmt: skip
+    assert {f.name for f in dataclasses.fields(KernelTable)} == one_op_slots

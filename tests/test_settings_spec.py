@@ -59,7 +59,8 @@ def test_every_setting_has_flag_variable_help_and_doc_entry() -> None:
     for s in SETTINGS:
         action = actions[s.name]
         assert s.flag in action.option_strings and set(s.aliases) <= set(action.option_strings)
-        assert s.env_names[0].startswith("LLM_"), s.name
+        # LLM_*, or the WICK_* name the CPU kernels have always read (every command reads it).
+        assert s.env_names[0].startswith("WICK_" if s.everywhere else "LLM_"), s.name
         assert (
             s.help.endswith(".")
             and action.help

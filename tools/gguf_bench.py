@@ -33,20 +33,17 @@ import torch
 
 from model_server.kernels.cpu.gguf_linear import (
     dequant_gemm,
+    fixed_gguf_linear,
     gguf_dequantize,
     gguf_gemm,
     gguf_q8_gemm,
     q8_supports,
 )
-from model_server.kernels.cpu.linear_tuning import (
-    CpuGGUFLinear,
-    CpuInt8Linear,
-    CpuLinear,
-    tune_cpu_linears,
-)
+from model_server.kernels.cpu.linear_tuning import tune_cpu_linears
 from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.kernels.gguf_blocks import block_shape, row_bytes
 from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.planned_weight import GGUFSegmentDispatch, RowBucketDispatch
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q2_k": 10, "q3_k": 11,
@@ -98,19 +95,22 @@ def steps(
 
     # The tuner's choices, timed now (a fresh in-memory cache) for these rows only.
     cache = TuningCache(None, {})
-    gguf = CpuGGUFLinear()
     kept_sites = [
         LinearSite(b, rows, True, None, f"m{i}", ggml_type=t, k=k)
         for i, (t, b, k) in enumerate(mats)
     ]
-    tune_cpu_linears(kept_sites, dtype, CpuLinear(), CpuInt8Linear(), cache, gguf=gguf)
-    linear = CpuLinear()
+    _, kept_plans = tune_cpu_linears(kept_sites, dtype, cache)
+    gguf = GGUFSegmentDispatch(
+        tuple(((p.site.ggml_type, p.site.weight.shape[0]), p.fns) for p in kept_plans),
+        fixed_gguf_linear("auto"),
+    )
     dense_sites = [LinearSite(w, rows, True, None, f"d{i}") for i, w in enumerate(dense)]
-    tune_cpu_linears(dense_sites, dtype, linear, CpuInt8Linear(), cache)
+    _, dense_plans = tune_cpu_linears(dense_sites, dtype, cache)
+    planned = [(plan.site.weight, RowBucketDispatch(plan.fns)) for plan in dense_plans]
 
     def dense_step(x: torch.Tensor) -> None:
-        for w in dense:
-            linear(x[:, : w.shape[1]], w, None)
+        for w, run in planned:
+            run(x[:, : w.shape[1]], w, None)
 
     variants: dict[str, Step] = {
         "kept int8-dot": kept(q8_or_float),

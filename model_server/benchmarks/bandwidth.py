@@ -81,9 +81,15 @@ def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
     parallelism `model` holds this rank's shards, so this is this rank's share."""
     import torch
 
+    from model_server.kernels.planned_weight import PlannedWeight
     from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
-    head_weights = {id(m.weight) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    # A planned head (kernels/planned_weight.py) reads its source: the tied table itself.
+    head_weights = {
+        id(getattr(m.weight, "source", m.weight))
+        for m in model.modules()
+        if isinstance(m, ParallelLMHead)
+    }
     gathered: dict[int, int] = {}  # id(embedding weight) -> bytes the step reads of it
     for m in model.modules():
         if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead):
@@ -95,8 +101,16 @@ def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
                 else:  # a table kept quantized (GGUF): its rows' share of its bytes
                     for p in w.parameters():
                         gathered[id(p)] = rows * p.numel() * p.element_size() // w.shape[0]
-    # parameters() yields a shared (tied) parameter once.
-    return sum(gathered.get(id(p), p.numel() * p.element_size()) for p in model.parameters())
+    # parameters() yields a shared (tied) parameter once. A weight whose values live only in an
+    # opaque packed tensor (oneDNN's layout: no parameter) reads its matrix's bytes.
+    opaque = sum(
+        m.shape.numel() * m.dtype.itemsize
+        for m in model.modules()
+        if isinstance(m, PlannedWeight) and m.source is None and not hasattr(m, "packed_data")
+    )
+    return opaque + sum(
+        gathered.get(id(p), p.numel() * p.element_size()) for p in model.parameters()
+    )
 
 
 def decode_step_bytes(

@@ -45,7 +45,6 @@ from model_server.benchmarks.bandwidth import (
 )
 from model_server.benchmarks.compute import (
     format_compute_bound,
-    linear_shape_counts,
     measure_gemm_rate,
 )
 from model_server.benchmarks.hf_baseline import (
@@ -270,9 +269,9 @@ def run_latency_benchmark(args: argparse.Namespace, config: EngineConfig) -> int
         flush=True,
     )
     # The matmul shapes of the step (every linear layer and the LM head), for the compute bound.
-    from model_server.engine.execution.kernel_tuning import linear_sites
+    from model_server.engine.execution.model_preparation import model_linear_shapes
 
-    shapes = linear_shape_counts(site.matrix_shape() for site in linear_sites(runner.model, 1, 1))
+    shapes = {(n, k): count for n, k, count in model_linear_shapes(runner.model, experts=False)}
     run_dtype = runner.dtype
     target = baseline_target(llm)
     # Release the engine first: the copy buffers and the baseline need the memory it holds.

@@ -52,7 +52,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default=None,
         help="Tokenizer for random prompts: a .gguf file, an HF folder or hub id, or 'none' for "
-        "random words (None: the embedded SmolLM2's tokenizer when installed, else none).",
+        "random words (None: the served model's, when --model or the `root` that /v1/models "
+        "lists is a folder or file on this machine; else the embedded SmolLM2's when "
+        "installed, else none).",
     )
     parser.add_argument("--num-prompts", type=int, default=100, help="Number of requests.")
     parser.add_argument("--random-input-len", type=int, default=128, help="Prompt tokens.")
@@ -142,14 +144,64 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def default_tokenizer(args: argparse.Namespace) -> str | None:
+def default_tokenizer(args: argparse.Namespace, served_root: str | None = None) -> str | None:
     """`--tokenizer`, else `--model` when it is a local folder or file (vLLM's benchmark takes
-    the model's tokenizer so; a served name is no path), else None (load_tokenizer's default)."""
+    the model's tokenizer so; a served name is no path), else the served model's `root` (from
+    /v1/models: the server's --model) when it is one, else None (load_tokenizer's default)."""
     if args.tokenizer is not None:
         return args.tokenizer
-    if args.model is not None and os.path.exists(os.path.expanduser(args.model)):
-        return os.path.expanduser(args.model)
+    for name in (args.model, served_root):
+        path = _local_model_path(name)
+        if path is not None:
+            return path
     return None
+
+
+def _local_model_path(name: str | None) -> str | None:
+    """`name` when it is a folder or file this machine has (a hub id or served name is not)."""
+    if not name:
+        return None
+    path = os.path.expanduser(name)
+    return path if os.path.exists(path) else None
+
+
+def served_model_root(args: argparse.Namespace) -> str | None:
+    """The `root` (else `id`) of the served model (`--model`'s card, else the first) in the
+    server's /v1/models; None when the server lists no such card. Waits for a starting server
+    as the benchmark's own model lookup does; without --model a server that cannot list its
+    models is the benchmark's error, with it None (the run names its model itself)."""
+    import httpx
+
+    async def ask() -> str | None:
+        base_url = args.base_url.rstrip("/")
+        api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        deadline = time.monotonic() + max(0.0, args.ready_check_timeout_sec)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), trust_env=False) as client:
+            while True:
+                try:
+                    cards = await served_models(client, base_url, headers)
+                    break
+                except ServerNotReady:
+                    if args.model is not None:
+                        return None
+                    if time.monotonic() >= deadline:
+                        raise
+                except RuntimeError:
+                    if args.model is not None:
+                        return None
+                    raise
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        if args.model is None:
+            card = cards[0]
+        else:
+            card = next((c for c in cards if c["id"] == args.model), None)
+            if card is None:
+                return None
+        root = card.get("root") or card.get("id")
+        return str(root) if root else None
+
+    return asyncio.run(ask())
 
 
 def extra_fields(args: argparse.Namespace, output_len: int) -> dict[str, Any]:
@@ -186,7 +238,24 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
 
     from model_server.benchmarks.random_prompts import load_tokenizer, sample_requests
 
-    tokenizer, tokenizer_name = load_tokenizer(default_tokenizer(args))
+    spec = default_tokenizer(args)
+    served_root = None
+    if args.tokenizer is None and spec is None:
+        served_root = served_model_root(args)
+        spec = default_tokenizer(args, served_root)
+    note = ""
+    if args.tokenizer is None and spec is not None:
+        note = " (the served model's)"
+        try:
+            tokenizer, tokenizer_name = load_tokenizer(spec)
+        except ValueError as exc:  # a model folder without tokenizer files, say
+            tokenizer, tokenizer_name = load_tokenizer(None)
+            note = f" (the served model's at {spec} does not load: {exc})"
+    else:
+        tokenizer, tokenizer_name = load_tokenizer(spec)
+        if args.tokenizer is None:
+            where = f"{served_root} is" if served_root else "the server names"
+            note = f" (the served model: {where} no folder or file on this machine)"
     requests = sample_requests(
         args.num_prompts,
         args.random_input_len,
@@ -195,7 +264,7 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         args.seed,
         tokenizer,
     )
-    print(f"tokenizer: {tokenizer_name}", flush=True)
+    print(f"tokenizer: {tokenizer_name}{note}", flush=True)
     summary = asyncio.run(benchmark(args, requests, percentiles, tokenizer_name))
     return 0 if summary["completed"] > 0 else 1
 
@@ -305,7 +374,14 @@ async def benchmark(
 async def first_model(
     client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None
 ) -> str:
-    """The id of the first model in `GET /v1/models`.
+    """The id of the first model in `GET /v1/models` (errors as `served_models`')."""
+    return str((await served_models(client, base_url, headers))[0]["id"])
+
+
+async def served_models(
+    client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None
+) -> list[dict[str, Any]]:
+    """The model cards of `GET /v1/models` (at least one).
 
     Raises `ServerNotReady` when the server is unreachable or answers 5xx, `RuntimeError` for
     any other failure."""
@@ -325,9 +401,9 @@ async def first_model(
         models = r.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError) as exc:
         raise RuntimeError(f"cannot list models at {url} ({exc}); pass --model") from exc
-    if not models:
+    if not models or not all(isinstance(m, dict) and "id" in m for m in models):
         raise RuntimeError(f"{url} lists no model; pass --model")
-    return str(models[0]["id"])
+    return models
 
 
 class ServerNotReady(RuntimeError):

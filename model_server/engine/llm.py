@@ -13,6 +13,7 @@ from model_server.engine.chat_template import render_chat
 from model_server.engine.llm_engine import LLMEngine
 from model_server.engine.outputs import RequestOutput
 from model_server.sampling_params import RequestOutputKind, SamplingParams
+from model_server.settings_spec import export_process_settings
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -38,6 +39,10 @@ class LLM:
         return llm
 
     def _init(self, config: EngineConfig) -> None:
+        # cpu_isa, cpu_flags, cache_dir, gguf_weight_cache given here configure the process
+        # (its variables), as the command line's flags do: the library loader, the caches and
+        # the tensor-parallel workers read them there.
+        export_process_settings(config)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model_server.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from model_server.engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from model_server.engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    RequestOutput,
+    TokenLogprobs,
+)
 from model_server.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -27,6 +32,8 @@ class _RequestState:
     params: SamplingParams
     samples: list[_SampleState]
     num_cached_tokens: int = 0
+    # With prompt_logprobs, once the first sample's first output brought them: None first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,6 +102,8 @@ class OutputProcessor:
             if sample.output.finished:
                 continue
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None, *out.prompt_logprobs]
             if self._apply(state, sample, out):
                 to_stop.append(out.request_id)
             changed[state.request_id] = state
@@ -154,6 +163,7 @@ class OutputProcessor:
             outputs=[_hand_out(s.output, cumulative) for s in state.samples],
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
 

@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """Logprobs of one generated token: its own and the `top` most likely alternatives."""
+    """Logprobs of one token (generated, or a prompt token given the tokens before it): its
+    own and the `top` most likely alternatives (most likely first). `rank` (prompt tokens only):
+    1 + how many tokens the model found more likely than it."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -24,6 +27,10 @@ class ModelRunnerOutput:
     # (a prefill chunk that does not reach the end of the prompt).
     sampled_token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
+    # Parallel too, for requests that asked for prompt logprobs and computed prompt positions
+    # this step: one entry per prompt token this chunk's rows predict (the token at position
+    # chunk start + 1 onwards); None elsewhere.
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -37,6 +44,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None
     # Prompt tokens whose K/V came from the prefix cache (set on every output).
     num_cached_tokens: int = 0
+    # Requests with prompt_logprobs, on their first output only: the logprobs of prompt tokens
+    # 1 .. P-1 (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -71,3 +81,6 @@ class RequestOutput:
     finished: bool
     # Prompt tokens served from the prefix cache (for n > 1: the most over the samples).
     num_cached_tokens: int = 0
+    # vLLM's: with `prompt_logprobs`, one entry per prompt token, None for the first (nothing
+    # comes before it); set on every output once the prompt is done (never changed after).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -1,4 +1,4 @@
-"""Command line: `generate`, `serve`, `quantize`, `bench throughput`, `bench latency`,
+"""Command line: `generate`, `serve`, `plan`, `quantize`, `bench throughput`, `bench latency`,
 `bench structured`, `bench kv-cache-dtype`, `bench serve`, `bench soak`. Logs go to stderr."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 
 from model_server.config import EngineConfig
 from model_server.entrypoints.engine_args import add_engine_args
+from model_server.settings_spec import export_process_settings
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -90,7 +91,34 @@ def _serve(args: argparse.Namespace) -> int:
     get_platform(settings.device)  # a missing runtime: one clear error before the server starts
     if args.model_type is not None:  # candle-vllm's positional: checked before the model loads
         check_model_type(args.model_type, model_architectures(settings.model, settings.load_format))
+    if args.print_plan:
+        return _print_plan(settings.engine_config())
     return run_server(settings, args.startup_notes)
+
+
+def _print_plan(config: EngineConfig) -> int:
+    """Prepare the model as a server would (one rank's plan: every rank plans alike) and print
+    the plan on stdout: the resolved dtype and KV cache dtype, what the decoder layers run, each
+    linear shape's kernels per row count and every planned weight."""
+    import dataclasses
+
+    from model_server.engine.llm import LLM
+
+    if config.kv_cache_memory is None:
+        # The plan does not depend on the KV cache: a small one starts faster.
+        config = dataclasses.replace(config, kv_cache_memory=64 * 1024**2)
+    llm = LLM.from_config(config)
+    try:
+        prepared = llm.engine.core.model_runner.prepared
+        sys.stdout.write(prepared.describe() + "\n")
+    finally:
+        llm.shutdown()
+    sys.stdout.flush()
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    return _print_plan(EngineConfig.from_attrs(args))
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -118,7 +146,7 @@ def _worker(args: argparse.Namespace) -> int:
     return run_worker_node(EngineConfig.from_attrs(args))
 
 
-_COMMANDS = ("generate", "serve", "quantize", "worker", "bench")
+_COMMANDS = ("generate", "serve", "plan", "quantize", "worker", "bench")
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -176,7 +204,25 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         add_serve_args(serve)
     else:
         serve = sub.add_parser("serve", help=serve_help, description=serve_description)
+    serve.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="Prepare the model, print its plan (resolved dtype, the kernels of each linear "
+        "shape per row count, which decoder layers run natively and why not) and exit.",
+    )
     serve.set_defaults(func=_serve)
+
+    plan = sub.add_parser(
+        "plan",
+        help="Print the model's plan and exit (as `serve --print-plan`).",
+        description="Prepare the model as `serve` would and print its plan: the resolved dtype "
+        "and KV cache dtype, whether the decoder layers run in one native call per step (and "
+        "why not), each linear shape's kernel per row count and every planned weight.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_engine_args(plan)
+    plan.set_defaults(func=_plan)
 
     quant = sub.add_parser(
         "quantize",
@@ -325,6 +371,10 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        # --cpu-isa, --cpu-flags, --cache-dir, --gguf-weight-cache configure the process: given,
+        # each goes to its WICK_* variable now, before torch or the native library loads, so
+        # the loader, the caches and spawned tensor-parallel workers all read the same value.
+        export_process_settings(args)
         code = args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if log_level == "DEBUG":

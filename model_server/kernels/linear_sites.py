@@ -1,9 +1,10 @@
 """What a platform may tune its matmuls for once the model is built: every linear weight of the
-model (and the LM head), with the most rows it will ever multiply (`Platform.tune_kernels`)."""
+model (and the LM head), with the most rows it will ever multiply (`Platform.plan_linears`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,7 +21,9 @@ class LinearSite:
     `exclusive`: no other module reads the weight (a tied embedding does), so a platform may
     move its values into another layout and keep only that. A GGUF weight kept in its blocks
     gives one site per row segment: `weight` its blocks (uint8 [N, row_bytes]), `ggml_type`
-    their type and `k` the float matrix's K (for `KernelTable.gguf_linear`).
+    their type and `k` the float matrix's K (for `KernelTable.gguf_linear`). `module`: the
+    linear layer's name in the model (its `weight` is `holder`: the tensor, or the quantized
+    weight the codes belong to), where the platform's plan installs a planned weight.
     """
 
     weight: torch.Tensor
@@ -33,6 +36,8 @@ class LinearSite:
     group_size: int = 0  # wNa16 only
     ggml_type: int | None = None  # GGUF only
     k: int = 0  # GGUF only
+    module: str = ""
+    holder: Any = None
 
     def matrix_shape(self) -> tuple[int, int]:
         """(N, K) of the float matrix the weight stands for (packed codes and GGUF blocks hold

@@ -49,6 +49,13 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]: gelu(gate, tanh approximation) * up, each op rounding to x's
+    dtype (GeGLU: Gemma's MLP)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> [B] int64: each row's largest, the first on ties, a
     NaN counting as the largest (torch.argmax)."""

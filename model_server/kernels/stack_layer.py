@@ -1,10 +1,13 @@
-"""`StackLayer`: one decoder layer as a whole-stack kernel reads it (`KernelTable.decoder_stack`;
-the CPU's is kernels/cpu/decoder_stack.py). Models describe their layers with it
-(models/decoder_parts.py, `stack_layer`)."""
+"""`StackLayer`: one decoder layer as a platform's native decoder step reads it (the CPU's is
+kernels/cpu/decoder_stack.py). Models describe their layers with it (models/decoder_parts.py,
+`stack_layer`); the platform decides whether a step runs them natively
+(`Platform.native_decoder_step`), and the model runner calls the step (its fast path)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -12,21 +15,58 @@ from torch import nn
 
 @dataclass(slots=True, frozen=True)
 class StackLayer:
-    """What the native stack reads of one pre-norm decoder layer; the model describes its layers
-    (models/decoder_parts.py, `DecoderLayer.stack_layer`) when they have this exact shape:
-    x -> x + o(attn(rotary(qkv(norm(x))))) -> x + down(silu(gate(norm(x))) * up(norm(x))), full
-    causal attention on the native CPU backend, neox rotary over whole heads, one rank. The
-    linear modules carry `weight` (a tensor or a GGUF weight) and `bias`."""
+    """One pre-norm decoder layer as the model describes it (`DecoderLayer.stack_layer`):
+    x -> x + attn_out_norm?(o(attn(rotary(qk_norm?(qkv(norm(x))))))) ->
+         x + mlp_out_norm?(down(act(gate(norm(x))) * up(norm(x)))),
+    norms RMSNorm (Gemma's hold 1 + w), rotary neox over whole heads. What the layer cannot be
+    described as, the model says in words instead. The platform decides which described layers
+    its native step runs (the attention backend, the activation, the rank count, ...)."""
 
     input_norm: torch.Tensor  # [hidden]
-    post_attention_norm: torch.Tensor  # [hidden]
-    eps: float
-    qkv: nn.Module  # [(H + 2 Hkv) D, hidden]
-    o: nn.Module  # [hidden, H D]
+    post_attention_norm: torch.Tensor  # [hidden]: the norm before the MLP (HF's name)
+    eps: float  # every norm's of the layer, the q/k norms' included
+    qkv: nn.Module  # [(H + 2 Hkv) D, hidden], optional bias
+    o: nn.Module  # [hidden, H D], optional bias
     gate_up: nn.Module  # [2 inter, hidden], gate rows then up rows, no bias
     down: nn.Module  # [hidden, inter]
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # this rank's
+    num_kv_heads: int  # this rank's
     head_dim: int
     scale: float
-    cos_sin_cache: torch.Tensor  # [max_position, D]: cos | sin
+    cos_sin_cache: torch.Tensor  # [max_position, D]: cos | sin (this layer's rope)
+    activation: str  # the gated MLP's: "silu", "gelu_tanh", "gelu"
+    attention_backend: str  # the backend the layer's attention runs ("cpu", "torch", ...)
+    tp_size: int = 1
+    # Sandwich norms (Gemma 2/3, GLM-4): on the attention output and on the MLP output.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # per-head [D] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    kv_group: int = 0  # 1: the sliding-window layers' own KV cache pool
+
+
+class StepMetadata(Protocol):
+    """What a native step reads of the attention metadata (layers/attention/backend.py)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    # The sliding-window layers' KV cache group (its own slot_mapping and block_tables), or None.
+    sliding: StepMetadata | None
+
+
+class NativeDecoderStep(Protocol):
+    """A platform's whole-stack fast path for one model (`Platform.native_decoder_step`): the
+    decoder layers of a step in one native call, with the modules' results, or None for a step
+    it does not take (the model runner then runs the modules)."""
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_caches: Sequence[Any],
+        attn_metadata: StepMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...

@@ -22,6 +22,7 @@ from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequan
 from model_server.kernels.portable import (
     argmax_torch,
     fused_add_rms_norm_torch,
+    gelu_tanh_and_mul_torch,
     int8_linear_dequant,
     rms_norm_torch,
     rotary_embedding_torch,
@@ -60,36 +61,12 @@ RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 ]
 
-# (x [M, K], a merged gate/up weight [2 I, K], bias) -> silu(x @ gate^T) * (x @ up^T) [M, I]
-# in one pass, or None where the table has no fused kernel for this weight (then the layer runs
-# `linear` and `silu_and_mul`)
-LinearSiluAndMulFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None
-]
 # logits [B, V] -> [B] int64: greedy sampling (layers/sampler.py), ties to the lowest id
 ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
-
-# (the model's decoder layers, positions [T], hidden_states [T, hidden] (the embedding),
-# kv_caches, attention metadata) -> (the last layer's MLP output, the residual stream before it),
-# as the layers' modules would return them (models/decoder_parts.py), or None where the table
-# has no whole-stack kernel for these layers (then the model runs them one by one)
-DecoderStackFn = Callable[..., "tuple[torch.Tensor, torch.Tensor] | None"]
 
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int64,
 # the table) -> [T, H]: the mixture-of-experts experts (kernels/fused_moe_torch.py)
 FusedExpertsFn = Callable[..., torch.Tensor]
-
-
-def no_fused_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The portable `linear_silu_and_mul`: no fused kernel, the layer runs both ops."""
-    return None
-
-
-def no_decoder_stack(*args: object) -> None:
-    """The portable `decoder_stack`: none; the model runs its layers' modules."""
-    return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,6 +77,8 @@ class KernelTable:
     Derive a variant with `dataclasses.replace(TORCH_KERNELS, rms_norm=...)`.
     """
 
+    # Each slot serves every weight the platform did not plan; a planned weight
+    # (kernels/planned_weight.py) carries its own kernels per row count.
     linear: LinearFn = F.linear  # every float linear layer and the LM head
     int8_linear: Int8LinearFn = int8_linear_dequant  # the same once `--quantization int8` ran
     # 4/8-bit group-quantized checkpoints (GPTQ, AWQ) kept quantized (layers/quantization/wna16.py)
@@ -109,11 +88,10 @@ class KernelTable:
     rms_norm: RMSNormFn = rms_norm_torch
     fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch
+    gelu_tanh_and_mul: SiluAndMulFn = gelu_tanh_and_mul_torch  # GeGLU (Gemma)
     rotary_embedding: RotaryFn = rotary_embedding_torch
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
     argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
-    linear_silu_and_mul: LinearSiluAndMulFn = no_fused_linear  # the SwiGLU MLP's first half
-    decoder_stack: DecoderStackFn = no_decoder_stack  # all decoder layers in one call
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.

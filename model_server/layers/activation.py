@@ -26,27 +26,31 @@ class SiluAndMul(nn.Module):
 
 
 class GeluAndMul(nn.Module):
-    """[..., 2d] -> [..., d]: gelu(gate) * up, exact erf or tanh approximation."""
+    """[..., 2d] -> [..., d]: gelu(gate) * up, exact erf or tanh approximation; the tanh one
+    (Gemma's GeGLU) on the table's `gelu_tanh_and_mul`."""
 
-    def __init__(self, approximate: str = "none") -> None:
+    def __init__(self, approximate: str = "none", *, kernels: KernelTable = TORCH_KERNELS) -> None:
         super().__init__()
         self.approximate = approximate
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "tanh":
+            return self.kernels.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 
 
 def get_act_and_mul_fn(hidden_act: str, kernels: KernelTable = TORCH_KERNELS) -> nn.Module:
     """The gated activation for an HF `hidden_act` name; ValueError for unsupported ones.
-    (GELU variants have no kernel slot: they run PyTorch's ops.)"""
+    (The exact GELU has no kernel slot: it runs PyTorch's ops.)"""
     name = hidden_act.lower()
     if name in ("silu", "swish"):
         return SiluAndMul(kernels=kernels)
     if name == "gelu":
-        return GeluAndMul("none")
+        return GeluAndMul("none", kernels=kernels)
     if name in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return GeluAndMul("tanh")
+        return GeluAndMul("tanh", kernels=kernels)
     raise ValueError(
         f"unsupported hidden_act {hidden_act!r}; supported: silu, gelu, gelu_pytorch_tanh"
     )

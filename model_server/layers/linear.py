@@ -31,6 +31,7 @@ from model_server.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from model_server.distributed.partition import HeadShard, divide, shard_heads
+from model_server.kernels.planned_weight import PlannedWeight
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.quantization import QuantizedWeight
 from model_server.layers.quantization.base import LinearQuantMethod, linear_quant_method
@@ -38,19 +39,20 @@ from model_server.layers.quantization.base import LinearQuantMethod, linear_quan
 
 def dense(
     x: torch.Tensor,
-    weight: torch.Tensor | QuantizedWeight,
+    weight: torch.Tensor | QuantizedWeight | PlannedWeight,
     bias: torch.Tensor | None = None,
     *,
     kernels: KernelTable,
 ) -> torch.Tensor:
     """x [M, in] @ weight [out, in]^T + bias: every linear layer and the LM head call this.
 
-    `weight` is a float tensor, or a `QuantizedWeight` (`--quantization int8`, or a checkpoint
-    kept in its quantized format), which runs its own kernel-table slot.
+    `weight` is a float tensor (the table's `linear`), a `QuantizedWeight` (`--quantization
+    int8`, or a checkpoint kept in its quantized format), which runs its own kernel-table slot,
+    or a `PlannedWeight`, which runs the kernels the platform planned for it.
     """
-    if isinstance(weight, QuantizedWeight):
-        return weight.apply(x, bias, kernels)
-    return kernels.linear(x, weight, bias)
+    if isinstance(weight, torch.Tensor):
+        return kernels.linear(x, weight, bias)
+    return weight.apply(x, bias, kernels)
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:

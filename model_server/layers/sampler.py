@@ -33,7 +33,13 @@ from model_server.layers.sampling.metadata import (
 from model_server.layers.sampling.ops import random_sample, select_candidates
 from model_server.layers.sampling.penalties import apply_penalties
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata"]
+__all__ = [
+    "PromptLogprobsOutput",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "compute_prompt_logprobs",
+]
 
 _MASK_64 = (1 << 64) - 1
 _MASK_32 = (1 << 32) - 1
@@ -197,3 +203,30 @@ class Sampler:
         if greedy is not None and md.greedy_mask is not None:
             sampled = torch.where(md.greedy_mask, greedy, sampled)
         return sampled
+
+
+@dataclass(slots=True)
+class PromptLogprobsOutput:
+    """Prompt logprobs of N positions: the prompt token that follows each, under the model."""
+
+    # [N] int64: the prompt token each position predicts.
+    target_ids: torch.Tensor
+    # [N] float32: log_softmax(logits)[target] (the raw distribution, as for sampled tokens).
+    logprobs: torch.Tensor
+    # [N] int64: 1 + the number of tokens more likely than the target.
+    ranks: torch.Tensor
+    # [N, k] int64 / float32: the k most likely tokens and their logprobs, most likely first.
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, k: int
+) -> PromptLogprobsOutput:
+    """logits [N, V] (any float dtype; upcast) of N prompt positions and the token that follows
+    each, target_ids [N] -> each target's logprob and rank, and the top `k` (0: none)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    target = logprobs.gather(1, target_ids.unsqueeze(1))
+    ranks = (logprobs > target).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return PromptLogprobsOutput(target_ids, target.squeeze(1), ranks, top_ids, top_logprobs)

@@ -24,7 +24,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def load_hf_folder(folder: str, *, dummy: bool = False) -> ModelSource:
     config = read_hf_config(folder)
-    tokenizer = load_hf_tokenizer(folder)
+    tokenizer = load_hf_tokenizer(folder, config)
     if dummy:
         return ModelSource(config, tokenizer, folder, None, 0, format="dummy")
     files = safetensors_files(folder)
@@ -69,22 +69,51 @@ def read_hf_config(folder: str) -> transformers.PretrainedConfig:
     if "model_type" not in data:
         raise ModelLoadError(f"{path}: no model_type field")
     try:
+        # Remote-code families Wick runs natively (InternLM2, Baichuan, ChatGLM): translated
+        # to their transformers equivalent, no remote code run (models/remote_code.py).
+        from model_server.models.remote_code import translate_config
+
+        translated = translate_config(data)
+        if translated is not None:
+            translated._name_or_path = folder
+            return translated
         return transformers.AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
 
-def load_hf_tokenizer(folder: str) -> transformers.PreTrainedTokenizerBase | None:
-    """The folder's tokenizer (fast when possible), or None when it ships none."""
+def load_hf_tokenizer(
+    folder: str, config: transformers.PretrainedConfig | None = None
+) -> transformers.PreTrainedTokenizerBase | None:
+    """The folder's tokenizer (fast when possible), or None when it ships none. A remote-code
+    family's (`config` translated by read_hf_config) comes from its tokenizer.json where it has
+    one: its own tokenizer class is remote code, which is never run."""
     if not any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES):
         logger.warning("%s: no tokenizer files; serving token ids only", folder)
         return None
     import transformers
 
+    remote = getattr(config, "remote_code_config", None) is not None
+    if remote and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        # A remote-code family's tokenizer class is its own code, never run: its tokenizer.json
+        # (with tokenizer_config.json's special tokens and chat template) instead.
+        tokenizer_cls: Any = transformers.PreTrainedTokenizerFast
+        kwargs: dict[str, Any] = {}
+    else:
+        tokenizer_cls = transformers.AutoTokenizer
+        # A translated config spares AutoTokenizer reading config.json (it would ask to run the
+        # remote code).
+        kwargs = {"config": config, "trust_remote_code": False} if remote else {}
     try:
-        return transformers.AutoTokenizer.from_pretrained(folder, use_fast=True)
+        return tokenizer_cls.from_pretrained(folder, use_fast=True, **kwargs)
     except Exception as exc:  # tokenizer loading raises anything from ValueError to OSError
-        raise ModelLoadError(f"{folder}: cannot load the tokenizer: {exc}") from exc
+        hint = (
+            " (the checkpoint's tokenizer class is remote code, which Wick does not run: add a "
+            "tokenizer.json, a fast tokenizer saved by transformers, to the folder)"
+            if remote
+            else ""
+        )
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer{hint}: {exc}") from exc
 
 
 def safetensors_files(folder: str) -> list[str]:

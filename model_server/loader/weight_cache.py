@@ -5,7 +5,9 @@ the GGUF's real path, size, mtime and CACHE_FORMAT (so a change to name mapping 
 un-permutation invalidates old copies). The file is written while the first load streams the
 weights (no second pass, no extra memory: every tensor's dtype and shape is known up front, so
 the safetensors header is written first) into a temporary file in the same folder, renamed into
-place only once every tensor is in. Set `WICK_NO_GGUF_CACHE=1` to turn it off.
+place only once every tensor is in. `--no-gguf-weight-cache` (`WICK_NO_GGUF_CACHE=1`) turns it
+off; `--cache-dir` (`WICK_CACHE_DIR`) moves it. Both configure the process: the entry points
+export a given flag to its variable, which this module reads.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import IO
 import torch
 
 from model_server.loader.source import WeightIterator
+from model_server.settings_spec import resolve_setting, wick_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +50,12 @@ class TensorSpec:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("WICK_CACHE_DIR") or Path.home() / ".cache" / "wick")
+    return wick_cache_dir()
 
 
 def cache_file_for(source: str) -> Path | None:
     """Where the copy of `source` lives (whether or not it exists); None when caching is off."""
-    if os.environ.get("WICK_NO_GGUF_CACHE", "").lower() in ("1", "true", "yes"):
+    if not resolve_setting("gguf_weight_cache"):  # WICK_NO_GGUF_CACHE=1
         return None
     real = os.path.realpath(source)
     st = os.stat(real)

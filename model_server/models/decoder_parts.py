@@ -17,7 +17,7 @@ from torch import nn
 
 from model_server.kernels.stack_layer import StackLayer
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
-from model_server.layers.activation import SiluAndMul, get_act_and_mul_fn
+from model_server.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul_fn
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.attention.layer import Attention
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -72,12 +72,14 @@ class GatedMLP(nn.Module):
         )
         self.act_fn = get_act_and_mul_fn(hidden_act, kernels)
         self.kernels = kernels
-        # SwiGLU without bias: the table may fuse the SiLU into the gate/up matmul.
+        # SwiGLU without bias: a planned gate/up weight may fuse the SiLU into its matmul.
         self.fuse_silu = isinstance(self.act_fn, SiluAndMul) and not bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuse_silu:
-            fused = self.kernels.linear_silu_and_mul(x, self.gate_up_proj.weight, None)
+            # A planned gate/up weight may fuse the SiLU into its matmul (CPU panels).
+            fused_fn = getattr(self.gate_up_proj.weight, "silu_and_mul", None)
+            fused = None if fused_fn is None else fused_fn(x)
             if fused is not None:
                 return self.down_proj(fused)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -227,38 +229,56 @@ class DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+def _plain_rms_norm(norm: nn.Module | None) -> bool:
+    return norm is None or type(norm).forward is RMSNorm.forward
+
+
+def _activation(mlp: nn.Module) -> str | None:
+    if isinstance(mlp.act_fn, SiluAndMul):
+        return "silu"
+    if isinstance(mlp.act_fn, GeluAndMul):
+        return "gelu_tanh" if mlp.act_fn.approximate == "tanh" else "gelu"
+    return None
+
+
 def stack_layer(layer: nn.Module) -> StackLayer | str:
-    """`layer` described for `KernelTable.decoder_stack` (kernels/cpu/decoder_stack.py), or why
-    it has not that exact shape: a plain pre-norm DecoderLayer, RMSNorms, QKVAttention without
-    q/k norm, neox rotary over whole heads, full attention on the native CPU backend, a SwiGLU
-    GatedMLP without gate/up bias, one rank."""
-    if type(layer).forward is not DecoderLayer.forward or layer.post_norms:
-        return "not a plain pre-norm decoder layer"
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(norm) is not RMSNorm for norm in norms):
-        return "norms other than plain RMSNorm"
+    """`layer` described for a platform's native decoder step (`Platform.native_decoder_step`;
+    the CPU's: kernels/cpu/decoder_stack.py), or in words what it is instead: a DecoderLayer
+    (sandwich norms allowed) of RMSNorms, QKVAttention (q/k norm, biases, window, soft cap
+    allowed) with neox rotary over whole heads, and a gated MLP without gate/up bias."""
+    if type(layer).forward is not DecoderLayer.forward:
+        return f"{type(layer).__name__} (not the pre-norm decoder layer)"
+    input_name, attn_out_name, pre_mlp_name, mlp_out_name = layer._norm_names
+    norms = {name: getattr(layer, name) if name else None for name in layer._norm_names}
+    if not all(_plain_rms_norm(norm) for norm in norms.values()):
+        return "a LayerNorm or another norm (the native step runs RMSNorm)"
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn).forward is not QKVAttention.forward or attn.qk_norm:
-        return "attention with a q/k norm or of another kind"
-    if type(attn.rotary_emb) is not RotaryEmbedding:
-        return "a partial or other rotary embedding"
-    impl = attn.attn.impl
-    if impl.name != "cpu" or getattr(impl, "kernels", None) is None:
-        return f"the {impl.name} attention backend (not the native CPU one)"
-    if attn.attn.sliding_window is not None or impl.logits_soft_cap is not None:
-        return "a sliding window or a logit soft cap"
-    if attn.attn.kv_group != 0:
-        return "a second KV cache group"
-    if type(mlp) is not GatedMLP or not isinstance(mlp.act_fn, SiluAndMul):
-        return "an MLP other than SwiGLU"
+    if type(attn).forward is not QKVAttention.forward:
+        return f"{type(attn).__name__} (not the fused q/k/v attention)"
+    if attn.qk_norm and not (_plain_rms_norm(attn.q_norm) and _plain_rms_norm(attn.k_norm)):
+        return "a q/k norm other than RMSNorm"
+    rotary = attn.rotary_emb
+    if type(rotary).forward is not RotaryEmbedding.forward or rotary.head_dim != attn.head_dim:
+        return f"{type(rotary).__name__} (partial or scaled-at-runtime rotary)"
+    if type(mlp) is not GatedMLP and type(mlp).forward is not GatedMLP.forward:
+        return f"{type(mlp).__name__} (not the gated MLP)"
+    activation = _activation(mlp)
+    if activation is None:
+        return f"the {type(mlp.act_fn).__name__} activation"
     if mlp.gate_up_proj.bias is not None:
         return "a gate/up bias"
-    if mlp.down_proj.tp_size != 1 or attn.qkv_proj.tp_size != 1:
-        return "tensor parallelism (all-reduces run between the modules)"
+    eps = norms[input_name].variance_epsilon
+    every = [n for n in norms.values() if n is not None]
+    if attn.qk_norm:
+        every += [attn.q_norm, attn.k_norm]
+    if any(n.variance_epsilon != eps for n in every):
+        return "norms with different eps"
+    impl = attn.attn.impl
+    backend = impl.name if getattr(impl, "kernels", True) is not None else f"{impl.name} (torch)"
     return StackLayer(
-        input_norm=layer.input_layernorm.weight,
-        post_attention_norm=layer.post_attention_layernorm.weight,
-        eps=layer.input_layernorm.variance_epsilon,
+        input_norm=norms[input_name].weight,
+        post_attention_norm=norms[pre_mlp_name].weight,
+        eps=eps,
         qkv=attn.qkv_proj,
         o=getattr(attn, attn.out_name),
         gate_up=mlp.gate_up_proj,
@@ -267,15 +287,25 @@ def stack_layer(layer: nn.Module) -> StackLayer | str:
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
         scale=attn.attn.scale,
-        cos_sin_cache=attn.rotary_emb.cos_sin_cache,
+        cos_sin_cache=rotary.cos_sin_cache,
+        activation=activation,
+        attention_backend=backend,
+        tp_size=max(attn.qkv_proj.tp_size, mlp.down_proj.tp_size),
+        attn_out_norm=None if not attn_out_name else norms[attn_out_name].weight,
+        mlp_out_norm=None if not mlp_out_name else norms[mlp_out_name].weight,
+        q_norm=attn.q_norm.weight if attn.qk_norm else None,
+        k_norm=attn.k_norm.weight if attn.qk_norm else None,
+        sliding_window=attn.attn.sliding_window,
+        logits_soft_cap=getattr(impl, "logits_soft_cap", None),
+        kv_group=attn.attn.kv_group,
     )
 
 
 class DecoderModel(nn.Module):
     """embed_tokens -> `layers` (DecoderLayer's residual convention) -> the final `norm`, which
     adds the last residual. Subclasses set `layers` and `norm`, and may scale the embedding
-    (`embed`). `kernels.decoder_stack` may run all the layers in one call (CPUs: kernels/cpu/
-    decoder_stack.py), with the modules' results."""
+    (`embed`). The model runner may run the layers in one native call instead (its fast
+    path, from `stack_layers()`: engine/execution/model_runner.py), with the modules' results."""
 
     def __init__(self, config: Any, kernels: KernelTable = TORCH_KERNELS) -> None:
         super().__init__()
@@ -285,7 +315,7 @@ class DecoderModel(nn.Module):
         self._stack: tuple[StackLayer, ...] | str | None = None
 
     def stack_layers(self) -> tuple[StackLayer, ...] | str:
-        """The layers described for `kernels.decoder_stack`, or why one of them cannot be."""
+        """The layers described for a native decoder step, or why one of them cannot be."""
         if self._stack is None:
             described = [stack_layer(layer) for layer in self.layers]
             reasons = [(i, d) for i, d in enumerate(described) if isinstance(d, str)]
@@ -306,17 +336,11 @@ class DecoderModel(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed(input_ids)
-        stacked = self.kernels.decoder_stack(
-            self.stack_layers(), positions, hidden_states, kv_caches, attn_metadata
-        )
-        if stacked is not None:
-            hidden_states, residual = stacked
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden_states, residual = layer(
-                    positions, hidden_states, residual, kv_cache, attn_metadata
-                )
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, attn_metadata
+            )
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

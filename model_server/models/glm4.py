@@ -3,6 +3,10 @@
 attention and MLP (Gemma 2's sandwich, plain RMSNorm), and partial rotary (half of each head) in
 the interleaved (GPT-J) layout: dims (2i, 2i + 1) rotate together.
 
+GLM-4 in its original `-hf` layout (`GlmForCausalLM`, glm-4-9b-chat-hf) is the same model without
+the sandwich norms (Llama's two norms per layer): `GlmForCausalLM` below. The remote-code
+ChatGLM checkpoints (`ChatGLMModel`) load into it too (models/remote_code.py).
+
 The interleaved rotary becomes the neox rotary the kernels implement by permuting the rotary
 dims of each q and k head at load time (even dims first, then odd ones): q . k is unchanged
 when both get the same permutation, and v and the output are not touched.
@@ -66,6 +70,7 @@ class Glm4Model(DecoderModel):
         attn_backend: type[AttentionBackend],
         max_position: int,
         kernels: KernelTable,
+        sandwich: bool = True,
     ) -> None:
         super().__init__(config)
         head_dim = get_head_dim(config)
@@ -85,7 +90,7 @@ class Glm4Model(DecoderModel):
                     config.hidden_size, config.intermediate_size, config.hidden_act, False, kernels
                 ),
                 make_norm,
-                post_norms=True,
+                post_norms=sandwich,
                 names=_NORM_NAMES,
             )
             for _ in range(config.num_hidden_layers)
@@ -94,6 +99,10 @@ class Glm4Model(DecoderModel):
 
 
 class Glm4ForCausalLM(LlamaForCausalLM):
+    # Norms after attention and after the MLP as well as before (GLM-4-0414); GlmForCausalLM
+    # has Llama's two.
+    SANDWICH_NORMS = True
+
     def __init__(
         self,
         config: Any,
@@ -105,7 +114,9 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.max_position = max_model_len or config.max_position_embeddings
         self.sliding_window = None
-        self.model = Glm4Model(config, attn_backend, self.max_position, kernels)
+        self.model = Glm4Model(
+            config, attn_backend, self.max_position, kernels, sandwich=self.SANDWICH_NORMS
+        )
         self.tie_word_embeddings, self.lm_head = make_lm_head(
             config, self.model.embed_tokens, kernels, tie_default=False
         )
@@ -124,3 +135,10 @@ class Glm4ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
         return super().load_weights(permuted())
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    """GLM-4 in the `-hf` layout (`GlmForCausalLM`): GLM-4's attention, rotary and fused
+    gate_up MLP with Llama's pre-norms only (`input_layernorm`, `post_attention_layernorm`)."""
+
+    SANDWICH_NORMS = False

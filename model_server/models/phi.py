@@ -120,6 +120,13 @@ class LayerNormModel(nn.Module):
         self.final_norm_name = final_norm_name
         setattr(self, final_norm_name, nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps))
 
+    def stack_layers(self) -> str:
+        """Why a native decoder step does not describe these layers (models/decoder_parts.py's
+        `stack_layer` describes pre-norm RMSNorm layers)."""
+        layer = self.layers[0]
+        kind = "parallel attention + MLP" if layer.parallel else "sequential attention, MLP"
+        return f"layer 0: LayerNorm with bias, {kind} ({type(layer).__name__})"
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -35,7 +35,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "PhiForCausalLM": ("phi", "PhiForCausalLM"),  # Phi-1/1.5/2
     "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    "GlmForCausalLM": ("glm4", "GlmForCausalLM"),  # GLM-4 -hf layout: no sandwich norms
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    # Remote-code checkpoints mapped onto Llama / GLM (models/remote_code.py).
+    "InternLM2ForCausalLM": ("remote_code", "InternLM2ForCausalLM"),
+    "BaichuanForCausalLM": ("remote_code", "BaichuanForCausalLM"),  # 7B (rotary) only
+    "BaiChuanForCausalLM": ("remote_code", "BaichuanForCausalLM"),
+    "ChatGLMModel": ("remote_code", "ChatGLMForCausalLM"),
+    "ChatGLMForConditionalGeneration": ("remote_code", "ChatGLMForCausalLM"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "DbrxForCausalLM": ("dbrx", "DbrxForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "QwenMoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("deepseek", "DeepseekForCausalLM"),

@@ -4,40 +4,37 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cache
 
 import torch
 
+from model_server.config import KernelOptions
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.decoder_stack import CpuDecoderStack
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
-from model_server.kernels.cpu.gguf_linear import fixed_gguf_linear, gguf_dequantize, int8_dot_mode
+from model_server.kernels.cpu.gguf_linear import fixed_gguf_linear, gguf_dequantize
 from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
 from model_server.kernels.cpu.layer_ops import native_kernel_table
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
-from model_server.kernels.cpu.linear_tuning import (
-    CpuGGUFLinear,
-    CpuInt8Linear,
-    CpuLinear,
-    CpuWNA16Linear,
-    tune_cpu_linears,
-    tuning_enabled,
-)
+from model_server.kernels.cpu.linear_plan import planned_weights
+from model_server.kernels.cpu.linear_tuning import tune_cpu_linears
 from model_server.kernels.cpu.onednn_cache import bound_onednn_caches
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.cpu.wna16 import wna16_linear
 from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.planned_weight import LinearPlan
+from model_server.kernels.stack_layer import NativeDecoderStep, StackLayer
 from model_server.kernels.table import KernelTable
 from model_server.platforms.interface import Platform
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_KV_CACHE_BYTES = 2 * 1024**3
-# With tuning off (WICK_CPU_LINEAR_TUNING=0): the fixed MKL-friendly matmuls for decode's few
-# rows and PyTorch's int8 weight-only kernel (kernels/cpu/linear.py). Norms, SiLU-and-mul and
-# rotary run on the native C kernels either way (`_with_layer_ops`).
+# The matmuls of weights without a plan (all of them with --no-cpu-linear-tuning): the fixed
+# MKL-friendly matmuls for decode's few rows and PyTorch's int8 weight-only kernel (kernels/cpu/
+# linear.py). Norms, SiLU-and-mul and rotary run on the native C kernels (`_with_layer_ops`).
 _FIXED_CPU_KERNELS = KernelTable(
     linear=skinny_linear, int8_linear=int8_linear, wna16_linear=wna16_linear
 )
@@ -75,19 +72,24 @@ class CpuPlatform(Platform):
         # Without native bf16 (avx512_bf16 / AMX) bf16 runs 3-10x slower than fp32 on CPUs.
         return torch.bfloat16 if _NATIVE_BF16_FLAGS & _cpu_flags() else torch.float32
 
-    def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
+    def auto_dtype(
+        self,
+        linear_shapes: Sequence[tuple[int, int, int]] = (),
+        options: KernelOptions | None = None,
+    ) -> torch.dtype:
         """fp32 without native bf16 (nothing measured); with it, bf16 only where the model's
         linears (`linear_shapes`) run faster in bf16 on this machine (kernels/cpu/
-        dtype_choice.py, cached), or as WICK_CPU_AUTO_DTYPE says. With tuning off or no shapes
-        given: bf16 on the flags alone."""
+        dtype_choice.py, cached), or as --cpu-auto-dtype (`options.auto_dtype`) pins it. With
+        tuning off or no shapes given: bf16 on the flags alone."""
         if self.default_dtype() != torch.bfloat16:
             return torch.float32
+        options = options or KernelOptions.resolve()
         bound_onednn_caches()  # before the first oneDNN matmul (the timings below may be it)
-        forced = forced_auto_dtype()
+        forced = forced_auto_dtype(options.auto_dtype)
         if forced is not None:
-            logger.info("dtype auto: %s (%s)", forced, "WICK_CPU_AUTO_DTYPE")
+            logger.info("dtype auto: %s (--cpu-auto-dtype)", forced)
             return forced
-        if not linear_shapes or not tuning_enabled():
+        if not linear_shapes or not options.linear_tuning:
             return torch.bfloat16
         measured = dtype_figures(linear_shapes, self._tuning_cache())
         if measured.busy:
@@ -132,51 +134,36 @@ class CpuPlatform(Platform):
         # server's ever-new prefill row counts (kernels/cpu/onednn_cache.py).
         bound_onednn_caches()
 
-    def kernel_table(self) -> KernelTable:
-        """A fresh table per model: its matmuls are fitted to that model's weights by
-        `tune_kernels` (one shared fixed table with WICK_CPU_LINEAR_TUNING=0). Norms, SiLU-and-
-        mul and rotary are the native C kernels (built on first call, like the attention's)."""
-        kernels = native.load_kernels()
-        int8_dot = int8_dot_mode()  # GGUF blocks: may x be rounded to int8 (gguf_linear.py)
-        if not tuning_enabled():
-            return _fixed_table(kernels, int8_dot)
-        linear = CpuLinear()
-        table = _with_layer_ops(
-            KernelTable(
-                linear=linear,
-                linear_silu_and_mul=linear.linear_silu_and_mul,
-                int8_linear=CpuInt8Linear(),
-                wna16_linear=CpuWNA16Linear(),
-            ),
-            kernels,
-            int8_dot,
-        )
-        if kernels is not None:  # GGUF blocks have native kernels to choose from
-            table = replace(table, gguf_linear=CpuGGUFLinear(int8_dot))
-            table = replace(
-                table, decoder_stack=CpuDecoderStack(kernels, linear, table.gguf_linear)
-            )
-        return table
+    def kernel_table(self, options: KernelOptions | None = None) -> KernelTable:
+        """One immutable table per native build and GGUF int8 mode (`options.gguf_int8_dot`):
+        the fixed matmuls (for weights the plan does not name), the native norms, SiLU-and-mul
+        and rotary (built on first call, like the attention's). What each weight runs is
+        planned per model by `plan_linears`."""
+        options = options or KernelOptions.resolve()
+        return _fixed_table(native.load_kernels(), options.gguf_int8_dot)
 
-    def tune_kernels(
-        self, kernels: KernelTable, sites: Sequence[LinearSite], dtype: torch.dtype
-    ) -> None:
+    def plan_linears(
+        self,
+        kernels: KernelTable,
+        sites: Sequence[LinearSite],
+        dtype: torch.dtype,
+        options: KernelOptions | None = None,
+    ) -> LinearPlan:
         """Time the matmul candidates for the model's linear shapes on this CPU (or read the
-        timings cached by an earlier start) and set the table's choices; logs one line per
-        shape."""
-        if not isinstance(kernels.linear, CpuLinear) or not isinstance(
-            kernels.int8_linear, CpuInt8Linear
-        ):
-            return  # the fixed table (tuning off) or a table from elsewhere
-        wna16, gguf = kernels.wna16_linear, kernels.gguf_linear
-        report = tune_cpu_linears(
+        timings cached by an earlier start) within `options.tuning_budget_s` and plan each
+        weight's kernel per row bucket; logs one line per shape. Nothing with
+        --no-cpu-linear-tuning (the fixed table serves)."""
+        options = options or KernelOptions.resolve()
+        if not options.linear_tuning:
+            return LinearPlan()
+        built = native.load_kernels() is not None
+        report, plans = tune_cpu_linears(
             sites,
             dtype,
-            kernels.linear,
-            kernels.int8_linear,
             self._tuning_cache(),
-            wna16=wna16 if isinstance(wna16, CpuWNA16Linear) else None,
-            gguf=gguf if isinstance(gguf, CpuGGUFLinear) else None,
+            options.tuning_budget_s,
+            int8_dot=options.gguf_int8_dot,
+            quantized_kernels=built,
         )
         logger.info(
             "cpu linear kernels for %d shapes: %d timed in %.2fs, %d cached%s",
@@ -196,6 +183,24 @@ class CpuPlatform(Platform):
             )
         for line in report.lines:
             logger.info("cpu linear %s", line)
+        return LinearPlan(planned_weights(plans, kernels, dtype), tuple(report.lines))
+
+    def native_decoder_step(
+        self,
+        layers: Sequence[StackLayer] | str,
+        dtype: torch.dtype,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        options: KernelOptions | None = None,
+    ) -> NativeDecoderStep | str:
+        """kernels/cpu/decoder_stack.py where the native build loaded, linear tuning is on
+        (`options`) and the layers qualify, else why not (logged once)."""
+        options = options or KernelOptions.resolve()
+        kernels = native.load_kernels()
+        if kernels is None:
+            return "the native CPU kernels could not be built (see the warning above)"
+        if not options.linear_tuning:
+            return "cpu linear tuning off (--no-cpu-linear-tuning): no planned native matmuls"
+        return CpuDecoderStack.build(kernels, layers, dtype, all_reduce)
 
     def _tuning_cache(self) -> TuningCache:
         return TuningCache.open(machine_identity(_cpu_flags()))
@@ -203,7 +208,7 @@ class CpuPlatform(Platform):
 
 @cache
 def _fixed_table(kernels: native.NativeKernels | None, int8_dot: str = "auto") -> KernelTable:
-    """One table per build: every model with tuning off shares it (and `is` compares it)."""
+    """One table per build and GGUF int8 mode: every model shares it (and `is` compares it)."""
     return _with_layer_ops(_FIXED_CPU_KERNELS, kernels, int8_dot)
 
 

@@ -7,6 +7,7 @@ from types import ModuleType
 
 import torch
 
+from model_server.config import KernelOptions
 from model_server.kernels.table import KernelTable, triton_kernels
 from model_server.platforms.interface import Platform, PlatformUnavailable
 
@@ -54,7 +55,7 @@ class CudaPlatform(Platform):
         # Always complete: the KV cache is sized by profiling (engine/execution/memory_profiler.py).
         return torch.cuda
 
-    def kernel_table(self) -> KernelTable:
+    def kernel_table(self, options: KernelOptions | None = None) -> KernelTable:
         # One-pass Triton RMSNorm (+ residual add) and SiluAndMul: at large decode batches the
         # PyTorch versions' ~8 kernels per call each move the whole activation. --quantization
         # int8: the w8a16 Triton kernel reads the int8 codes (kernels/int8_linear.py). Dense

@@ -2,7 +2,12 @@
 
 `torch_gcu` adds the `gcu` device type and the `torch.gcu` namespace (a torch.cuda look-alike)
 and registers the `eccl` torch.distributed backend when imported. Attention runs on Triton only
-where Enflame's Triton backend is installed, otherwise on the portable PyTorch backend.
+where Enflame's Triton backend is installed, otherwise on the portable PyTorch backend. Matmuls,
+`-q int8` and GPTQ / AWQ checkpoints (dense and MoE experts) run the portable PyTorch kernel
+table: quantized weights are dequantized into the matmul's dtype (each group's scale and offset),
+then one float matmul (kernels/portable.py).
+The Triton int8 / wNa16 matmuls are not offered even with Enflame's Triton: only attention picks
+Triton here, and those kernels are proven on CUDA alone.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class GcuPlatform(Platform):
     dist_backend = "eccl"
     # The portable torch path's plain int8 ops; fp8 storage is unproven on this runtime.
     quantized_kv_cache_dtypes = ("int8",)
+    # The portable table's dequantizing matmuls (int8_linear_dequant, wna16_linear_dequant).
+    quantization_methods = ("int8", "gptq", "awq")
     visible_devices_env = "TOPS_VISIBLE_DEVICES"
 
     @classmethod

@@ -2,6 +2,9 @@
 
 Gaudi runs in lazy mode by default (PT_HPU_LAZY_MODE=1): ops are recorded into a graph that
 `htcore.mark_step()` compiles and runs, so every rank marks a step at the end of each model step.
+Matmuls, `-q int8` and GPTQ / AWQ checkpoints (dense and MoE experts) run the portable PyTorch
+kernel table: quantized weights are dequantized per group in the matmul's dtype
+(kernels/portable.py).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class HpuPlatform(Platform):
     dist_backend = "hccl"
     # The portable torch path's plain int8 ops; fp8 storage is unproven on this runtime.
     quantized_kv_cache_dtypes = ("int8",)
+    # The portable table's dequantizing matmuls (int8_linear_dequant, wna16_linear_dequant).
+    quantization_methods = ("int8", "gptq", "awq")
     visible_devices_env = "HABANA_VISIBLE_MODULES"
 
     @classmethod

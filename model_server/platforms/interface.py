@@ -16,9 +16,11 @@ from typing import Protocol
 
 import torch
 
-from model_server.config import EngineConfig
+from model_server.config import EngineConfig, KernelOptions
 from model_server.kernels.kv_cache_dtype import KVCacheDtype
 from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.planned_weight import LinearPlan
+from model_server.kernels.stack_layer import NativeDecoderStep, StackLayer
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 
 
@@ -244,19 +246,41 @@ class Platform(ABC):
         """
         return None
 
-    def kernel_table(self) -> KernelTable:
+    def kernel_table(self, options: KernelOptions | None = None) -> KernelTable:
         """The kernels this platform's models run (the model builder hands them to every layer);
         the portable PyTorch ones unless the platform has better. Imports what they need (triton
-        on CUDA), so call it in the process that builds the model."""
+        on CUDA), so call it in the process that builds the model. `options`: the model's
+        resolved kernel settings (`ResolvedModelConfig.kernel_options`; None: from the WICK_*
+        variables, for callers outside the model-preparation stage)."""
         return TORCH_KERNELS
 
-    def tune_kernels(
-        self, kernels: KernelTable, sites: Sequence[LinearSite], dtype: torch.dtype
-    ) -> None:
-        """Fit `kernels` (a table this platform's `kernel_table()` made) to the loaded model's
-        linear weights (`sites`; activations in `dtype`) on this machine, once, before the model
-        runs. May re-lay out exclusive weights in place. Nothing to do by default."""
-        return None
+    def plan_linears(
+        self,
+        kernels: KernelTable,
+        sites: Sequence[LinearSite],
+        dtype: torch.dtype,
+        options: KernelOptions | None = None,
+    ) -> LinearPlan:
+        """The kernels the loaded model's linear weights (`sites`; activations in `dtype`) run on
+        this machine, per row bucket, as planned weights for the model-preparation stage to
+        install (kernels/planned_weight.py); `kernels` is the table this platform's
+        `kernel_table()` made; `options` the model's kernel settings (tuning on or off, its
+        budget, the GGUF int8 mode; None: from the variables). Changes nothing itself. None
+        planned by default: every weight runs the table's slot."""
+        return LinearPlan()
+
+    def native_decoder_step(
+        self,
+        layers: Sequence[StackLayer] | str,
+        dtype: torch.dtype,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        options: KernelOptions | None = None,
+    ) -> NativeDecoderStep | str:
+        """The model's decoder layers in one native call per step (`layers`: the model's
+        description of them, or why it has none; under tensor parallelism one call per half
+        layer, `all_reduce` summing each half's output over the ranks in between), or why the
+        modules run instead. Call after `plan_linears`' weights are installed."""
+        return f"the {self.name} platform has no native decoder step"
 
     def init_distributed_backend(self) -> None:
         """Import whatever registers `dist_backend` with torch.distributed (eccl, hccl)."""
@@ -297,17 +321,24 @@ class Platform(ABC):
                 f"caches supported: {have}; float caches: auto, bfloat16, float16)"
             )
 
-    def auto_dtype(self, linear_shapes: Sequence[tuple[int, int, int]] = ()) -> torch.dtype:
+    def auto_dtype(
+        self,
+        linear_shapes: Sequence[tuple[int, int, int]] = (),
+        options: KernelOptions | None = None,
+    ) -> torch.dtype:
         """What `--dtype auto` means for a model whose linear weights are `linear_shapes`
         ((N, K, how many layers), possibly empty): `default_dtype()` unless the platform
-        measures."""
+        measures (as `options` say: CPU's --cpu-auto-dtype; None: from the variables)."""
         return self.default_dtype()
 
     def resolve_dtype(
-        self, name: str, linear_shapes: Sequence[tuple[int, int, int]] = ()
+        self,
+        name: str,
+        linear_shapes: Sequence[tuple[int, int, int]] = (),
+        options: KernelOptions | None = None,
     ) -> torch.dtype:
         if name in ("auto", "", None):
-            return self.auto_dtype(linear_shapes)
+            return self.auto_dtype(linear_shapes, options)
         if name not in _DTYPE_ALIASES:
             raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
         dtype = _DTYPE_ALIASES[name]

@@ -16,10 +16,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from model_server.structured_output.backend import GrammarBackend, GrammarMatcher
-from model_server.structured_output.params import GrammarKey, StructuredOutputsParams
+from model_server.structured_output.params import (
+    GrammarKey,
+    ReasoningGate,
+    StructuredOutputsParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +41,43 @@ def load_backend(tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> G
 
 @dataclass(slots=True)
 class RequestGrammar:
-    """One request's matcher and how many of its output tokens it has consumed."""
+    """One request's matcher and how many of its output tokens it has consumed.
+
+    With a `reasoning` gate the grammar waits for the thinking to end: `maybe` (the first token
+    may open it: the grammar's tokens and `<think>` are allowed), `thinking` (every token is
+    allowed until `</think>`), then `grammar`."""
 
     matcher: GrammarMatcher
     num_accepted: int = 0
+    reasoning: ReasoningGate | None = None
+    phase: Literal["maybe", "thinking", "grammar"] = "grammar"
+
+    def __post_init__(self) -> None:
+        self.phase = self._first_phase()
+
+    def _first_phase(self) -> Literal["maybe", "thinking", "grammar"]:
+        gate = self.reasoning
+        if gate is None:
+            return "grammar"
+        if gate.starts_thinking:
+            return "thinking"
+        return "maybe" if gate.start_id is not None else "grammar"
 
     def accept_token(self, token_id: int) -> bool:
+        gate = self.reasoning
+        if self.phase == "maybe":
+            assert gate is not None
+            if token_id == gate.start_id:
+                self.phase = "thinking"
+                self.num_accepted += 1
+                return True
+            self.phase = "grammar"
+        elif self.phase == "thinking":
+            assert gate is not None
+            if token_id == gate.end_id:
+                self.phase = "grammar"
+            self.num_accepted += 1
+            return True
         ok = self.matcher.accept_token(token_id)
         if ok:
             self.num_accepted += 1
@@ -50,7 +85,7 @@ class RequestGrammar:
 
     @property
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.phase == "grammar" and self.matcher.is_terminated()
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Make the matcher's state that of `output_token_ids` (rebuild by replay when they
@@ -59,12 +94,22 @@ class RequestGrammar:
             return
         self.matcher.reset()
         self.num_accepted = 0
+        self.phase = self._first_phase()
         for token_id in output_token_ids:
             if not self.accept_token(token_id):
                 break
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        if self.phase == "thinking":
+            bitmask[row].fill_(-1)  # every token allowed
+            return
         self.matcher.fill_bitmask(bitmask, row)
+        if self.phase == "maybe":
+            assert self.reasoning is not None and self.reasoning.start_id is not None
+            word, bit = divmod(self.reasoning.start_id, 32)
+            if word < bitmask.shape[1]:
+                value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 class StructuredOutputManager:
@@ -140,4 +185,5 @@ class StructuredOutputManager:
 
     def new_grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher for one request (engine thread)."""
-        return RequestGrammar(self.backend.matcher(self.compile(params)))
+        matcher = self.backend.matcher(self.compile(params))
+        return RequestGrammar(matcher, reasoning=params.reasoning)

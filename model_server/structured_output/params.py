@@ -24,6 +24,18 @@ class StructuredOutputError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True, slots=True)
+class ReasoningGate:
+    """A reasoning model's thinking comes before the constrained answer: the grammar applies only
+    after the token `end_id` (`</think>`). The output starts inside the thinking
+    (`starts_thinking`: the prompt opened it), or may open it with its first token, `start_id`
+    (`<think>`; None: it cannot, the grammar applies from the first token)."""
+
+    end_id: int
+    start_id: int | None = None
+    starts_thinking: bool = False
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     json: str | dict[str, Any] | None = None
@@ -33,6 +45,8 @@ class StructuredOutputsParams:
     json_object: bool = False
     # The request field this came from (error messages only).
     param: str | None = field(default=None, compare=False)
+    # Reasoning models: where the grammar starts (per request; not part of the cache key).
+    reasoning: ReasoningGate | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         given = [

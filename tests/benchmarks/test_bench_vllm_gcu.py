@@ -92,14 +92,16 @@ def _hf_folder(folder: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _server(folder: Path) -> Iterator[str]:
-    """`./wick serve --model DIR` as vLLM-GCU's api_server line, on a free loopback port."""
+def _server(folder: Path, *extra: str) -> Iterator[str]:
+    """`./wick serve --model DIR` as vLLM-GCU's api_server line (plus `extra` flags), on a free
+    loopback port."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "model_server", "serve", "--model", str(folder),
          "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
          "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--skip-warmup",
-         "--disable-log-requests", "--block-size=16", "--trust-remote-code", "--num-threads", "1"],
+         "--disable-log-requests", "--block-size=16", "--trust-remote-code", "--num-threads", "1",
+         *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -15,7 +15,7 @@ from model_server.distributed.partition import (
 )
 from model_server.distributed.rendezvous import rendezvous_from_env
 from model_server.engine.execution.input_batch import SeqChunk
-from model_server.engine.execution.step_input import StepInput
+from model_server.engine.execution.step_input import PromptLogprobsRows, StepInput
 from model_server.layers import embedding, linear
 from model_server.models import check_tensor_parallel
 
@@ -191,6 +191,19 @@ def test_step_input_round_trips_through_ints() -> None:
     # Only the blocks the chunk reaches travel: position 17 needs 5 blocks of 4 (all 4 given),
     # 10 tokens need 3.
     assert [list(c.block_ids) for c in back.chunks] == [[3, 9, 4, 11], [7, 8, 2]]
+
+
+def test_step_input_carries_the_prompt_logprobs_rows() -> None:
+    """Every rank runs the LM head on the rows of prompt logprobs (a collective): their counts
+    travel; the top-k and the target tokens are rank 0's only."""
+    step = StepInput(
+        chunks=[SeqChunk([5], 17, [3, 9, 4, 11, 1]), SeqChunk([1, 2, 3], 0, [8])],
+        sample=[True, False],
+        prompt_logprobs=[None, PromptLogprobsRows(3, 2, [2, 3, 4])],
+    )
+    back = StepInput.unpack(step.pack(block_size=4))
+    assert back.prompt_logprobs == [None, PromptLogprobsRows(3)]
+    assert StepInput.unpack(StepInput(step.chunks, step.sample).pack(4)).prompt_logprobs == []
 
 
 def test_rendezvous_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -413,3 +413,97 @@ def test_candle_line_serves_with_its_sampling_defaults(tmp_path: Path) -> None:
         "sampling defaults for requests that leave them unset: temperature=0.7, top_k=40, "
         "repetition_penalty=1.1, repeat_last_n=64"
     ) in stderr
+
+
+# ------------------------------------------------- vLLM-GCU's --quantization-param-path
+
+# vLLM's QuantParamSchema, as AMMO's quantizer writes it: per TP rank, per layer, one scale.
+KV_SCALES = {
+    "model_type": "llama",
+    "kv_cache": {
+        "dtype": "float8_e4m3fn",
+        "scaling_factor": {"0": {"0": 0.0408, "1": 0.0503}, "1": {"0": 0.0391, "1": 0.0488}},
+    },
+}
+
+
+def _scales_file(tmp_path: Path, data: Any) -> Path:
+    path = tmp_path / "kv_cache_scales.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_kv_cache_scales_file_is_read_strictly(tmp_path: Path) -> None:
+    from model_server.settings_spec import read_kv_cache_scales
+
+    dtype, scales = read_kv_cache_scales(str(_scales_file(tmp_path, KV_SCALES)))
+    assert dtype == "float8_e4m3fn" and scales[1] == {0: 0.0391, 1: 0.0488}
+    kv = KV_SCALES["kv_cache"]
+    for data, needle in [
+        ("{", "not valid JSON"),
+        ([1], "the top level is not an object"),
+        ({**KV_SCALES, "extra": 1}, "unknown field 'extra'"),
+        ({"model_type": 3, "kv_cache": kv}, "model_type is not a string"),
+        ({"model_type": "llama"}, "no kv_cache object"),
+        ({"kv_cache": {**kv, "dtype": "int8"}}, "kv_cache.dtype is 'int8'"),
+        ({"kv_cache": {**kv, "scaling_factor": {}}}, "not a non-empty object of TP ranks"),
+        ({"kv_cache": {**kv, "scaling_factor": {"a": {"0": 1.0}}}}, "TP rank 'a'"),
+        ({"kv_cache": {**kv, "scaling_factor": {"0": {"0": -1}}}}, "0.0 is -1, not a positive"),
+        ({"kv_cache": {**kv, "scaling_factor": {"0": {"0": "x"}}}}, "not a positive number"),
+        ({"kv_cache": {**kv, "scaling_factor": {"0": {"1": 1.0}}}}, "layers are not 0..0"),
+        ({"kv_cache": {**kv, "scaling_factor": {"1": {"0": 1.0}}}}, "TP ranks are not 0..0"),
+        (
+            {"kv_cache": {**kv, "scaling_factor": {"0": {"0": 1.0}, "1": {"0": 1, "1": 1}}}},
+            "different numbers of layers",
+        ),
+    ]:
+        path = _scales_file(tmp_path, data)
+        with pytest.raises(ValueError) as exc:
+            read_kv_cache_scales(str(path))
+        assert needle in str(exc.value) and str(path) in str(exc.value), (data, str(exc.value))
+        assert "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="cannot read the file"):
+        read_kv_cache_scales(str(tmp_path / "missing.json"))
+
+
+def test_quantization_param_path_flag_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Parsed, checked, then refused while the command line parses: never accepted and ignored.
+    Malformed and valid files both end `serve` with one `error:` line and exit 2."""
+    good = _scales_file(tmp_path, KV_SCALES)
+    with pytest.raises(SystemExit) as done:
+        serve(f"--model DIR --kv-cache-dtype fp8_e4m3 --quantization-param-path {good}")
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --quantization-param-path: "), lines
+    assert "2 TP rank(s) x 2 layers" in lines[0] and "are not supported" in lines[0]
+    assert "need no calibration file" in lines[0] and "--kv-cache-dtype fp8_e4m3" in lines[0]
+    bad = _scales_file(tmp_path, "[")
+    with pytest.raises(SystemExit) as done:
+        serve(f"--quantization-param-path={bad}")
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"error: --quantization-param-path: {bad}: not valid JSON (")
+
+
+def test_quantization_param_path_variable_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_QUANTIZATION_PARAM_PATH", str(_scales_file(tmp_path, KV_SCALES)))
+    with pytest.raises(ValueError, match=r"LLM_QUANTIZATION_PARAM_PATH: .* are not supported"):
+        serve("--model DIR")
+    monkeypatch.setenv("LLM_QUANTIZATION_PARAM_PATH", "")
+    assert serve("--model DIR")[1].quantization_param_path is None
+
+
+def test_quantization_param_path_cli_exits_2_with_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "model_server", "serve", "--model", "DIR",
+         "--quantization-param-path", str(_scales_file(tmp_path, KV_SCALES))],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "are not supported" in lines[0], proc.stderr

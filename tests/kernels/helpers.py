@@ -170,7 +170,9 @@ def use_kernels(
     `edit(the platform's own table)`: how a test runs a whole LLM on other kernels. Models built
     before keep theirs."""
     for cls, own in _PLATFORM_TABLES.items():
-        monkeypatch.setattr(cls, "kernel_table", lambda self, own=own: edit(own(self)))
+        monkeypatch.setattr(
+            cls, "kernel_table", lambda self, options=None, own=own: edit(own(self, options))
+        )
 
 
 def force(monkeypatch: pytest.MonkeyPatch, winner: str) -> list[int]:
@@ -191,3 +193,34 @@ def force(monkeypatch: pytest.MonkeyPatch, winner: str) -> list[int]:
 
     monkeypatch.setattr(linear_tuning, "time_candidates", fake)
     return counter
+
+
+class Planned:
+    """The plans one `tune_cpu_linears` call makes, installed as planned weights and called as
+    the old stateful tables were: `planned(x, weight, bias)` runs `weight`'s planned weight
+    (found by the site's tensor), and a weight without a plan runs the fixed table's slot."""
+
+    def __init__(self, sites, dtype: torch.dtype, cache, **options) -> None:
+        import dataclasses
+
+        from model_server.kernels.cpu.linear_plan import planned_weights
+        from model_server.kernels.cpu.linear_tuning import tune_cpu_linears
+        from model_server.platforms import get_platform
+
+        named = [
+            dataclasses.replace(s, module=s.module or f"site{i}", name=s.name or f"site{i}")
+            for i, s in enumerate(sites)
+        ]
+        self.table = get_platform("cpu").kernel_table()
+        self.report, self.plans = tune_cpu_linears(named, dtype, cache, **options)
+        self.weights = planned_weights(self.plans, self.table, dtype)
+        self._by_tensor = {id(s.weight): self.weights.get(s.module) for s in named}
+
+    def weight_of(self, weight: torch.Tensor):
+        return self._by_tensor.get(id(weight))
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        planned = self.weight_of(weight)
+        if planned is None:
+            return self.table.linear(x, weight, bias)
+        return planned.apply(x, bias)

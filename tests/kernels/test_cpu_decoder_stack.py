@@ -1,8 +1,9 @@
 """The native decoder stack (kernels/cpu/decoder_stack.c, .py): a whole model's layers in one
 call give the same bits as the layers' modules, in fp32 and bf16, with GQA, q/k/v biases, an odd
 number of heads, a quantized KV cache, prefill chunks mixed with decodes and GGUF weights kept in
-their blocks; it declines what it does not run (a sliding window, untuned weights) and then the
-modules run; a position outside the rotary cache is the same IndexError."""
+their blocks; it declines what it does not run (an activation it lacks, untuned weights) and then
+the modules run; a position outside the rotary cache is the same IndexError. The other families:
+tests/kernels/test_native_step_families.py."""
 
 from __future__ import annotations
 
@@ -67,7 +68,10 @@ class StackCalls:
         monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)
 
 
-def generate(folder: Path, config: dict, dtype: str, **options) -> list[tuple[list, list]]:
+def generate(
+    folder: Path, config: dict, dtype: str, engines: list | None = None, **options
+) -> list[tuple[list, list]]:
+    """Greedy tokens and logprobs of MIXED_PROMPTS; the engine is appended to `engines`."""
     (folder / "config.json").write_text(json.dumps(config))
     llm = LLM(
         str(folder),
@@ -81,6 +85,8 @@ def generate(folder: Path, config: dict, dtype: str, **options) -> list[tuple[li
         seed=3,
         **options,
     )
+    if engines is not None:
+        engines.append(llm)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     outs = llm.generate(MIXED_PROMPTS, params)
     return [
@@ -116,14 +122,21 @@ def test_the_stack_generates_the_modules_bits(
     assert all(len(tokens) == 10 for tokens, _ in got)
 
 
-def test_the_stack_declines_a_sliding_window(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """Mistral-style windows: the modules run every step, and generate as they always did."""
+def test_the_stack_declines_an_activation_it_lacks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The exact (erf) GELU has no native kernel: the modules run every step, generate as they
+    always did, and the plan says which layer and what."""
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force_panels(monkeypatch)
-    config = dict(TINY_CONFIGS["llama-gqa"], sliding_window=8)
+    config = dict(TINY_CONFIGS["llama-gqa"], hidden_act="gelu")
     calls = StackCalls(monkeypatch)
-    got = generate(tmp_path, config, "float32")
-    assert calls.ran == 0 and calls.declined > 0
+    engines: list = []
+    got = generate(tmp_path, config, "float32", engines)
+    prepared = engines[0].engine.core.model_runner.prepared
+    assert prepared.native_step is None and calls.ran == 0
+    assert prepared.native_reason.startswith("layer 0: the gelu activation")
+    assert "module by module (layer 0: the gelu activation" in prepared.describe()
     assert all(len(tokens) == 10 for tokens, _ in got)
 
 
@@ -131,7 +144,9 @@ def test_the_stack_declines_untuned_weights(monkeypatch: pytest.MonkeyPatch, tmp
     """With tuning off the matmuls are the fixed table's (no panels): the modules run."""
     monkeypatch.setenv(linear_tuning.TUNING_ENV, "0")
     calls = StackCalls(monkeypatch)
-    got = generate(tmp_path, TINY_CONFIGS["llama-gqa"], "float32")
+    engines: list = []
+    got = generate(tmp_path, TINY_CONFIGS["llama-gqa"], "float32", engines)
+    assert engines[0].engine.core.model_runner.native_step is None
     assert calls.ran == 0
     assert all(len(tokens) == 10 for tokens, _ in got)
 
@@ -153,20 +168,18 @@ def test_a_position_outside_the_rotary_cache_is_an_index_error(
         kv_cache_memory=2 * 1024**2,
         seed=3,
     )
-    model = llm.engine.core.model_runner.model.model
+    runner = llm.engine.core.model_runner
+    model = runner.model.model
     from tests.kernels.helpers import make_batch
 
     batch = make_batch([(0, 3)], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
     kv_caches = [torch.zeros(2, *batch.k_cache.shape) for _ in model.layers]
     hidden = torch.randn(3, 64)
     positions = torch.tensor([0, 1, 10_000])
+    assert runner.native_step is not None
     with pytest.raises(IndexError, match="outside the cache"):
-        model.kernels.decoder_stack(
-            model.stack_layers(), positions, hidden, kv_caches, batch.metadata
-        )
-    ok = model.kernels.decoder_stack(
-        model.stack_layers(), torch.tensor([0, 1, 2]), hidden, kv_caches, batch.metadata
-    )
+        runner.native_step(positions, hidden, kv_caches, batch.metadata)
+    ok = runner.native_step(torch.tensor([0, 1, 2]), hidden, kv_caches, batch.metadata)
     assert ok is not None and ok[0].shape == (3, 64) and ok[1].shape == (3, 64)
 
 
@@ -175,18 +188,36 @@ def test_the_embedded_gguf_kept_quantized_runs_the_stack_with_the_modules_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The real SmolLM2 Q4_1 file kept in its blocks (the GGUF kernels the tuner chose per row
-    count, int8 dot products included): greedy tokens and logprobs as the modules give them."""
+    count, int8 dot products included): greedy tokens and logprobs as the modules give them.
+    One engine, so one plan: the runner's native step is switched off for the reference (two
+    engines on a busy machine time their kernels differently and may plan differently)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     prompts = [[1, 330, 2096, 314], [1, 4237, 28, 1812, 4219, 30, 3134, 1659, 288, 30, 2]]
+    llm = LLM(
+        None,
+        gguf_weights="quantized",
+        max_num_seqs=4,
+        kv_cache_memory=64 * 1024**2,
+        enable_prefix_caching=False,
+    )
+    runner = llm.engine.core.model_runner
+    step = runner.native_step
+    assert step is not None
     results = []
-    for enabled in (False, True):
-        calls = StackCalls(monkeypatch, enabled)
-        llm = LLM(None, gguf_weights="quantized", max_num_seqs=4, kv_cache_memory=64 * 1024**2)
-        outs = llm.generate(prompts, params)
-        results.append(
-            [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
-        )
-        assert (calls.ran > 0) == enabled
+    try:
+        for enabled in (False, True):
+            runner.native_step = step if enabled else None
+            calls = StackCalls(monkeypatch)
+            outs = llm.generate(prompts, params)
+            results.append(
+                [
+                    (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+                    for o in outs
+                ]
+            )
+            assert (calls.ran > 0) == enabled
+    finally:
+        llm.shutdown()
     assert results[1] == results[0]
 
 

@@ -27,6 +27,7 @@ from model_server.kernels.cpu.gguf_linear import (
     INT8_DOT_ENV,
     Q8_TYPES,
     dequant_gemm,
+    fixed_gguf_linear,
     gguf_gemm,
     gguf_q8_gemm,
     int8_dot_mode,
@@ -37,14 +38,11 @@ from model_server.kernels.cpu.linear_tuning import (
     DEQUANT,
     GGUF_FLOAT,
     GGUF_Q8,
-    TUNING_ENV,
-    CpuGGUFLinear,
-    CpuInt8Linear,
-    CpuLinear,
     tune_cpu_linears,
 )
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.planned_weight import GGUFSegmentDispatch
 from model_server.platforms import get_platform
 from tests.kernels.gguf_packing import ALL_TYPES, block_shape, dequantize, random_blocks
 
@@ -212,6 +210,16 @@ def _force(monkeypatch: pytest.MonkeyPatch, winner_by_rows: dict[int, str]) -> l
     return offered
 
 
+def _plan(
+    sites: list[LinearSite], dtype: torch.dtype, cache: TuningCache, int8_dot: str = "auto"
+) -> tuple[linear_tuning.TuningReport, GGUFSegmentDispatch]:
+    """The tuner's report and its plans as the slot a planned GGUF weight runs (a segment the
+    plans do not name runs the fixed choice)."""
+    report, plans = tune_cpu_linears(sites, dtype, cache, int8_dot=int8_dot)
+    by_segment = tuple(((p.site.ggml_type, p.site.weight.shape[0]), p.fns) for p in plans)
+    return report, GGUFSegmentDispatch(by_segment, fixed_gguf_linear(int8_dot))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_the_tuner_plans_gguf_segments_per_bucket(
     monkeypatch: pytest.MonkeyPatch, cache: TuningCache, dtype: torch.dtype
@@ -219,13 +227,12 @@ def test_the_tuner_plans_gguf_segments_per_bucket(
     offered = _force(monkeypatch, {1: GGUF_Q8, 2: GGUF_Q8, 4: GGUF_FLOAT, 8: DEQUANT})
     q41, w41, k = _case(3, 40, seed=1)  # Q4_1: all three candidates
     q3k, _, k3 = _case(11, 24, seed=2)  # Q3_K: no integer path
-    gguf = CpuGGUFLinear()
     sites = [
         LinearSite(q41, 8, True, None, "a", ggml_type=3, k=k),
         LinearSite(q3k, 8, True, None, "b", ggml_type=11, k=k3),
     ]
     assert [site.matrix_shape() for site in sites] == [(40, k), (24, k3)]  # not the bytes
-    report = tune_cpu_linears(sites, dtype, CpuLinear(), CpuInt8Linear(), cache, gguf=gguf)
+    report, gguf = _plan(sites, dtype, cache)
     assert report.timed == 2
     lines = sorted(report.lines)
     assert lines[0].startswith("gguf-q3_k-") and GGUF_Q8 not in lines[0]
@@ -257,11 +264,10 @@ def test_gguf_timings_are_cached(
     offered = _force(monkeypatch, {})
     blocks, _, k = _case(8, 16, seed=4)
     site = LinearSite(blocks, 4, True, None, "q8", ggml_type=8, k=k)
-    args = (torch.float32, CpuLinear(), CpuInt8Linear())
-    tune_cpu_linears([site], *args, cache, gguf=CpuGGUFLinear())
+    _plan([site], torch.float32, cache)
     timed = len(offered)
     again = TuningCache.open(cache.identity, tmp_path)
-    report = tune_cpu_linears([site], *args, again, gguf=CpuGGUFLinear())
+    report, _ = _plan([site], torch.float32, again)
     assert len(offered) == timed and report.cached == 1 and "(cached)" in report.lines[0]
     payload = json.loads(next((tmp_path / "cpu_tuning").glob("*.json")).read_text())
     assert any(key.startswith("linear/gguf-q8_0-float32/") for key in payload["entries"])
@@ -275,9 +281,8 @@ def test_int8_dot_on_and_off_pin_the_kernel(
     timings are cached under their own key."""
     offered = _force(monkeypatch, {1: GGUF_FLOAT, 2: DEQUANT, 4: DEQUANT})
     blocks, _, k = _case(12, 16, seed=5)  # Q4_K
-    gguf = CpuGGUFLinear(int8_dot)
     site = LinearSite(blocks, 4, True, None, "q4k", ggml_type=12, k=k)
-    report = tune_cpu_linears([site], torch.float32, CpuLinear(), CpuInt8Linear(), cache, gguf=gguf)
+    report, gguf = _plan([site], torch.float32, cache, int8_dot)
     x = torch.randn(3, k)
     if int8_dot == "on":
         assert "rows 1-4 gguf_q8" in report.lines[0]
@@ -290,18 +295,16 @@ def test_int8_dot_on_and_off_pin_the_kernel(
 
 
 def test_the_mode_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for value, mode in [("", "auto"), ("1", "on"), ("OFF", "off"), ("no", "off"), ("x", "auto")]:
+    for value, mode in [("", "auto"), ("1", "on"), ("OFF", "off"), ("no", "off")]:
         monkeypatch.setenv(INT8_DOT_ENV, value)
         assert int8_dot_mode() == mode
+    monkeypatch.setenv(INT8_DOT_ENV, "x")  # read as --gguf-int8-dot is: an error naming it
+    with pytest.raises(ValueError, match=f"{INT8_DOT_ENV}='x' \\(--gguf-int8-dot\\)"):
+        int8_dot_mode()
     platform = get_platform("cpu")
     blocks, _, k = _case(3, 8, seed=6)
     x = torch.randn(2, k)
     for mode, kernel in (("on", gguf_q8_gemm), ("off", gguf_gemm)):
         monkeypatch.setenv(INT8_DOT_ENV, mode)
-        monkeypatch.setenv(TUNING_ENV, "1")
-        tuned = platform.kernel_table().gguf_linear
-        assert isinstance(tuned, CpuGGUFLinear) and tuned.int8_dot == mode
-        monkeypatch.setenv(TUNING_ENV, "0")  # the fixed table: the same pin
-        fixed = platform.kernel_table().gguf_linear
-        for fn in (tuned, fixed):  # an untuned shape runs the fixed choice
-            assert torch.equal(fn(x, blocks, 3, None), kernel(x, blocks, 3, None))
+        fixed = platform.kernel_table().gguf_linear  # weights without a plan run it
+        assert torch.equal(fixed(x, blocks, 3, None), kernel(x, blocks, 3, None))

@@ -32,6 +32,7 @@ from tests.loader.test_gguf_families import _expert_tensors, _gguf_name
 from tests.models import test_parity_moe as moe
 from tests.models.test_parity_families import CONFIGS as FAMILY_CONFIGS
 from tests.models.test_parity_tiny import MAX_MODEL_LEN
+from tests.weights import held
 
 _F16, _Q8_0 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0
 # Our name -> (HF config: MOE_CONFIGS / the families' glm4, how kv_b_proj is written, the
@@ -297,14 +298,14 @@ def test_q8_0_kept_quantized_matches_dequantized(
     ref = LLM(str(path), dtype="float32", gguf_weights="dequantized", **_OPTS)
     model = kept.engine.core.model_runner.model
     attn = model.model.layers[1].self_attn
-    assert isinstance(model.lm_head.weight, GGUFWeight)
-    assert isinstance(model.model.layers[0].mlp.gate_up_proj.weight, GGUFWeight)
+    assert isinstance(held(model.lm_head.weight), GGUFWeight)
+    assert isinstance(held(model.model.layers[0].mlp.gate_up_proj.weight), GGUFWeight)
     if config_name == "glm4":
-        assert isinstance(attn.qkv_proj.weight, GGUFWeight)
+        assert isinstance(held(attn.qkv_proj.weight), GGUFWeight)
     else:
-        assert isinstance(attn.kv_a_proj_with_mqa.weight, GGUFWeight)
+        assert isinstance(held(attn.kv_a_proj_with_mqa.weight), GGUFWeight)
         rope_q = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
-        assert isinstance(rope_q.weight, GGUFWeight)
+        assert isinstance(held(rope_q.weight), GGUFWeight)
         kv_b = attn.kv_b_proj.weight
         assert isinstance(kv_b, torch.nn.Parameter) and kv_b.dtype == torch.float32
     prompts = [[5, 9, 14, 20, 33], [40, 41, 42], [7] * 12, list(range(3, 40))]

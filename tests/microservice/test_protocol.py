@@ -127,6 +127,7 @@ SAMPLE_VALUES: dict[str, Any] = {
     "add_generation_prompt": True,
     "continue_final_message": False,
     "chat_template_kwargs": {"enable_thinking": False},
+    "enable_thinking": False,
     "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "auto",

@@ -17,6 +17,7 @@ from model_server.engine.llm import LLM
 from model_server.kernels.cpu.gguf_linear import INT8_DOT_ENV
 from model_server.kernels.cpu.linear_tuning import TUNING_ENV
 from model_server.kernels.gguf_blocks import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+from model_server.kernels.planned_weight import PlannedWeight
 from model_server.layers.embedding import ParallelLMHead
 from model_server.layers.linear import LinearBase
 from model_server.layers.quantization.gguf import GGUFTensor, GGUFWeight
@@ -27,6 +28,7 @@ from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from tests.kernels.gguf_packing import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, quantize
 from tests.loader.test_loader import _random_state, _tiny_llama_config, _write_gguf
+from tests.weights import held
 
 _OPTS = {"kv_cache_memory": 16 * 1024**2, "max_model_len": 128, "seed": 0}
 # Greedy tokens (of 16 x 16) before the first difference that the embedded model on the int8
@@ -85,25 +87,25 @@ def test_matrices_stay_in_their_blocks(tiny: Path) -> None:
     llm = LLM(str(tiny), dtype="float32", gguf_weights="quantized", **_OPTS)
     model = _model(llm)
     tied = "tied" in tiny.name and "untied" not in tiny.name
-    qkv0 = model.model.layers[0].self_attn.qkv_proj.weight
+    qkv0 = held(model.model.layers[0].self_attn.qkv_proj.weight)
     assert isinstance(qkv0, GGUFWeight)
     assert qkv0.types == (Q4_K, Q5_K, Q6_K) and qkv0.rows == (256, 128, 128)
-    gate_up0 = model.model.layers[0].mlp.gate_up_proj.weight
+    gate_up0 = held(model.model.layers[0].mlp.gate_up_proj.weight)
     assert gate_up0.types == (Q4_1, Q5_0)
-    # a float matrix stays a float parameter
-    down1 = model.model.layers[1].mlp.down_proj.weight
-    assert isinstance(down1, torch.nn.Parameter) and down1.dtype == torch.float32
+    # a float matrix stays float: the parameter, or its planned packed copy
+    down1 = held(model.model.layers[1].mlp.down_proj.weight)
+    assert isinstance(down1, torch.nn.Parameter | PlannedWeight) and down1.dtype == torch.float32
     embed = model.model.embed_tokens.weight
     assert isinstance(embed, GGUFWeight) and embed.types == (Q8_0,)
-    head = model.lm_head.weight
+    head = held(model.lm_head.weight)
     assert isinstance(head, GGUFWeight)
     assert head is embed if tied else head.types == (Q6_K,)
     # no float placeholder is left anywhere, and every block byte of the file is held once
     assert all(p.device.type == "cpu" for p in model.parameters())
     gf = read_gguf(str(tiny))
     file_blocks = sum(t.nbytes for t in gf.tensors if t.ggml_type not in (0, 1, 30))
-    held = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8)
-    assert held == file_blocks
+    block_bytes = sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8)
+    assert block_bytes == file_blocks
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -208,13 +210,13 @@ def embedded() -> tuple[LLM, LLM]:
 def test_embedded_model_weight_memory_is_the_file_size(embedded) -> None:
     kept, ref = (_model(m) for m in embedded)
     linears = [m for m in kept.modules() if isinstance(m, LinearBase | ParallelLMHead)]
-    assert all(isinstance(m.weight, GGUFWeight) for m in linears)
+    assert all(isinstance(held(m.weight), GGUFWeight) for m in linears)
     gf = read_gguf(embedded_model_path())
     file_bytes = sum(t.nbytes for t in gf.tensors)
-    held = sum(p.numel() * p.element_size() for p in kept.parameters())
-    assert abs(held - file_bytes) <= 0.1 * file_bytes, (held, file_bytes)
+    kept_bytes = sum(p.numel() * p.element_size() for p in kept.parameters())
+    assert abs(kept_bytes - file_bytes) <= 0.1 * file_bytes, (kept_bytes, file_bytes)
     dequantized = sum(p.numel() * p.element_size() for p in ref.parameters())
-    assert dequantized > 4 * held
+    assert dequantized > 4 * kept_bytes
 
 
 def test_embedded_model_greedy_tokens_match(embedded, chat_prompts) -> None:

@@ -72,3 +72,35 @@ def test_prefill_logits_close_to_transformers(hf_model, llm: LLM) -> None:
     torch.testing.assert_close(
         torch.tensor([lp for _, lp in top]), expected_top.values, atol=2e-3, rtol=0
     )
+
+
+@pytest.mark.parametrize(
+    ("prefix_caching", "budget"), [(True, 512), (False, 512), (True, 16)], ids=str
+)
+def test_prompt_logprobs_match_transformers(hf_model, prefix_caching: bool, budget: int) -> None:
+    """Every prompt token's logprob and top-2 (the embedded model, fp32) as transformers gives
+    them: with the prefix cache on (a second request over the same prefix recomputes it),
+    off, and with 16-token chunks."""
+    llm = LLM(
+        dtype="float32",
+        kv_cache_memory=128 * 1024**2,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=budget,
+    )
+    try:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS[:2]]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+        llm.generate(prompts[:1], params)  # fills the prefix cache where it is on
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            lps = hf_model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        got = out.prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for pos in range(1, len(prompt)):
+            entry = got[pos]
+            assert entry.logprob == pytest.approx(lps[pos - 1, prompt[pos]].item(), abs=1e-3)
+            top = lps[pos - 1].topk(2)
+            assert [t for t, _ in entry.top] == top.indices.tolist()

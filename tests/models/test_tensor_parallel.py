@@ -67,8 +67,11 @@ def _save(name: str, root: Path) -> Path:
     return folder
 
 
-def _generate(folder: Path, tp: int) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+def _generate(folder: Path, tp: int) -> list[tuple[list[int], list[float], list[float]]]:
+    # Prompt logprobs too: every rank runs the LM head on the prompt rows (a collective).
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1, prompt_logprobs=2
+    )
     with LLM(str(folder), tensor_parallel_size=tp, **ENGINE_ARGS) as llm:
         core = llm.engine.core
         # Rank 0 really holds a shard: half the vocabulary rows (rounded up), its heads only.
@@ -79,7 +82,14 @@ def _generate(folder: Path, tp: int) -> list[tuple[list[int], list[float]]]:
         assert len(workers) == tp - 1 and all(w.is_alive() for w in workers)
     assert not torch.distributed.is_initialized()  # shutdown left the process group
     assert not any(w.is_alive() for w in workers)
-    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+    return [
+        (
+            o.outputs[0].token_ids,
+            [lp.logprob for lp in o.outputs[0].logprobs],
+            [lp.logprob for lp in o.prompt_logprobs[1:]],
+        )
+        for o in outputs
+    ]
 
 
 @pytest.mark.parametrize("name", list(TP_CONFIGS))
@@ -87,11 +97,15 @@ def test_tp2_greedy_tokens_equal_tp1(name: str, tmp_path: Path) -> None:
     folder = _save(name, tmp_path)
     single = _generate(folder, tp=1)
     sharded = _generate(folder, tp=2)
-    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(single, sharded, strict=True):
+    for (tokens_1, logprobs_1, prompt_1), (tokens_2, logprobs_2, prompt_2) in zip(
+        single, sharded, strict=True
+    ):
         assert len(tokens_1) == 12
         assert tokens_2 == tokens_1
         # Sums reduced across ranks round differently, nothing more.
         torch.testing.assert_close(logprobs_2, logprobs_1, atol=1e-4, rtol=1e-4)
+        assert len(prompt_1) == len(prompt_2) > 0
+        torch.testing.assert_close(prompt_2, prompt_1, atol=1e-4, rtol=1e-4)
 
 
 def test_uneven_split_is_a_startup_error_before_any_worker_starts(tmp_path: Path) -> None:

@@ -28,10 +28,13 @@ def test_tp2_greedy_tokens_equal_tp1(name: str, tmp_path: Path) -> None:
     save_tiny(name, tmp_path)
     single = _generate(tmp_path, tp=1)
     sharded = _generate(tmp_path, tp=2)
-    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(single, sharded, strict=True):
+    for (tokens_1, logprobs_1, prompt_1), (tokens_2, logprobs_2, prompt_2) in zip(
+        single, sharded, strict=True
+    ):
         assert len(tokens_1) == 12
         assert tokens_2 == tokens_1
         assert logprobs_2 == pytest.approx(logprobs_1, abs=1e-4)
+        assert prompt_2 == pytest.approx(prompt_1, abs=1e-4)
 
 
 def test_experts_that_do_not_split_are_a_startup_error(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from tests.layers.quantization.checkpoints import (
     edit_config,
     save_pair,
 )
+from tests.weights import held
 
 ENGINE_ARGS = dict(
     dtype="float32",
@@ -64,7 +65,7 @@ def test_quantized_model_matches_its_dequantized_float_model(fmt: Format, tmp_pa
         linears = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
         assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
         for layer in linears:
-            assert isinstance(layer.weight, WNA16Weight) and layer.weight.method == fmt.method
+            assert isinstance(held(layer.weight), WNA16Weight) and layer.weight.method == fmt.method
             # Only the repacked tensors remain: no float matrix, no checkpoint-format copy.
             names = {name for name, _ in layer.named_parameters()}
             assert not names & {"qweight", "qzeros", "scales", "g_idx"}
@@ -151,7 +152,9 @@ def test_quantization_naming_the_checkpoints_format_serves_it(
     llm.shutdown()
     named_run, llm = _generate(qfolder, quantization=named)
     try:
-        assert llm.engine.core.model_runner.quantization is None  # nothing re-quantized
+        assert (
+            llm.engine.core.model_runner.prepared.resolved.quantization is None
+        )  # nothing re-quantized
         assert llm.engine.quantization == WNA16_DESCRIPTIONS[fmt.name]
     finally:
         llm.shutdown()
@@ -177,9 +180,9 @@ def test_tp2_splits_along_groups_and_matches_tp1(tmp_path: Path) -> None:
     llm.shutdown()
     sharded, llm = _generate(qfolder, tensor_parallel_size=2, num_threads=1)
     runner = llm.engine.core.model_runner
-    down = runner.model.model.layers[0].mlp.down_proj.weight
-    assert isinstance(down, WNA16Weight) and down.shape == (128, 128)  # K 256 / 2 ranks
+    down = held(runner.model.model.layers[0].mlp.down_proj.weight)
     llm.shutdown()
+    assert isinstance(down, WNA16Weight) and down.shape == (128, 128)  # K 256 / 2 ranks
     for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(single, sharded, strict=True):
         assert tokens_2 == tokens_1
         torch.testing.assert_close(logprobs_2, logprobs_1, atol=1e-4, rtol=1e-4)

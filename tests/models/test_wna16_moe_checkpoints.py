@@ -30,6 +30,7 @@ from model_server.layers.quantization.wna16_moe import WNA16Experts
 from model_server.sampling_params import SamplingParams
 from tests.layers.quantization.checkpoints import Format, reference_dequantize
 from tests.models.test_parity_tiny import _COMMON, VOCAB
+from tests.weights import held
 
 NUM_TOKENS = 32
 ENGINE_ARGS = dict(
@@ -175,16 +176,16 @@ def _check_layout(model: torch.nn.Module, name: str, fmt: Format) -> None:
             # (One group holds every input feature in any order: no permutation is kept.)
             permuted = fmt.desc_act and k > 32
             perm = num_experts * k * 8 if permuted else 0
-            held = sum(p.numel() * p.element_size() for p in weight.parameters())
-            assert held == packed + perm
+            held_bytes = sum(p.numel() * p.element_size() for p in weight.parameters())
+            assert held_bytes == packed + perm
             assert sum(1 for _ in weight.parameters()) == 3 + permuted
     for module_name, module in model.named_modules():
         if isinstance(module, LinearBase):
             router = module_name.endswith((".mlp.gate", ".shared_expert_gate"))
             if router:  # the router and the shared expert's gate stay float
-                assert isinstance(module.weight, torch.Tensor) and module.quant_method is None
+                assert isinstance(held(module.weight), torch.Tensor) and module.quant_method is None
             else:
-                assert isinstance(module.weight, WNA16Weight), module_name
+                assert isinstance(held(module.weight), WNA16Weight), module_name
     for module_name, module in model.named_modules():
         if module_name.endswith("kv_b_proj"):  # MLA reads it as a matrix: dequantized at load
             assert module.weight.dtype == torch.float32 and module.weight.dim() == 2
@@ -262,9 +263,9 @@ def test_modules_to_not_convert_stay_float(float_folders: dict[str, Path], tmp_p
     try:
         model = llm.engine.core.model_runner.model
         layer = model.model.layers[0]
-        assert isinstance(layer.self_attn.o_proj.weight, torch.Tensor)
-        assert isinstance(layer.self_attn.qkv_proj.weight, WNA16Weight)
-        assert isinstance(layer.mlp.shared_expert.down_proj.weight, torch.Tensor)
+        assert isinstance(held(layer.self_attn.o_proj.weight), torch.Tensor)
+        assert isinstance(held(layer.self_attn.qkv_proj.weight), WNA16Weight)
+        assert isinstance(held(layer.mlp.shared_expert.down_proj.weight), torch.Tensor)
         assert isinstance(layer.mlp.experts.w13_weight, WNA16Experts)
     finally:
         llm.shutdown()

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from model_server.config import parse_device_ids
 from model_server.kernels.cpu import isa, layer_ops
 from model_server.kernels.cpu import linear as cpu_linear
-from model_server.kernels.cpu.linear import skinny_linear
-from model_server.kernels.cpu.linear_tuning import CpuInt8Linear, CpuLinear
+from model_server.kernels.cpu.linear import int8_linear, skinny_linear
 from model_server.kernels.table import TORCH_KERNELS
 from model_server.platforms import (
     AUTO_ORDER,
@@ -69,14 +68,14 @@ def test_skinny_linear_single_row_uses_all_threads_split() -> None:
 
 
 def test_kernel_tables(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The CPU runs its own matmuls (float and int8: fixed ones, or tuned per machine with
-    # WICK_CPU_LINEAR_TUNING=1, see tests/kernels/test_cpu_linear.py) and the native C norms,
-    # activation and rotary (tests/kernels/test_cpu_layer_ops.py); the platforms without kernels
-    # of their own hand out the portable table.
+    # The CPU runs its own matmuls (float and int8: the fixed ones for weights without a plan;
+    # the planned ones are the weights' own, see tests/kernels/test_cpu_linear.py) and the
+    # native C norms, activation and rotary (tests/kernels/test_cpu_layer_ops.py); the platforms
+    # without kernels of their own hand out the portable table.
     # (CUDA's Triton table is tested in tests/kernels/test_fused_ops.py, under the interpreter.)
     monkeypatch.setenv("WICK_CPU_LINEAR_TUNING", "1")
     cpu = get_platform("cpu").kernel_table()
-    assert isinstance(cpu.linear, CpuLinear) and isinstance(cpu.int8_linear, CpuInt8Linear)
+    assert (cpu.linear, cpu.int8_linear) == (skinny_linear, int8_linear)
     native_ops = (cpu.rms_norm, cpu.fused_add_rms_norm, cpu.silu_and_mul, cpu.rotary_embedding)
     assert [op.func for op in native_ops] == [
         layer_ops.rms_norm,

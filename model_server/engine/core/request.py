@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from model_server.engine.outputs import TokenLogprobs
 from model_server.sampling_params import SamplingParams
 
 
@@ -91,6 +92,9 @@ class Request:
     first_token_time: float | None = None
     # Structured outputs: the grammar the sampler's bitmask comes from (None: unconstrained).
     grammar: GrammarState | None = None
+    # prompt_logprobs: entry j is prompt token j + 1's, gathered chunk by chunk (see
+    # `computes_prompt_logprobs`); handed out with the first output.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -114,6 +118,18 @@ class Request:
     @property
     def max_tokens(self) -> int | None:
         return self.sampling_params.max_tokens
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Whether this request's prefill computes prompt logprobs: it asked for them, it is the
+        first sample (siblings share its prompt) and has no output yet (they are handed out with
+        the first one; a prefill again after preemption recomputes them from scratch). Such a
+        request takes no prefix-cache hit: every prompt position needs its logits."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.parent is None
+            and not self.output_token_ids
+        )
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -270,7 +270,10 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return None
         else:
-            computed_ids, num_computed = kv.get_computed_blocks(request)
+            # Prompt logprobs need every prompt position's logits: no prefix-cache hit then.
+            computed_ids, num_computed = (
+                ([], 0) if request.computes_prompt_logprobs else kv.get_computed_blocks(request)
+            )
             num_new = self._chunk(request.num_tokens - num_computed, budget)
             if num_new is None or not kv.allocate_slots(
                 request, num_new, computed_ids, num_computed
@@ -317,21 +320,49 @@ class Scheduler:
         kv = self.kv_cache_manager
         outputs: list[EngineCoreOutput] = []
         any_finished = False
-        for request, num_new, token_id, logprobs in zip(
+        prompt_logprobs = runner_output.prompt_logprobs or [None] * len(scheduled)
+        for request, num_new, token_id, logprobs, chunk_prompt_logprobs in zip(
             scheduled,
             scheduler_output.num_scheduled_tokens,
             sampled_token_ids,
             runner_output.logprobs,
+            prompt_logprobs,
             strict=True,
         ):
             if request.is_finished:
                 continue
+            if chunk_prompt_logprobs is not None:
+                # Entry j is token j + 1's: this chunk's start onwards (a prefill again after
+                # preemption overwrites what the first one gathered).
+                del request.prompt_logprobs[request.num_computed_tokens :]
+                request.prompt_logprobs.extend(chunk_prompt_logprobs)
             request.num_computed_tokens += num_new
             kv.cache_blocks(request, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that was not the last
             if token_id is None:
                 raise ValueError(f"request {request.request_id} was due to sample but got None")
+            first_prompt_logprobs = (
+                request.prompt_logprobs if request.computes_prompt_logprobs else None
+            )
+            if request.max_tokens == 0:
+                # Prompt logprobs only (echo with max_tokens 0): done after the prefill, the
+                # sampled token dropped.
+                request.status = RequestStatus.FINISHED_LENGTH
+                self._release(request)
+                any_finished = True
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        new_logprobs=None,
+                        finish_reason=RequestStatus.finish_reason(request.status),
+                        stop_reason=None,
+                        num_cached_tokens=request.num_cached_tokens,
+                        prompt_logprobs=first_prompt_logprobs,
+                    )
+                )
+                continue
             request.append_output_token(token_id)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -356,6 +387,7 @@ class Scheduler:
                     finish_reason=RequestStatus.finish_reason(request.status),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    prompt_logprobs=first_prompt_logprobs,
                 )
             )
         if any_finished:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from model_server.config import EngineConfig
 from model_server.engine.core.scheduler import SchedulerOutput
+from model_server.engine.execution.model_preparation import prepare_model
 from model_server.engine.execution.model_runner import ModelRunner
 from model_server.engine.outputs import ModelRunnerOutput
 from model_server.loader import ModelSource
@@ -58,7 +59,7 @@ class UniProcExecutor(Executor):
         self.platform = platform
         platform.select_device(0, config.device_ids)
         platform.prepare(config.num_threads)
-        self.model_runner = ModelRunner(config, source, platform)
+        self.model_runner = ModelRunner(prepare_model(config, source, platform), platform)
 
     def _execute_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)

@@ -1,6 +1,6 @@
 """What the model runner tells the platform about the model's matmuls: the linear shapes of a
 config (for `--dtype auto`, before the model exists) and the linear weights of a built model
-(for `Platform.tune_kernels`, once its weights are loaded)."""
+(for `Platform.plan_linears`, once its weights are loaded)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,11 @@ def linear_sites(model: nn.Module, max_rows: int, max_head_rows: int) -> list[Li
         rows = max_head_rows if isinstance(module, ParallelLMHead) else max_rows
         weight = module.weight
         if isinstance(weight, Int8Weight):
-            sites.append(LinearSite(weight.qweight, rows, True, weight.scale, name))
+            sites.append(
+                LinearSite(
+                    weight.qweight, rows, True, weight.scale, name, module=name, holder=weight
+                )
+            )
         elif isinstance(weight, WNA16Weight):
             sites.append(
                 LinearSite(
@@ -66,13 +70,28 @@ def linear_sites(model: nn.Module, max_rows: int, max_head_rows: int) -> list[Li
                     offsets=weight.offsets,
                     bits=weight.bits,
                     group_size=weight.group_size,
+                    module=name,
+                    holder=weight,
                 )
             )
         elif isinstance(weight, GGUFWeight):
             for i, (ggml_type, blocks) in enumerate(weight.segments()):
                 part = f"{name}.blocks{i}"
-                site = LinearSite(blocks, rows, True, None, part, ggml_type=ggml_type, k=weight.k)
+                site = LinearSite(
+                    blocks,
+                    rows,
+                    True,
+                    None,
+                    part,
+                    ggml_type=ggml_type,
+                    k=weight.k,
+                    module=name,
+                    holder=weight,
+                )
                 sites.append(site)
         elif isinstance(weight, torch.Tensor):
-            sites.append(LinearSite(weight, rows, uses.get(id(weight), 0) == 1, None, name))
+            exclusive = uses.get(id(weight), 0) == 1
+            sites.append(
+                LinearSite(weight, rows, exclusive, None, name, module=name, holder=weight)
+            )
     return sites

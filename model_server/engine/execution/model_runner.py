@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import os
-import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from model_server.config import EngineConfig, parse_quantization
-from model_server.distributed.parallel_state import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-)
+from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
 from model_server.engine.core.kv_cache_manager import SlidingWindowSpec
 from model_server.engine.core.request import Request
 from model_server.engine.core.scheduler import SchedulerOutput
 from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
 from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
-from model_server.engine.execution.kernel_tuning import config_linear_shapes, linear_sites
-from model_server.engine.execution.kv_cache_groups import KVCacheGroups, kv_cache_groups
+from model_server.engine.execution.kv_cache_groups import KVCacheGroups
 from model_server.engine.execution.memory_profiler import (
     MemoryProfile,
     MemorySnapshot,
@@ -31,151 +22,83 @@ from model_server.engine.execution.memory_profiler import (
     profile_chunks,
     profile_memory,
     profile_sampling_requests,
-    take_memory_snapshot,
 )
-from model_server.engine.execution.step_input import StepInput
+from model_server.engine.execution.model_preparation import PreparedModel
+from model_server.engine.execution.step_input import PromptLogprobsRows, StepInput
 from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
 from model_server.kernels.kv_cache_dtype import (
     KVCacheDtype,
     QuantizedKVCache,
     allocate_kv_cache,
-    resolve_kv_cache_dtype,
 )
 from model_server.layers.attention import get_attention_backend
-from model_server.layers.attention.backend import AttentionBackend
-from model_server.layers.attention.layer import Attention
-from model_server.layers.quantization.wna16 import checkpoint_quantization, resolve_quantization
-from model_server.layers.sampler import Sampler
-from model_server.loader import ModelSource
-from model_server.models.gguf_weights import GGUFWeightCollector
-from model_server.models.quantization import (
-    model_quantization,
-    process_weights_after_loading,
-    quantize_model,
-)
-from model_server.models.registry import build_model, init_dummy_weights
+from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
+from model_server.layers.sampler import PromptLogprobsOutput, Sampler, compute_prompt_logprobs
 from model_server.platforms import Platform
+from model_server.sampling_params import MAX_LOGPROBS
 from model_server.structured_output.bitmask import fill_grammar_bitmask
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs run the LM head over a prompt's rows in pieces of at most this many logits
+# (64 MiB in float32), so that a long prompt's memory stays bounded.
+PROMPT_LOGPROBS_MAX_ELEMENTS = 1 << 24
 
 
 @dataclass(slots=True)
 class StepOutput:
     logits: torch.Tensor | None  # [N, vocab], the model's dtype, on rank 0 when N > 0; else None
     sample_indices: list[int]  # row j of logits belongs to chunk sample_indices[j]
+    # Rank 0: chunk index -> its prompt logprobs, piece by piece (see PromptLogprobsRows).
+    prompt_logprobs: dict[int, list[PromptLogprobsOutput]] | None = None
 
 
 class ModelRunner:
-    """One rank's model, KV cache and (rank 0) sampler.
+    """One rank's prepared model (engine/execution/model_preparation.py), its KV cache, its
+    step (the native decoder step where the platform gave one, else the modules; CUDA graphs
+    for decodes) and (rank 0) the sampler. `self.config` is the engine's with `max_model_len`
+    resolved (the same on every rank, so their rotary caches match)."""
 
-    `config` is the engine's as given, with `max_model_len` resolved (the model's context length
-    when not given): every rank resolves it the same way, so their rotary caches match.
-    """
-
-    def __init__(self, config: EngineConfig, source: ModelSource, platform: Platform) -> None:
-        self.max_model_len_given = config.max_model_len is not None
-        self.max_model_len: int = config.max_model_len or source.context_length
-        self.config = dataclasses.replace(config, max_model_len=self.max_model_len)
+    def __init__(self, prepared: PreparedModel, platform: Platform) -> None:
+        self.prepared = prepared
+        self.config = prepared.config
+        self.max_model_len: int = prepared.resolved.max_model_len
+        self.max_model_len_given = prepared.resolved.max_model_len_given
         self.platform = platform
         self.device = platform.device
-        self.hf_config = source.hf_config
-        # `auto` may time the model's linear shapes in each dtype (CPUs with native bf16).
-        tp_size = get_tensor_model_parallel_world_size()
-        self.dtype = platform.resolve_dtype(
-            config.dtype, config_linear_shapes(self.hf_config, tp_size)
-        )
-        self.block_size = config.block_size
-        self.kv_dtype: KVCacheDtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        platform.check_kv_cache_dtype(self.kv_dtype)  # before minutes of loading
+        self.model = prepared.model
+        self.hf_config = prepared.hf_config
+        self.dtype = prepared.resolved.dtype
+        self.block_size = self.config.block_size
+        self.kv_dtype: KVCacheDtype = prepared.kv_dtype
         # Device memory in use before our weights load is not ours: neither charged to our
         # budget nor taken (memory_profiler.py). None where memory cannot be profiled.
-        self.memory_baseline: MemorySnapshot | None = take_memory_snapshot(platform)
+        self.memory_baseline: MemorySnapshot | None = prepared.memory_baseline
         # This rank's budget once `local_num_blocks` has profiled it.
         self.memory_profile: MemoryProfile | None = None
-        # A checkpoint kept quantized (GPTQ, AWQ: its config's quantization_config), and what
-        # --quantization asks of it: int8 at load, or (gptq, awq, w8a16) a check of its format.
-        self.checkpoint_quant = checkpoint_quantization(self.hf_config)
-        self.quantization = resolve_quantization(
-            parse_quantization(config.quantization), self.checkpoint_quant
-        )
-        platform.check_quantization(self.quantization)  # before minutes of loading
-        if self.checkpoint_quant is not None:
-            platform.check_quantization(self.checkpoint_quant.method)
-        keep_gguf = platform.keep_gguf_quantized(config.gguf_weights)  # also checks it
-        backend_name = config.attention_backend or platform.default_attention_backend
-        if (
-            backend_name == "triton"
-            and platform.name == "cpu"
-            and os.environ.get("TRITON_INTERPRET") != "1"
-        ):
-            # Before loading: Triton has no CPU driver, and its first launch would fail deep in
-            # the warmup with "0 active drivers".
-            raise ValueError(
-                "--attention-backend triton runs Triton kernels, which need a CUDA or GCU "
-                "device; on the CPU use --attention-backend cpu or torch (TRITON_INTERPRET=1 "
-                "runs the kernels interpreted, for tests)"
-            )
-        self.attn_backend = get_attention_backend(backend_name)
-        start = time.perf_counter()
-        kernels = platform.kernel_table()
-        self.model = build_model(
-            self.hf_config,
-            self.attn_backend,
-            dtype=self.dtype,
-            device=self.device,
-            max_model_len=self.max_model_len,
-            kernels=kernels,
-        )
-        # GGUF matrices kept in their blocks (--gguf-weights): "Q4_1 x210, ..." for the log.
-        self.gguf_kept = ""
-        if source.weights is None:
-            if self.checkpoint_quant is not None:
-                raise ValueError(
-                    f"load_format dummy cannot make {self.checkpoint_quant.method} weights: "
-                    "load the checkpoint, or drop quantization_config from the config"
-                )
-            init_dummy_weights(self.model, seed=config.seed)
-        elif source.quantized_weights is not None and keep_gguf:
-            collector = GGUFWeightCollector(self.model)
-            self.model.load_weights(_with_progress(source.quantized_weights(), source.num_weights))
-            counts = collector.finish()
-            self.gguf_kept = ", ".join(f"{name} x{n}" for name, n in sorted(counts.items()))
-        else:
-            self.model.load_weights(_with_progress(source.weights(), source.num_weights))
-        process_weights_after_loading(self.model)
-        if self.quantization is not None:
-            quantize_model(self.model, self.quantization)
-        self.model.eval()
-        # What the linear layers run, for the log, /v1/models and the metrics: "gptq w4 g128".
-        self.quantization_description: str | None = model_quantization(self.model)
-        if self.kv_dtype.quantized and hasattr(self.model, "kv_cache_shape"):
-            raise ValueError(
-                f"--kv-cache-dtype {config.kv_cache_dtype}: {self.hf_config.architectures[0]} "
-                "keeps a latent KV cache (multi-head latent attention), which is not quantized; "
-                "use auto, bfloat16 or float16"
-            )
-        self.kv_groups = self._group_layers()
-        # Once the weights are final, before anything runs: the platform fits the table's
-        # matmuls to them (CPU: times kernels per shape and row bucket, cached on disk).
-        max_head_rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        sites = linear_sites(self.model, self.config.max_num_batched_tokens, max_head_rows)
-        platform.tune_kernels(kernels, sites, self.dtype)
+        self.quantization_description: str | None = prepared.quantization_description
+        self.gguf_kept = prepared.gguf_kept
+        self.attn_backend = get_attention_backend(prepared.resolved.attention_backend)
+        self.kv_groups: KVCacheGroups = prepared.kv_groups
+        # The runner's CPU fast path: the decoder layers in one native call (None: modules).
+        self.native_step = prepared.native_step
         logger.info(
             "loaded %s (%s, %s%s, %s KV cache) in %.2fs with the %s attention backend",
-            source.path,
+            prepared.source_path,
             self.hf_config.architectures[0],
             str(self.dtype).removeprefix("torch."),
             (f", {self.quantization_description} weights" if self.quantization_description else "")
             + (f", GGUF matrices kept quantized ({self.gguf_kept})" if self.gguf_kept else ""),
             self.kv_dtype.name,
-            time.perf_counter() - start,
-            backend_name,
+            prepared.load_seconds,
+            prepared.resolved.attention_backend,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         # Only rank 0 samples (it alone gets logits), so only it keeps sampler state.
         self.sampler = (
-            Sampler(self.device, kernels.argmax) if get_tensor_model_parallel_rank() == 0 else None
+            Sampler(self.device, platform.kernel_table().argmax)
+            if get_tensor_model_parallel_rank() == 0
+            else None
         )
         # One per layer: a tensor, or codes + scales for quantized --kv-cache-dtype.
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
@@ -188,30 +111,6 @@ class ModelRunner:
     def kv_cache_dtype(self) -> torch.dtype:
         """The cache tensors' element type (the codes' for a quantized cache)."""
         return self.kv_dtype.storage
-
-    def _group_layers(self) -> KVCacheGroups:
-        """The KV cache groups (kv_cache_groups.py); sliding layers read their own block table."""
-        m = self.model
-        windows = getattr(m, "layer_sliding_windows", None) or [None] * m.num_layers
-        groups = kv_cache_groups(
-            windows,
-            self.max_model_len,
-            self.block_size,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-        )
-        attn_layers = [mod for mod in m.modules() if isinstance(mod, Attention)]
-        for i in groups.sliding_layers:
-            attn_layers[i].kv_group = 1
-        if groups.hybrid:
-            logger.info(
-                "KV cache groups: %d full-attention layers, %d sliding-window layers (window %d) "
-                "in a pool of their own; prefix caching is off for this model",
-                len(groups.full_layers),
-                len(groups.sliding_layers),
-                groups.sliding_window,
-            )
-        return groups
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's KV cache tensor: the model's own layout where it declares one
@@ -324,7 +223,18 @@ class ModelRunner:
         if logits is not None and self.sampler is not None:
             requests = profile_sampling_requests(logits.shape[0])
             self.sampler(logits, self.sampler.build_metadata(requests, self.vocab_size))
+        del logits
+        # One piece of prompt logprobs, the most a step holds of them at once.
+        rows = torch.arange(min(self.prompt_logprobs_rows, hidden.shape[0]), device=self.device)
+        logits = m.compute_logits(hidden[rows])
+        if logits is not None:
+            compute_prompt_logprobs(logits, torch.zeros_like(rows), MAX_LOGPROBS)
         self.platform.mark_step()
+
+    @property
+    def prompt_logprobs_rows(self) -> int:
+        """Rows of one LM-head piece for prompt logprobs (PROMPT_LOGPROBS_MAX_ELEMENTS)."""
+        return max(1, PROMPT_LOGPROBS_MAX_ELEMENTS // self.vocab_size)
 
     # ---- device graphs ----------------------------------------------------------------------
 
@@ -378,6 +288,7 @@ class ModelRunner:
         """Rank 0: what each scheduled request computes this step."""
         chunks: list[SeqChunk] = []
         sample: list[bool] = []
+        prompt_logprobs: list[PromptLogprobsRows | None] = []
         for r, n in zip(
             scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens, strict=True
         ):
@@ -392,7 +303,8 @@ class ModelRunner:
                 )
             )
             sample.append(start + n == r.num_tokens)
-        return StepInput(chunks, sample)
+            prompt_logprobs.append(_prompt_logprobs_rows(r, start, n))
+        return StepInput(chunks, sample, prompt_logprobs if any(prompt_logprobs) else [])
 
     def _forward(
         self, chunks: list[SeqChunk]
@@ -405,16 +317,31 @@ class ModelRunner:
             # Decodes only: one token per request, batch order = chunk order.
             return self.graph_runner.run(chunks, bucket), None, list(range(len(chunks)))
         inputs = build_model_inputs(chunks, self.block_size, self.device)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
-        )
+        hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         return hidden, inputs.last_token_indices, inputs.order
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """The final-norm hidden states [T, hidden]: the layers in one native call where the
+        native step takes this step, else the model's modules."""
+        if self.native_step is not None:
+            decoder = self.model.model
+            stacked = self.native_step(
+                positions, decoder.embed(input_ids), self.kv_caches, attn_metadata
+            )
+            if stacked is not None:
+                return decoder.norm(*stacked)[0]
+        return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
         """Every rank: the forward pass, and the logits of the sampling rows ([N, vocab] on rank
         0, None elsewhere; the LM head's gather is a collective, so every rank calls it)."""
         hidden, last_token_indices, order = self._forward(step.chunks)
+        prompt_logprobs = (
+            self._prompt_logprobs(hidden, step, order) if step.prompt_logprobs else None
+        )
         # Rows (in batch order) whose step reaches the end of their tokens: those sample.
         sample_rows = [row for row, idx in enumerate(order) if step.sample[idx]]
         logits = None
@@ -426,15 +353,51 @@ class ModelRunner:
                 row_index = last_token_indices[row_index]
             logits = self.model.compute_logits(hidden[row_index])
         self.platform.mark_step()
-        return StepOutput(logits, [order[row] for row in sample_rows])
+        return StepOutput(logits, [order[row] for row in sample_rows], prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, step: StepInput, order: list[int]
+    ) -> dict[int, list[PromptLogprobsOutput]] | None:
+        """Every rank: the LM head over the rows of the chunks that compute prompt logprobs, a
+        bounded piece at a time (a collective under tensor parallelism: the same pieces on every
+        rank); rank 0 turns each piece into logprobs at once, so that no more than one piece's
+        logits live at a time. None on the other ranks."""
+        flat_start: dict[int, int] = {}
+        offset = 0
+        for idx in order:  # hidden's rows are in batch order
+            flat_start[idx] = offset
+            offset += len(step.chunks[idx].token_ids)
+        piece = self.prompt_logprobs_rows
+        out: dict[int, list[PromptLogprobsOutput]] = {}
+        for idx in range(len(step.chunks)):
+            rows = step.prompt_logprobs_of(idx)
+            if rows is None:
+                continue
+            pieces = out.setdefault(idx, [])
+            for a in range(0, rows.num_rows, piece):
+                b = min(a + piece, rows.num_rows)
+                logits = self.model.compute_logits(
+                    hidden[flat_start[idx] + a : flat_start[idx] + b]
+                )
+                if logits is None:
+                    continue  # not rank 0
+                targets = torch.tensor(rows.target_ids[a:b], dtype=torch.int64, device=self.device)
+                pieces.append(compute_prompt_logprobs(logits, targets, rows.k))
+                del logits  # one piece's logits at a time
+        return out if self.sampler is not None else None
 
     @torch.inference_mode()
     def sample(self, reqs: list[Request], out: StepOutput) -> ModelRunnerOutput:
         """Rank 0: sample the next token of each sampling request (`reqs`: scheduled order)."""
         sampled: list[int | None] = [None] * len(reqs)
         logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+        prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+        if out.prompt_logprobs:
+            prompt_logprobs = [None] * len(reqs)
+            for idx, pieces in out.prompt_logprobs.items():
+                prompt_logprobs[idx] = _prompt_logprob_entries(pieces)
         if out.logits is None:
-            return ModelRunnerOutput(sampled, logprobs)
+            return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         sample_reqs = [reqs[idx] for idx in out.sample_indices]
         grammar_bitmask = fill_grammar_bitmask(sample_reqs, self.vocab_size)
         metadata = self.sampler.build_metadata(sample_reqs, self.vocab_size, grammar_bitmask)
@@ -453,7 +416,7 @@ class ModelRunner:
             if want_logprobs and k is not None:
                 top = list(zip(top_ids[j][:k], top_lp[j][:k], strict=True)) if top_ids else []
                 logprobs[idx] = TokenLogprobs(token_ids[j], lp[j], top)
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on a single rank: prepare, forward, sample."""
@@ -467,14 +430,34 @@ class ModelRunner:
                 self.sampler.release(request_id)
 
 
-def _with_progress(weights, total: int):
-    """Wrap the weight iterator in a progress bar on stderr when it is a terminal."""
-    if not sys.stderr.isatty() or total <= 0:
-        yield from weights
-        return
-    from tqdm import tqdm
+def _prompt_logprobs_rows(request: Request, start: int, n: int) -> PromptLogprobsRows | None:
+    """The rows of `request`'s chunk [start, start + n) that predict prompt tokens, when it
+    computes prompt logprobs: row i predicts token start + i + 1, up to the prompt's last token
+    (the prompt's last row predicts the first output token: the sampler's)."""
+    if not request.computes_prompt_logprobs:
+        return None
+    num_rows = min(start + n, request.num_prompt_tokens - 1) - start
+    if num_rows <= 0:
+        return None
+    k = request.sampling_params.prompt_logprobs or 0
+    targets = request.prompt_token_ids[start + 1 : start + 1 + num_rows]
+    return PromptLogprobsRows(num_rows, k, targets)
 
-    with tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr) as bar:
-        for item in weights:
-            yield item
-            bar.update(1)
+
+def _prompt_logprob_entries(pieces: list[PromptLogprobsOutput]) -> list[TokenLogprobs]:
+    """One chunk's prompt logprobs as plain entries, in position order."""
+    entries: list[TokenLogprobs] = []
+    for p in pieces:
+        rows = zip(
+            p.target_ids.tolist(),
+            p.logprobs.tolist(),
+            p.ranks.tolist(),
+            p.top_ids.tolist(),
+            p.top_logprobs.tolist(),
+            strict=True,
+        )
+        for token_id, lp, rank, top_ids, top_lp in rows:
+            entries.append(
+                TokenLogprobs(token_id, lp, list(zip(top_ids, top_lp, strict=True)), rank)
+            )
+    return entries

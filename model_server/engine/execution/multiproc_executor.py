@@ -34,6 +34,7 @@ from model_server.distributed.rendezvous import rendezvous_from_env
 from model_server.distributed.step_channel import MessageKind, StepChannel
 from model_server.engine.core.scheduler import SchedulerOutput
 from model_server.engine.execution.executor import Executor, FailureCallback
+from model_server.engine.execution.model_preparation import prepare_model
 from model_server.engine.execution.model_runner import ModelRunner
 from model_server.engine.execution.worker import WorkerSpec, check_device_ids, run_worker
 from model_server.engine.outputs import ModelRunnerOutput
@@ -104,7 +105,7 @@ class MultiprocExecutor(Executor):
                 init_method=rdzv.init_method,
             )
             self.channel = StepChannel(get_tp_group().cpu_group)
-            self.model_runner = ModelRunner(config, source, platform)
+            self.model_runner = ModelRunner(prepare_model(config, source, platform), platform)
         except BaseException as exc:
             self.shutdown()
             raise self._explain(exc) from exc

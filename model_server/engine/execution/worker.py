@@ -80,6 +80,7 @@ def _serve_steps(spec: WorkerSpec) -> None:
         init_tensor_parallel,
     )
     from model_server.distributed.step_channel import MessageKind, StepChannel
+    from model_server.engine.execution.model_preparation import prepare_model
     from model_server.engine.execution.model_runner import ModelRunner
     from model_server.engine.execution.step_input import StepInput
     from model_server.loader import load_model_source
@@ -102,7 +103,7 @@ def _serve_steps(spec: WorkerSpec) -> None:
         source = load_model_source(
             config.model, config.load_format, hf_overrides=config.hf_overrides
         )
-        runner = ModelRunner(config, source, platform)
+        runner = ModelRunner(prepare_model(config, source, platform), platform)
         # In step with rank 0's determine_num_blocks: a profile forward (collectives) and the
         # reduction; then every rank checks the same count (rank 0 raises the same error).
         num_blocks = cpu_all_reduce_min(runner.local_num_blocks(config.kv_cache_memory))

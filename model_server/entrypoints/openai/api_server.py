@@ -40,6 +40,7 @@ from model_server.entrypoints.openai.protocol import (
     DetokenizeRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from model_server.entrypoints.openai.request_id import RequestIdMiddleware
@@ -53,6 +54,7 @@ from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from model_server.entrypoints.openai.serving_engine import json_response
 from model_server.entrypoints.openai.serving_models import OpenAIServingModels
+from model_server.entrypoints.openai.serving_responses import OpenAIServingResponses
 from model_server.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
 from model_server.loader.embedded import embedded_model_path
@@ -127,8 +129,8 @@ def build_app(
 
 # Routes counted under their own path; anything else is "other" (bounded label values).
 _COUNTED_ROUTES = frozenset(
-    {"/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-     "/health", "/version", "/metrics"}
+    {"/", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/tokenize",
+     "/detokenize", "/health", "/version", "/metrics"}
 )  # fmt: skip
 
 
@@ -159,8 +161,11 @@ def _add_routes(
     root = model_root(settings)
     limits = RequestLimits.from_settings(settings)
     completion = OpenAIServingCompletion(engine_client, served, limits)
-    chat = OpenAIServingChat(engine_client, served, settings.tool_call_parser, limits)
+    chat = OpenAIServingChat(
+        engine_client, served, settings.tool_call_parser, limits, settings.reasoning_parser
+    )
     tokenization = OpenAIServingTokenization(engine_client, served, limits)
+    responses = OpenAIServingResponses(chat)
     completion.sampling_defaults = chat.sampling_defaults = sampling_defaults
 
     @app.get("/health", response_model=None)
@@ -207,6 +212,13 @@ def _add_routes(
     ) -> Response:
         return await cancel_on_disconnect(
             chat.create_chat_completion(request, raw_request), raw_request
+        )
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        """OpenAI's Responses API, stateless (served as a chat completion)."""
+        return await cancel_on_disconnect(
+            responses.create_response(request, raw_request), raw_request
         )
 
     @app.post("/tokenize", response_model=None)

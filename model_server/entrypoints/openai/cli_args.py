@@ -56,5 +56,6 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
             name = str(err["loc"][0])
             if name in given:
                 name = "--" + name.replace("_", "-")
-            problems.append(f"{name}: {msg}")
+            # (A WICK_* variable's message starts with its name already.)
+            problems.append(msg if msg.startswith(f"{name}=") else f"{name}: {msg}")
         raise ValueError("invalid settings: " + "; ".join(problems)) from None

@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -182,6 +183,9 @@ class _SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     # vLLM: logprobs name tokens `token_id:<id>` instead of their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM: each prompt token's logprob (after the first) and the k likeliest there, returned as
+    # `prompt_logprobs` (SamplingParams checks the range).
+    prompt_logprobs: int | None = None
     # vLLM: lets the caller pick the request id (also read from the X-Request-Id header).
     request_id: str | None = None
     # Structured outputs (vLLM): the current form, and the older guided_* fields.
@@ -220,6 +224,7 @@ class _SamplingRequest(OpenAIBaseModel):
         logprobs: int | None,
         default_max_tokens: int | None,
         defaults: SamplingDefaults | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Raises ValueError (-> 400) for out-of-range values, with SamplingParams' message.
         A field the request leaves unset takes the server's default (`defaults`), else OpenAI's."""
@@ -241,6 +246,7 @@ class _SamplingRequest(OpenAIBaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
@@ -311,7 +317,20 @@ class CompletionRequest(_SamplingRequest):
             self.logprobs,
             default_max_tokens=16 if unset else None,
             defaults=defaults,
+            prompt_logprobs=self.engine_prompt_logprobs,
         )
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs the engine computes: vLLM's `prompt_logprobs`, and with `echo`
+        the echoed prompt's `logprobs` (the most of the two top-k's; each answer is cut to its
+        own); echo with `max_tokens` 0 and neither still needs the prefill's end (0)."""
+        k = self.prompt_logprobs
+        if not self.echo or (k is not None and k < 0):
+            return k  # a bad value goes on to SamplingParams, which names the field
+        prompt_only = self.max_tokens == 0 and "max_tokens" in self.model_fields_set
+        given = [v for v in (k, self.logprobs, 0 if prompt_only else None) if v is not None]
+        return max(given, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one engine request each."""
@@ -444,6 +463,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Shortcut for chat_template_kwargs.enable_thinking (Qwen3's switch): false asks the
+    # template to close the thinking, and the answer is not split (reasoning_parsers.py).
+    enable_thinking: StrictBool | None = None
     # Function calling (entrypoints/openai/tool_calls.py) and structured outputs.
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -458,7 +480,12 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's")
+        template_kwargs(self.chat_template_kwargs, self.enable_thinking)
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, with the enable_thinking shortcut."""
+        return template_kwargs(self.chat_template_kwargs, self.enable_thinking)
 
     def to_sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
         max_tokens = (
@@ -468,7 +495,28 @@ class ChatCompletionRequest(_SamplingRequest):
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         # Chat has no token limit by default: up to the end of the context (max_tokens=None).
-        return self._sampling_params(max_tokens, logprobs, None, defaults)
+        return self._sampling_params(
+            max_tokens, logprobs, None, defaults, prompt_logprobs=self.prompt_logprobs
+        )
+
+
+def template_kwargs(kwargs: dict[str, Any] | None, enable_thinking: bool | None) -> dict[str, Any]:
+    """`chat_template_kwargs` with the `enable_thinking` shortcut in it; ValueError (-> 400)
+    for a non-boolean enable_thinking in it, or one the shortcut contradicts."""
+    merged = dict(kwargs or {})
+    given = merged.get("enable_thinking")
+    if given is not None and not isinstance(given, bool):
+        raise ValueError(
+            f"chat_template_kwargs.enable_thinking must be true or false, got {given!r}"
+        )
+    if given is not None and enable_thinking is not None and given != enable_thinking:
+        raise ValueError(
+            f"enable_thinking ({enable_thinking}) and chat_template_kwargs.enable_thinking "
+            f"({given}) disagree: send one of them"
+        )
+    if enable_thinking is not None:
+        merged["enable_thinking"] = enable_thinking
+    return merged
 
 
 # ----------------------------------------------------------------------- tokenization
@@ -486,6 +534,12 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: StrictBool | None = None  # as on chat completions
+
+    @model_validator(mode="after")
+    def _check_template_kwargs(self) -> TokenizeChatRequest:
+        template_kwargs(self.chat_template_kwargs, self.enable_thinking)
+        return self
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
@@ -504,3 +558,79 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(OpenAIBaseModel):
     prompt: str
+
+
+# -------------------------------------------------------------------------- responses
+
+
+class ResponsesFunctionTool(OpenAIBaseModel):
+    """A function tool as the Responses API spells it (flat: no `function` object)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    # OpenAI's field is `schema`; pydantic reserves the name, hence the alias.
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self) -> ResponsesTextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("text.format of type json_schema needs `schema` (the JSON schema)")
+        return self
+
+
+class ResponsesText(OpenAIBaseModel):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """`POST /v1/responses` (stateless): served as a chat completion (serving_responses.py).
+    `input` items are checked there, one by one, so that an error names `input[i]`."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    text: ResponsesText | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    # vLLM's extras, as on chat completions.
+    seed: int | None = None
+    top_k: int | None = None
+    logit_bias: dict[str, float] | None = None
+    enable_thinking: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Stateful or hosted features this server does not have: any value but "off" is a 400
+    # naming the field (serving_responses.py), never silently dropped.
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None

@@ -209,6 +209,25 @@ class OpenAIServing:
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
     ) -> list[int]:
+        text = self.chat_prompt_text(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        # The template already wrote every special token it wants.
+        return self.encode("messages", text, add_special_tokens=False)
+
+    def chat_prompt_text(
+        self,
+        messages: Sequence[ChatMessage] | list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        """The prompt text of `messages` under the chat template (tokenize it without special
+        tokens); 400s naming the field."""
         reserved = sorted(set(template_kwargs or ()) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise APIError(
@@ -232,8 +251,7 @@ class OpenAIServing:
             )
         except ValueError as exc:
             raise APIError(str(exc), 400, param="messages") from None
-        # The template already wrote every special token it wants.
-        return self.encode("messages", text, add_special_tokens=False)
+        return text
 
     def encode(self, param: str, text: str, *, add_special_tokens: bool) -> list[int]:
         """`text`'s token ids; 400 for a text the tokenizer cannot take or that is longer than
@@ -350,6 +368,67 @@ class OpenAIServing:
             "tokens": tokens,
             "top_logprobs": top_logprobs,
         }, text_offset
+
+    def echo_logprobs(
+        self,
+        prompt_token_ids: Sequence[int],
+        prompt_logprobs: Sequence[TokenLogprobs | None],
+        k: int,
+        as_ids: bool = False,
+    ) -> tuple[dict[str, Any], int]:
+        """The echoed prompt's part of the legacy completions `logprobs` object (`echo` with
+        `logprobs: k`), as OpenAI and vLLM give it: the first token's logprob and top are null
+        (nothing comes before it); returns it and the text offset after the prompt."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        offset = 0
+        for token_id, entry in zip(prompt_token_ids, prompt_logprobs, strict=True):
+            label = self.token_label(token_id, as_ids)
+            tokens.append(label)
+            offsets.append(offset)
+            offset += len(self.token_text(token_id))
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(clamp_logprob(entry.logprob))
+            top = {self.token_label(t, as_ids): clamp_logprob(lp) for t, lp in entry.top[:k]}
+            top.setdefault(label, clamp_logprob(entry.logprob))
+            top_logprobs.append(top)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": token_logprobs,
+            "tokens": tokens,
+            "top_logprobs": top_logprobs,
+        }, offset
+
+    def vllm_prompt_logprobs(
+        self, prompt_logprobs: Sequence[TokenLogprobs | None], k: int, as_ids: bool = False
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs` answer: per prompt position, None for the first, else
+        {token id: {logprob, rank, decoded_token}} for the prompt token and the k likeliest."""
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for entry in prompt_logprobs:
+            if entry is None:
+                out.append(None)
+                continue
+            position = {
+                str(entry.token_id): {
+                    "logprob": clamp_logprob(entry.logprob),
+                    "rank": entry.rank,
+                    "decoded_token": self.token_label(entry.token_id, as_ids),
+                }
+            }
+            for rank, (t, lp) in enumerate(entry.top[:k], start=1):
+                position.setdefault(
+                    str(t),
+                    {
+                        "logprob": clamp_logprob(lp),
+                        "rank": rank,
+                        "decoded_token": self.token_label(t, as_ids),
+                    },
+                )
+            out.append(position)
+        return out
 
     def token_label(self, token_id: int, as_ids: bool) -> str:
         """How logprobs name a token: its text, or vLLM's `token_id:<id>` when the request set

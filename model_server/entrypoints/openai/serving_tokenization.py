@@ -9,6 +9,7 @@ from model_server.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
+    template_kwargs,
 )
 from model_server.entrypoints.openai.request_limits import check_unicode
 from model_server.entrypoints.openai.serving_engine import OpenAIServing
@@ -26,7 +27,9 @@ class OpenAIServingTokenization(OpenAIServing):
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                template_kwargs=request.chat_template_kwargs,
+                template_kwargs=template_kwargs(
+                    request.chat_template_kwargs, request.enable_thinking
+                ),
             )
         else:
             tokens = self.encode(

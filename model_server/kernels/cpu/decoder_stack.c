@@ -1,5 +1,8 @@
-/* A stack of pre-norm decoder layers (Llama's: RMSNorm, fused q/k/v, neox rotary, paged
- * attention, output projection, RMSNorm with the residual add, SwiGLU MLP) in one call.
+/* A stack of pre-norm decoder layers in one call: RMSNorm, fused q/k/v (biases allowed),
+ * optional per-head q/k RMSNorm, neox rotary (a cache per layer), paged attention (optional
+ * sliding window and logit soft cap, each layer in its KV cache group), output projection,
+ * optional sandwich norms (Gemma 2/3), RMSNorm with the residual add, gated MLP (SiLU or GeGLU
+ * tanh).
  *
  * Why: a batch-1 decode of SmolLM2-135M spends ~4 of its ~13 ms between the kernels, in Python
  * (module calls, tensor allocation, argument marshalling: ~125 us per layer on a 2-core Zen 4),
@@ -7,19 +10,21 @@
  * (layer_ops.c, panel_gemm.c, panel_gemm_f32.c, gguf_gemm.c, gguf_q8.c, paged_attention.c) with
  * the same arguments, in the same order, so its results equal that path's bit for bit; only
  * the Python between them is gone. kernels/cpu/decoder_stack.py decides when it applies and
- * fills the structs below (their layout is mirrored there with ctypes).
+ * fills the structs of wick_stack.h (its ctypes mirrors are built from that header).
  *
  * Buffers (all [T, ...] contiguous in the activation dtype, owned by the caller):
  *   hidden_in    the embedding; read, never written
  *   normed       the attention / MLP input norms' output        [T, hidden]
  *   qkv          the fused projection                           [T, (H + 2 Hkv) D]
+ *   q_normed, k_normed  q and k after their per-head norms      [T, H D], [T, Hkv D]
  *   q_rot, k_rot rotated q and k                                [T, H D], [T, Hkv D]
  *   attn         attention output                               [T, H D]
  *   proj         o_proj output                                  [T, hidden]
+ *   sandwich     a sandwich norm's input or output              [T, hidden]
  *   residual_a/b the residual stream, alternating per norm (the fused norm never writes its
  *                inputs)                                        [T, hidden]
  *   gate_up      gate/up output where the MLP's SiLU is not fused [T, 2 inter] (else unused)
- *   mid          silu(gate) * up                                [T, inter]
+ *   mid          act(gate) * up                                 [T, inter]
  *   segment      one GGUF segment's output before it is copied into its columns [T, max N]
  *   hidden_out   the last layer's MLP output                    [T, hidden]
  * On return `*residual_out` says which residual buffer holds the stream before hidden_out. */
@@ -29,62 +34,7 @@
 
 #include "wick_cpu.h"
 #include "wick_entry.h"
-
-/* How a linear layer multiplies (decoder_stack.py's LINEAR_* values). */
-enum {
-  LINEAR_PANELS_BF16 = 0, /* panel_gemm.c's pair layout */
-  LINEAR_PANELS_F32 = 1,  /* panel_gemm_f32.c's lanes layout, fp32 or bf16 activations */
-  LINEAR_GGUF = 2         /* per segment: gguf_q8.c (segment_q8) or gguf_gemm.c */
-};
-#define MAX_SEGMENTS 4
-
-typedef struct {
-  int32_t kind;     /* LINEAR_* */
-  int32_t num_segments; /* GGUF kinds: row segments of W, each its own ggml type */
-  int64_t n, k;     /* W [n, k] */
-  const void *data; /* the panels (panel kinds) */
-  const void *bias; /* [n] in the activation dtype, or NULL */
-  int64_t min_work_per_thread;
-  int32_t segment_type[MAX_SEGMENTS];
-  int64_t segment_rows[MAX_SEGMENTS];
-  const void *segment_blocks[MAX_SEGMENTS];
-  /* Per segment: whether it runs the int8 kernel (gguf_q8.c) or the float one (gguf_gemm.c). */
-  int32_t segment_q8[MAX_SEGMENTS];
-} WickLinear;
-
-typedef struct {
-  const void *input_norm;          /* [hidden] */
-  const void *post_attention_norm; /* [hidden] */
-  WickLinear qkv, o, gate_up, down;
-  int32_t fuse_silu;               /* gate_up runs the panels' fused SiLU-and-mul */
-  void *k_cache, *v_cache;         /* [num_blocks, block_size, Hkv, D] */
-  float *k_scales, *v_scales;      /* quantized caches: [num_blocks, block_size, Hkv], else NULL */
-} WickLayer;
-
-typedef struct {
-  int32_t dtype; /* 0 fp32, 1 bf16 */
-  int32_t num_threads;
-  int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-  float eps, scale;
-  /* rotary */
-  const int64_t *positions;
-  const void *cos_sin;
-  int64_t max_position;
-  /* attention */
-  const int64_t *slot_mapping;
-  int64_t num_slots;
-  const int32_t *block_tables;
-  int64_t bt_stride;
-  const int32_t *query_start_loc, *seq_lens;
-  int32_t num_seqs, block_size, kv_format;
-  int32_t status; /* out: the failing kernel's own return code (0 when none failed) */
-  /* threads per kind of kernel (the per-module path's defaults) */
-  int64_t norm_min_work, attn_min_work;
-  /* buffers (see the top of the file) */
-  const void *hidden_in;
-  void *normed, *qkv, *q_rot, *k_rot, *attn, *proj, *residual_a, *residual_b, *gate_up, *mid,
-      *segment, *hidden_out;
-} WickStackStep;
+#include "wick_stack.h"
 
 /* Error codes: (layer << 4) | STAGE_*, negated; the failing kernel's own code goes to
  * `status`. */
@@ -104,6 +54,13 @@ static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x
   case LINEAR_PANELS_F32:
     return wick_panel_f32_gemm(s->dtype, x, w->k, w->data, w->bias, y, m, w->n, w->k,
                                s->num_threads, w->min_work_per_thread);
+  case LINEAR_DENSE_GEMM: /* gemm.py's gemm_linear: vdpbf16ps allowed where the build has it */
+    return wick_gemm(s->dtype, x, w->k, w->data, w->bias, y, (int)m, (int)w->n, (int)w->k, 1,
+                     s->num_threads, w->min_work_per_thread);
+  case LINEAR_WNA16: /* wna16.py's wna16_native_linear */
+    return wick_wna16_gemm(s->dtype, x, w->k, (const uint8_t *)w->data, w->scales, w->offsets,
+                           w->bias, y, (int)m, (int)w->n, (int)w->k, w->bits, w->group_size,
+                           s->num_threads, w->min_work_per_thread);
   case LINEAR_GGUF: {
     const int64_t es = elem_size(s);
     if (w->num_segments == 1) {
@@ -142,7 +99,8 @@ static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x
   }
 }
 
-/* mid [T, inter] = silu(x @ gate^T) * (x @ up^T). */
+/* mid [T, inter] = act(x @ gate^T) * (x @ up^T): SiLU fused into the panels where the layer
+ * says so, else the gate/up matmul then the activation's own kernel. */
 static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x) {
   const WickLinear *w = &l->gate_up;
   const int64_t m = s->num_tokens, inter = s->intermediate;
@@ -158,8 +116,28 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
   }
   const int status = run_linear(s, w, x, s->gate_up);
   if (status != 0) return status;
+  if (l->activation == ACT_GELU_TANH)
+    return wick_gelu_tanh_and_mul(s->dtype, s->gate_up, 2 * inter, s->mid, m, (int)inter,
+                                  s->num_threads, s->norm_min_work);
   return wick_silu_and_mul(s->dtype, s->gate_up, 2 * inter, s->mid, m, (int)inter,
                            s->num_threads, s->norm_min_work);
+}
+
+/* y [T, n] = rms_norm(x [T, n]) * weight, rows contiguous (the module path's RMSNorm on a
+ * [T, n] tensor). */
+static int plain_norm(const WickStackStep *s, const void *x, const void *weight, void *y) {
+  return wick_rms_norm(s->dtype, x, 1, s->hidden, 0, NULL, 1, 0, 0, weight, y, NULL,
+                       s->num_tokens, (int)s->hidden, s->eps, s->num_threads, s->norm_min_work);
+}
+
+/* The per-head norm of `heads` heads of D at `x` (token stride `stride`, head stride D) into
+ * `out` [T, heads D]: the module path's RMSNorm on a [T, heads, D] view of the fused qkv
+ * (layer_ops.py's row layout: `heads` rows per token, `stride` apart). */
+static int head_norm(const WickStackStep *s, const void *x, int64_t stride, int64_t heads,
+                     const void *weight, void *out) {
+  const int64_t D = s->head_dim;
+  return wick_rms_norm(s->dtype, x, heads, stride, D, NULL, 1, 0, 0, weight, out, NULL,
+                       s->num_tokens * heads, (int)D, s->eps, s->num_threads, s->norm_min_work);
 }
 
 static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layers,
@@ -181,63 +159,118 @@ int wick_decoder_stack(WickStackStep *s, const WickLayer *layers, int num_layers
     }                                                                                          \
   } while (0)
 
+/* Attention of one layer: store k_rot and v (a view of qkv) into its cache, attend into attn;
+ * the plain entry point, or the one with the window and soft cap where the layer has either
+ * (as the module path's cpu backend chooses). */
+static int attend(const WickStackStep *s, const WickLayer *l, const char *qkv) {
+  const int64_t D = s->head_dim, H = s->num_heads, Hkv = s->num_kv_heads;
+  const int64_t qkv_n = (H + 2 * Hkv) * D, es = elem_size(s);
+  const int sliding = l->kv_group == 1;
+  const int64_t *slots = sliding ? s->sliding_slot_mapping : s->slot_mapping;
+  const int32_t *tables = sliding ? s->sliding_block_tables : s->block_tables;
+  const int64_t bt_stride = sliding ? s->sliding_bt_stride : s->bt_stride;
+  if (slots == NULL || tables == NULL) return -100;
+  if (l->sliding_window > 0 || l->logits_soft_cap > 0.f)
+    return wick_paged_attention_windowed(
+        s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot, qkv + (H + Hkv) * D * es, Hkv * D,
+        qkv_n, slots, l->num_slots, tables, bt_stride, s->query_start_loc, s->seq_lens, s->attn,
+        s->num_seqs, (int)H, (int)Hkv, (int)D, s->block_size, s->scale, s->num_threads,
+        s->attn_min_work, s->kv_format, l->k_scales, l->v_scales, l->sliding_window,
+        l->logits_soft_cap);
+  return wick_paged_attention(s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot,
+                              qkv + (H + Hkv) * D * es, Hkv * D, qkv_n, slots, l->num_slots,
+                              tables, bt_stride, s->query_start_loc, s->seq_lens, s->attn,
+                              s->num_seqs, (int)H, (int)Hkv, (int)D, s->block_size, s->scale,
+                              s->num_threads, s->attn_min_work, s->kv_format, l->k_scales,
+                              l->v_scales);
+}
+
 static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layers,
                         int *residual_out) {
   const int64_t T = s->num_tokens, hidden = s->hidden, D = s->head_dim;
   const int64_t H = s->num_heads, Hkv = s->num_kv_heads, qkv_n = (H + 2 * Hkv) * D;
   const int64_t es = elem_size(s);
-  if (T <= 0 || num_layers <= 0) return -STAGE_LAYOUT;
-  const void *x = s->hidden_in; /* this layer's input: the embedding, then the MLP output */
-  const void *residual = NULL;  /* the stream before x; NULL at layer 0 (it is x itself) */
-  void *next_residual = s->residual_a;
-  for (int i = 0; i < num_layers; i++) {
+  if (T <= 0 || num_layers <= 0 || s->first_layer < 0 || s->last_layer >= num_layers ||
+      s->first_layer > s->last_layer ||
+      (s->first_layer == s->last_layer && s->first_half > s->last_half))
+    return -STAGE_LAYOUT;
+  /* The stream as the previous call left it: the residual (NULL before layer 0's input norm,
+   * where the input itself is the stream) and the buffer the other residual add writes. */
+  const void *residual = s->residual_state == 1   ? s->residual_a
+                         : s->residual_state == 2 ? s->residual_b
+                         : s->residual_state == 3 ? s->hidden_in
+                                                  : NULL;
+  void *next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
+  for (int i = s->first_layer; i <= s->last_layer; i++) {
     const WickLayer *l = &layers[i];
     const int err = -(i << 4);
     if (l->qkv.n != qkv_n || l->o.n != hidden || l->down.n != hidden) return err - STAGE_LAYOUT;
-    /* 1. input norm (+ the residual add from layer 1 on) */
-    if (residual == NULL) {
-      STAGE(wick_rms_norm(s->dtype, x, 1, hidden, 0, NULL, 1, 0, 0, l->input_norm, s->normed,
-                          NULL, T, (int)hidden, s->eps, s->num_threads, s->norm_min_work),
-            STAGE_NORM);
-      residual = x;
-    } else {
-      STAGE(wick_rms_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, l->input_norm,
-                          s->normed, next_residual, T, (int)hidden, s->eps, s->num_threads,
-                          s->norm_min_work),
-            STAGE_NORM);
+    const int from = i == s->first_layer ? s->first_half : 0;
+    const int to = i == s->last_layer ? s->last_half : 1;
+    if (from == 0) {
+      /* this layer's input: the embedding at layer 0, else the last MLP output */
+      const void *x = i == 0 ? s->hidden_in : s->hidden_out;
+      /* 1. input norm (+ the residual add from layer 1 on) */
+      if (residual == NULL) {
+        STAGE(plain_norm(s, x, l->input_norm, s->normed), STAGE_NORM);
+        residual = x;
+      } else {
+        STAGE(wick_rms_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, l->input_norm,
+                            s->normed, next_residual, T, (int)hidden, s->eps, s->num_threads,
+                            s->norm_min_work),
+              STAGE_NORM);
+        residual = next_residual;
+        next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
+      }
+      /* 2. q | k | v */
+      STAGE(run_linear(s, &l->qkv, s->normed, s->qkv), STAGE_QKV);
+      /* 3. the per-head q/k norms where the layer has them, then rotary on q and k: views of
+       * qkv (token stride qkv_n, head stride D), or the norms' outputs */
+      const char *qkv = (const char *)s->qkv;
+      const void *q = qkv, *k = qkv + H * D * es;
+      int64_t q_stride = qkv_n, k_stride = qkv_n;
+      if (l->q_norm != NULL) {
+        STAGE(head_norm(s, q, qkv_n, H, l->q_norm, s->q_normed), STAGE_NORM);
+        STAGE(head_norm(s, k, qkv_n, Hkv, l->k_norm, s->k_normed), STAGE_NORM);
+        q = s->q_normed, k = s->k_normed, q_stride = H * D, k_stride = Hkv * D;
+      }
+      STAGE(wick_rotary_neox(s->dtype, s->positions, T, l->cos_sin, s->max_position, q,
+                             q_stride, D, s->q_rot, k, k_stride, D, s->k_rot, (int)H, (int)Hkv,
+                             (int)D, s->num_threads, s->norm_min_work),
+            STAGE_ROTARY);
+      /* 4. store k_rot and v into the cache, attend */
+      STAGE(attend(s, l, qkv), STAGE_ATTN);
+      /* 5. output projection (a tensor-parallel rank's partial sum: the caller all-reduces) */
+      STAGE(run_linear(s, &l->o, s->attn, s->proj), STAGE_O);
+    }
+    if (to == 1) {
+      /* 6. the attention output's sandwich norm, residual add + the MLP's input norm */
+      const void *attn_out = s->proj;
+      if (l->attn_out_norm != NULL) {
+        STAGE(plain_norm(s, s->proj, l->attn_out_norm, s->sandwich), STAGE_NORM2);
+        attn_out = s->sandwich;
+      }
+      STAGE(wick_rms_norm(s->dtype, attn_out, 1, hidden, 0, residual, 1, hidden, 0,
+                          l->post_attention_norm, s->normed, next_residual, T, (int)hidden,
+                          s->eps, s->num_threads, s->norm_min_work),
+            STAGE_NORM2);
       residual = next_residual;
       next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
+      /* 7-8. the MLP (its sandwich norm: on the reduced output, by the next half's caller
+       * under tensor parallelism, here on one rank) */
+      STAGE(run_mlp_in(s, l, s->normed), STAGE_MLP);
+      if (l->mlp_out_norm != NULL) {
+        STAGE(run_linear(s, &l->down, s->mid, s->sandwich), STAGE_DOWN);
+        STAGE(plain_norm(s, s->sandwich, l->mlp_out_norm, s->hidden_out), STAGE_DOWN);
+      } else {
+        STAGE(run_linear(s, &l->down, s->mid, s->hidden_out), STAGE_DOWN);
+      }
     }
-    /* 2. q | k | v */
-    STAGE(run_linear(s, &l->qkv, s->normed, s->qkv), STAGE_QKV);
-    /* 3. rotary on the q and k views of qkv (token stride qkv_n, head stride D) */
-    const char *qkv = (const char *)s->qkv;
-    STAGE(wick_rotary_neox(s->dtype, s->positions, T, s->cos_sin, s->max_position, qkv, qkv_n, D,
-                           s->q_rot, qkv + H * D * es, qkv_n, D, s->k_rot, (int)H, (int)Hkv,
-                           (int)D, s->num_threads, s->norm_min_work),
-          STAGE_ROTARY);
-    /* 4. store k_rot and v (a view of qkv) into the cache, attend */
-    STAGE(wick_paged_attention(s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot,
-                               qkv + (H + Hkv) * D * es, Hkv * D, qkv_n, s->slot_mapping,
-                               s->num_slots, s->block_tables, s->bt_stride, s->query_start_loc,
-                               s->seq_lens, s->attn, s->num_seqs, (int)H, (int)Hkv, (int)D,
-                               s->block_size, s->scale, s->num_threads, s->attn_min_work,
-                               s->kv_format, l->k_scales, l->v_scales),
-          STAGE_ATTN);
-    /* 5. output projection */
-    STAGE(run_linear(s, &l->o, s->attn, s->proj), STAGE_O);
-    /* 6. residual add + the MLP's input norm */
-    STAGE(wick_rms_norm(s->dtype, s->proj, 1, hidden, 0, residual, 1, hidden, 0,
-                        l->post_attention_norm, s->normed, next_residual, T, (int)hidden, s->eps,
-                        s->num_threads, s->norm_min_work),
-          STAGE_NORM2);
-    residual = next_residual;
-    next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
-    /* 7-8. the MLP */
-    STAGE(run_mlp_in(s, l, s->normed), STAGE_MLP);
-    STAGE(run_linear(s, &l->down, s->mid, s->hidden_out), STAGE_DOWN);
-    x = s->hidden_out;
   }
+  s->residual_state = residual == NULL          ? 0
+                      : residual == s->residual_a ? 1
+                      : residual == s->residual_b ? 2
+                                                  : 3;
   *residual_out = residual == s->residual_a ? 0 : 1;
   return 0;
 }

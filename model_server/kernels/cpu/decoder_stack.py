@@ -1,5 +1,6 @@
-"""`KernelTable.decoder_stack` on CPUs: a model's decoder layers in one native call
-(kernels/cpu/decoder_stack.c) instead of ~10 Python module calls per layer.
+"""The CPU's native decoder step (`Platform.native_decoder_step`, the model runner's fast path):
+a model's decoder layers in one native call (kernels/cpu/decoder_stack.c) instead of ~10
+Python module calls per layer.
 
 A batch-1 decode of SmolLM2-135M (30 layers) spent ~4.5 of its ~13.5 ms per step between the
 kernels (module calls, allocations, argument marshalling; 2-core Zen 4). The native stack calls
@@ -9,39 +10,55 @@ outputs are the same bits; the Python between them is gone.
 It runs where every layer is the plain pre-norm Llama shape (RMSNorm, fused q/k/v without a
 q/k norm, neox rotary over the whole head, full causal attention on the native CPU backend,
 o_proj, RMSNorm with the residual add, SwiGLU) on one rank, and every matmul has a native kernel
-at the step's row count: panels the tuner chose for every row count (float weights), or the
-GGUF kernels it chose for that count (weights kept in their blocks). Anything else, the model's
-own modules run: `CpuDecoderStack.__call__` returns None. Why a model does not qualify is logged
-once at debug level; that it does, once at info.
+at the step's row count, as the planned weights say (kernels/planned_weight.py): panels at every
+row count (float weights), or the GGUF kernels planned for that count (weights kept in their
+blocks). Anything else, the model's own modules run: `CpuDecoderStack.build` returns None (why
+is logged once), or `__call__` does for a step it does not take.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from model_server.kernels.cpu import layer_ops, native
+from model_server.kernels.cpu import abi, layer_ops, native
+from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD as GEMM_MIN_WORK
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.gguf_linear import MIN_WORK_PER_THREAD as GGUF_MIN_WORK
 from model_server.kernels.cpu.gguf_linear import gguf_gemm, gguf_q8_gemm
-from model_server.kernels.cpu.linear_tuning import CpuGGUFLinear, CpuLinear
+from model_server.kernels.cpu.linear_tuning import NATIVE, WNA16_NATIVE
 from model_server.kernels.cpu.panel_gemm import MIN_WORK_PER_THREAD as PANEL_MIN_WORK
+from model_server.kernels.cpu.panel_gemm import Panels
+from model_server.kernels.cpu.wna16 import MIN_WORK_PER_THREAD as WNA16_MIN_WORK
+from model_server.kernels.cpu.wna16 import wna16_applies
 from model_server.kernels.kv_cache_dtype import QuantizedKVCache
+from model_server.kernels.planned_weight import GGUFSegmentDispatch, PlannedWeight
 from model_server.kernels.stack_layer import StackLayer
-
-if TYPE_CHECKING:
-    from model_server.layers.attention.backend import AttentionMetadata
+from model_server.kernels.stack_layer import StepMetadata as AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-# decoder_stack.c's LINEAR_* kinds and MAX_SEGMENTS.
-LINEAR_PANELS_BF16, LINEAR_PANELS_F32, LINEAR_GGUF = 0, 1, 2
-MAX_SEGMENTS = 4
+# wick_stack.h's structs and constants come from the header itself (kernels/cpu/abi.py parses it
+# on first use, cached; the library's load checks the structs against the compiled layout):
+# `abi.structure("WickLayer")`, `abi.constant("LINEAR_GGUF")`. Module attributes of the same
+# names resolve to them (`__getattr__` below), for readers outside this file.
+_HEADER_STRUCTS = ("WickLinear", "WickLayer", "WickStackStep")
+_HEADER_CONSTANTS = ("LINEAR_PANELS_BF16", "LINEAR_PANELS_F32", "LINEAR_GGUF", "MAX_SEGMENTS")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HEADER_STRUCTS:
+        return abi.structure(name)
+    if name in _HEADER_CONSTANTS:
+        return abi.constant(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # decoder_stack.c's STAGE_* codes, for errors.
 _STAGES = {
     1: "input norm",
@@ -55,48 +72,17 @@ _STAGES = {
     9: "layout check",
 }
 
-_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-
-
-class WickLinear(ctypes.Structure):
-    _fields_ = [
-        ("kind", _i32),
-        ("num_segments", _i32),
-        ("n", _i64),
-        ("k", _i64),
-        ("data", _p),
-        ("bias", _p),
-        ("min_work_per_thread", _i64),
-        ("segment_type", _i32 * MAX_SEGMENTS),
-        ("segment_rows", _i64 * MAX_SEGMENTS),
-        ("segment_blocks", _p * MAX_SEGMENTS),
-        ("segment_q8", _i32 * MAX_SEGMENTS),
-    ]
-
-
-class WickLayer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _p),
-        ("post_attention_norm", _p),
-        ("qkv", WickLinear),
-        ("o", WickLinear),
-        ("gate_up", WickLinear),
-        ("down", WickLinear),
-        ("fuse_silu", _i32),
-        ("k_cache", _p),
-        ("v_cache", _p),
-        ("k_scales", _p),
-        ("v_scales", _p),
-    ]
-
-
+# WickStackStep's buffer pointers, carved from one arena per step (`_run`).
 _BUFFERS = (
     "normed",
     "qkv",
+    "q_normed",
+    "k_normed",
     "q_rot",
     "k_rot",
     "attn",
     "proj",
+    "sandwich",
     "residual_a",
     "residual_b",
     "gate_up",
@@ -104,45 +90,15 @@ _BUFFERS = (
     "segment",
     "hidden_out",
 )
-
-
-class WickStackStep(ctypes.Structure):
-    _fields_ = [
-        ("dtype", _i32),
-        ("num_threads", _i32),
-        ("num_tokens", _i64),
-        ("hidden", _i64),
-        ("num_heads", _i64),
-        ("num_kv_heads", _i64),
-        ("head_dim", _i64),
-        ("intermediate", _i64),
-        ("eps", _f32),
-        ("scale", _f32),
-        ("positions", _p),
-        ("cos_sin", _p),
-        ("max_position", _i64),
-        ("slot_mapping", _p),
-        ("num_slots", _i64),
-        ("block_tables", _p),
-        ("bt_stride", _i64),
-        ("query_start_loc", _p),
-        ("seq_lens", _p),
-        ("num_seqs", _i32),
-        ("block_size", _i32),
-        ("kv_format", _i32),
-        ("status", _i32),
-        ("norm_min_work", _i64),
-        ("attn_min_work", _i64),
-        ("hidden_in", _p),
-        *((name, _p) for name in _BUFFERS),
-    ]
+# The activations decoder_stack.c runs (wick_stack.h's ACT_*).
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 class _Geometry:
-    """What every layer shares (checked equal across layers when the plan is built)."""
+    """What every layer shares (checked equal across layers when the step is built)."""
 
-    __slots__ = ("cos_sin", "dtype", "eps", "head_dim", "heads", "hidden", "inter", "kv_heads",
-                 "qkv_n", "scale")  # fmt: skip
+    __slots__ = ("dtype", "eps", "head_dim", "heads", "hidden", "inter", "kv_heads",
+                 "max_position", "qkv_n", "scale")  # fmt: skip
 
     def __init__(self, layer: StackLayer, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -152,91 +108,115 @@ class _Geometry:
         self.inter = int(layer.down.weight.shape[1])
         self.eps = float(layer.eps)
         self.scale = float(layer.scale)
-        self.cos_sin: torch.Tensor = layer.cos_sin_cache
+        self.max_position = int(layer.cos_sin_cache.shape[0])
         self.qkv_n = (self.heads + 2 * self.kv_heads) * self.head_dim
 
     def same(self, other: _Geometry) -> bool:
-        names = ("hidden", "heads", "kv_heads", "head_dim", "inter", "eps", "scale", "qkv_n")
-        return all(getattr(self, n) == getattr(other, n) for n in names) and (
-            self.cos_sin is other.cos_sin
-        )
+        names = ("hidden", "heads", "kv_heads", "head_dim", "inter", "eps", "scale", "qkv_n",
+                 "max_position")  # fmt: skip
+        return all(getattr(self, n) == getattr(other, n) for n in names)
 
 
 class CpuDecoderStack:
-    """`KernelTable.decoder_stack` for one model's table: builds the plan on the first call
-    (after the tuner ran; rebuilt when the tuner's plans change) and runs the layers in one
-    native call where the plan allows it, else returns None."""
+    """The native decoder step of one model (`Platform.native_decoder_step`, the model runner's
+    fast path): made once the model's planned weights are installed; per row bucket it builds
+    the layers' structs on first use (None where a matmul has no native kernel at that count)
+    and runs the layers in one native call, else returns None."""
 
-    def __init__(self, kernels: native.NativeKernels, linear: CpuLinear, gguf: Any) -> None:
+    def __init__(
+        self,
+        kernels: native.NativeKernels,
+        layers: Sequence[StackLayer],
+        geometry: _Geometry,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.kernels = kernels
-        self.linear = linear
-        self.gguf = gguf if isinstance(gguf, CpuGGUFLinear) else None
-        self._layers_ref: Sequence[StackLayer] | str | None = None
-        self._versions: tuple[int, int] = (-1, -1)
-        self._geometry: _Geometry | None = None
+        self.layers = tuple(layers)
+        self.geometry = geometry
+        # Tensor parallelism: sums a rank's partial [T, hidden] over the ranks, in place.
+        self.all_reduce = all_reduce
         # Row bucket key ((T - 1).bit_length()) -> the layers' structs (None: not native there).
-        self._plans: dict[int, ctypes.Array[WickLayer] | None] = {}
+        self._plans: dict[int, ctypes.Array[Any] | None] = {}
         self._kv_caches: Sequence[Any] | None = None
-        self._logged = False
+
+    @classmethod
+    def build(
+        cls,
+        kernels: native.NativeKernels,
+        layers: Sequence[StackLayer] | str,
+        dtype: torch.dtype,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> CpuDecoderStack | str:
+        """The step for `layers` (the model's description, or why it has none) in `dtype`, or
+        why not; either way logged once. Under tensor parallelism `all_reduce` sums a rank's
+        partial outputs (one native call per half layer between them)."""
+        reason = layers if isinstance(layers, str) else _native_reason(layers, dtype, all_reduce)
+        geometry = None
+        if reason is None:
+            assert not isinstance(layers, str)
+            geometry = _Geometry(layers[0], dtype)
+            for i, layer in enumerate(layers):
+                if not _Geometry(layer, dtype).same(geometry):
+                    reason = f"layer {i} differs in shape from layer 0"
+                    break
+        if reason is not None or geometry is None:
+            reason = reason or "no layers"
+            logger.info("decoder layers run module by module: %s", reason)
+            return reason
+        assert not isinstance(layers, str)
+        logger.info(
+            "decoder layers: one native call per step where every matmul has a native kernel "
+            "(kernels/cpu/decoder_stack.c)"
+        )
+        return cls(kernels, layers, geometry, all_reduce)
 
     # ---- the plan -------------------------------------------------------------------------
 
-    def _versions_now(self) -> tuple[int, int]:
-        return self.linear.version, -1 if self.gguf is None else self.gguf.version
-
-    def _reset(self, layers: Sequence[StackLayer] | str, dtype: torch.dtype) -> None:
-        self._layers_ref = layers
-        self._versions = self._versions_now()
-        self._plans = {}
-        self._kv_caches = None
-        reason = layers if isinstance(layers, str) else _dtype_reason(layers, dtype)
-        self._geometry = None
-        if reason is None:
-            assert not isinstance(layers, str)
-            self._geometry = _Geometry(layers[0], dtype)
-            for layer in layers:
-                if not _Geometry(layer, dtype).same(self._geometry):
-                    reason = "the layers differ in shape"
-                    self._geometry = None
-                    break
-        if not self._logged:
-            self._logged = True
-            if reason is None:
-                logger.info(
-                    "decoder layers: one native call per step where every matmul has a native "
-                    "kernel (kernels/cpu/decoder_stack.c)"
-                )
-            else:
-                logger.debug("decoder layers run module by module: %s", reason)
-
-    def _linear(self, module: nn.Module, key: int, dtype: torch.dtype) -> WickLinear | None:
+    def _linear(self, module: nn.Module, key: int, dtype: torch.dtype) -> ctypes.Structure | None:
         """How `module` multiplies at row bucket `key` natively, or None."""
         weight = module.weight
         bias = module.bias
         if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
             return None
-        out = WickLinear()
+        if not isinstance(weight, PlannedWeight):
+            return None  # not planned: the table's fixed matmul, not a native one
+        out = abi.structure("WickLinear")()
         out.bias = None if bias is None else bias.data_ptr()
-        if isinstance(weight, torch.Tensor) and not isinstance(weight, nn.Module):
-            panels = self.linear.panels_of(weight)
-            if panels is None or panels.dtype != dtype:
+        panels = weight.packed if weight.source is None else None
+        if isinstance(panels, Panels):
+            if panels.dtype != dtype:
                 return None
-            out.kind = LINEAR_PANELS_BF16 if panels.pairs else LINEAR_PANELS_F32
+            panel_kind = "LINEAR_PANELS_BF16" if panels.pairs else "LINEAR_PANELS_F32"
+            out.kind = abi.constant(panel_kind)
             out.n, out.k = panels.n, panels.k
             out.data = panels.data.data_ptr()
             out.min_work_per_thread = PANEL_MIN_WORK
             return out
-        if self.gguf is None or getattr(weight, "method", "") != "gguf":
+        name = weight.kernel_names[min(key, len(weight.kernel_names) - 1)]
+        source = weight.source
+        if name == NATIVE and isinstance(source, torch.Tensor):
+            if source.dtype != dtype or not source.is_contiguous():
+                return None
+            out.kind = abi.constant("LINEAR_DENSE_GEMM")
+            out.n, out.k = int(source.shape[0]), int(source.shape[1])
+            out.data = source.data_ptr()
+            out.min_work_per_thread = GEMM_MIN_WORK
+            return out
+        if name == WNA16_NATIVE and getattr(source, "bits", 0) in (4, 8):
+            return self._wna16(out, source, dtype)
+        dispatch = None if weight.kernels is None else weight.kernels.gguf_linear
+        if not isinstance(dispatch, GGUFSegmentDispatch):
             return None
-        parts = weight.segments()
-        if len(parts) > MAX_SEGMENTS or (len(parts) > 1 and bias is not None):
+        parts = weight.source.segments()  # type: ignore[union-attr]
+        if len(parts) > abi.constant("MAX_SEGMENTS") or (len(parts) > 1 and bias is not None):
             return None
-        out.kind = LINEAR_GGUF
+        out.kind = abi.constant("LINEAR_GGUF")
         out.num_segments = len(parts)
         out.n, out.k = int(weight.shape[0]), int(weight.shape[1])
         out.min_work_per_thread = GGUF_MIN_WORK
+        planned = dict(dispatch.by_segment)
         for i, (ggml_type, blocks) in enumerate(parts):
-            fns = self.gguf.plan_of((ggml_type, blocks.shape[0], blocks.shape[1]), dtype)
+            fns = planned.get((ggml_type, blocks.shape[0]))
             if fns is None or not blocks.is_contiguous():
                 return None
             fn = fns[min(key, len(fns) - 1)]
@@ -249,57 +229,100 @@ class CpuDecoderStack:
             out.segment_blocks[i] = blocks.data_ptr()
         return out
 
+    @staticmethod
+    def _wna16(out: Any, source: Any, dtype: torch.dtype) -> Any:
+        """A GPTQ/AWQ weight (layers/quantization/wna16.py's, read by attribute) on the native
+        wNa16 kernel, where `wna16_native_linear` would run it, or None."""
+        codes, scales, offsets = source.codes, source.scales, source.offsets
+        n, k = int(source.shape[0]), int(source.shape[1])
+        if source.perm is not None or dtype not in (torch.float32, torch.bfloat16):
+            return None  # act-order: the module permutes x first
+        if not wna16_applies(codes, source.bits, source.group_size, k):
+            return None
+        if scales.dtype != torch.float32 or offsets.dtype != torch.float32:
+            return None
+        if not (scales.is_contiguous() and offsets.is_contiguous()):
+            return None
+        out.kind = abi.constant("LINEAR_WNA16")
+        out.n, out.k = n, k
+        out.data = codes.data_ptr()
+        out.scales, out.offsets = scales.data_ptr(), offsets.data_ptr()
+        out.bits, out.group_size = source.bits, source.group_size
+        out.min_work_per_thread = WNA16_MIN_WORK
+        return out
+
     def _plan(
-        self, layers: Sequence[StackLayer], key: int, kv_caches: Sequence[Any], dtype: torch.dtype
-    ) -> ctypes.Array[WickLayer] | None:
+        self, key: int, kv_caches: Sequence[Any], dtype: torch.dtype
+    ) -> ctypes.Array[Any] | None:
         matmuls = default_kernels()
         if matmuls is None or matmuls.isa != self.kernels.isa:
             # The matmuls run the process's first build (gemm.default_kernels), packed for its
-            # ISA; this table's is another (a test switched WICK_CPU_ISA): one call cannot mix.
+            # ISA; this step's is another (a test switched WICK_CPU_ISA): one call cannot mix.
             return None
-        structs = (WickLayer * len(layers))()
-        for s, layer, kv in zip(structs, layers, kv_caches, strict=True):
+        layers = self.layers
+        structs = (abi.structure("WickLayer") * len(layers))()
+        for i, (s, layer, kv) in enumerate(zip(structs, layers, kv_caches, strict=True)):
             parts = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
             for name, module in parts.items():
                 linear = self._linear(module, key, dtype)
                 if linear is None:
+                    weight = module.weight
+                    names = getattr(weight, "kernel_names", ("the table's fixed matmul",))
+                    logger.info(
+                        "decoder layers run module by module at %d-%d rows: layer %d's %s runs "
+                        "%s there (no native kernel)",
+                        (1 << key >> 1) + 1 if key else 1,
+                        1 << key,
+                        i,
+                        name,
+                        names[min(key, len(names) - 1)],
+                    )
                     return None
                 setattr(s, name, linear)
-            if s.gate_up.kind in (LINEAR_PANELS_BF16, LINEAR_PANELS_F32):
-                if not self.linear.fuses_silu(layer.gate_up.weight):
-                    return None  # unfused panels: the module path (odd intermediate sizes)
+            # The module path fuses the SiLU wherever the planned weight can (GatedMLP).
+            fused = getattr(layer.gate_up.weight, "fused_silu_and_mul", None)
+            if layer.activation == "silu" and fused is not None:
+                if s.gate_up.kind == abi.constant("LINEAR_GGUF"):
+                    return None
                 s.fuse_silu = 1
+            s.activation = _ACTIVATIONS[layer.activation]
             s.input_norm = layer.input_norm.data_ptr()
             s.post_attention_norm = layer.post_attention_norm.data_ptr()
+            s.attn_out_norm = _ptr(layer.attn_out_norm)
+            s.mlp_out_norm = _ptr(layer.mlp_out_norm)
+            s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
+            s.cos_sin = layer.cos_sin_cache.data_ptr()
+            s.sliding_window = layer.sliding_window or 0
+            s.logits_soft_cap = layer.logits_soft_cap or 0.0
+            s.kv_group = layer.kv_group
+            if self.all_reduce is not None:
+                # After the all-reduce, in Python (`_run`): as RowParallelLinear adds them.
+                s.o.bias = s.down.bias = s.mlp_out_norm = None
             if isinstance(kv, QuantizedKVCache):
                 data = kv.data
                 s.k_scales, s.v_scales = kv.scales[0].data_ptr(), kv.scales[1].data_ptr()
             else:
                 data = kv
             s.k_cache, s.v_cache = data[0].data_ptr(), data[1].data_ptr()
+            s.num_slots = data.shape[1] * data.shape[2]  # [2, blocks, block_size, Hkv, D]
         return structs
 
     # ---- a step ---------------------------------------------------------------------------
 
     def __call__(
         self,
-        layers: Sequence[StackLayer] | str,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         kv_caches: Sequence[Any],
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's MLP output, the residual stream before it) as the layers' modules
-        return them, or None where the native stack does not apply. `layers`: the model's
-        description of its layers, or why it has none (logged once)."""
+        return them, or None where the native stack does not apply to this step."""
+        geo = self.geometry
         dtype = hidden_states.dtype
-        if layers is not self._layers_ref or self._versions != self._versions_now():
-            self._reset(layers, dtype)
-        geo = self._geometry
         num_tokens = hidden_states.shape[0]
-        if geo is None or dtype != geo.dtype or num_tokens == 0 or not kv_caches:
+        if dtype != geo.dtype or num_tokens == 0 or not kv_caches:
             return None
-        assert not isinstance(layers, str)
         if hidden_states.dim() != 2 or not hidden_states.is_contiguous():
             return None
         if kv_caches is not self._kv_caches:
@@ -310,7 +333,7 @@ class CpuDecoderStack:
             self._plans, self._kv_caches = {}, kv_caches
         key = max(num_tokens - 1, 0).bit_length()
         if key not in self._plans:
-            self._plans[key] = self._plan(layers, key, kv_caches, dtype)
+            self._plans[key] = self._plan(key, kv_caches, dtype)
         plan = self._plans[key]
         if plan is None:
             return None
@@ -318,7 +341,7 @@ class CpuDecoderStack:
 
     def _run(
         self,
-        plan: ctypes.Array[WickLayer],
+        plan: ctypes.Array[Any],
         geo: _Geometry,
         positions: torch.Tensor,
         hidden: torch.Tensor,
@@ -326,13 +349,17 @@ class CpuDecoderStack:
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t = hidden.shape[0]
+        q_n, kv_n = geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
         sizes = {
             "normed": geo.hidden,
             "qkv": geo.qkv_n,
-            "q_rot": geo.heads * geo.head_dim,
-            "k_rot": geo.kv_heads * geo.head_dim,
-            "attn": geo.heads * geo.head_dim,
+            "q_normed": q_n,
+            "k_normed": kv_n,
+            "q_rot": q_n,
+            "k_rot": kv_n,
+            "attn": q_n,
             "proj": geo.hidden,
+            "sandwich": geo.hidden,
             "residual_a": geo.hidden,
             "residual_b": geo.hidden,
             "gate_up": 2 * geo.inter,
@@ -347,7 +374,7 @@ class CpuDecoderStack:
             total += -(-t * sizes[name] // 32) * 32
         arena = torch.empty(total, dtype=geo.dtype)
         base, esize = arena.data_ptr(), arena.element_size()
-        step = WickStackStep()
+        step = abi.structure("WickStackStep")()
         step.dtype = 1 if geo.dtype == torch.bfloat16 else 0
         step.num_threads = torch.get_num_threads()
         step.num_tokens, step.hidden = t, geo.hidden
@@ -355,17 +382,14 @@ class CpuDecoderStack:
         step.intermediate, step.eps, step.scale = geo.inter, geo.eps, geo.scale
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
-        slots = md.slot_mapping
-        if slots.dtype != torch.int64 or not slots.is_contiguous():
-            slots = slots.to(torch.int64).contiguous()
-        tables = native._int32(md.block_tables)
+        step.positions, step.max_position = positions.data_ptr(), geo.max_position
+        # Keeps the int64 / int32 copies alive until the call returns.
+        keep = [_slots_and_tables(step, md, "")]
+        if md.sliding is not None:
+            keep.append(_slots_and_tables(step, md.sliding, "sliding_"))
         starts, lens = native._int32(md.query_start_loc), native._int32(md.seq_lens)
-        step.positions, step.cos_sin = positions.data_ptr(), geo.cos_sin.data_ptr()
-        step.max_position = geo.cos_sin.shape[0]
         cache = kv0.data[0] if isinstance(kv0, QuantizedKVCache) else kv0[0]
-        num_blocks, block_size = cache.shape[0], cache.shape[1]
-        step.slot_mapping, step.num_slots = slots.data_ptr(), num_blocks * block_size
-        step.block_tables, step.bt_stride = tables.data_ptr(), tables.stride(0)
+        block_size = cache.shape[1]
         step.query_start_loc, step.seq_lens = starts.data_ptr(), lens.data_ptr()
         step.num_seqs, step.block_size = lens.shape[0], block_size
         step.kv_format = native._KV_FORMATS[cache.dtype]
@@ -374,7 +398,43 @@ class CpuDecoderStack:
         step.hidden_in = hidden.data_ptr()
         for name in _BUFFERS:
             setattr(step, name, base + offsets[name] * esize)
+
+        def view(name: str) -> torch.Tensor:
+            return arena[offsets[name] : offsets[name] + t * geo.hidden].view(t, geo.hidden)
+
         which = ctypes.c_int(0)
+        last = len(plan) - 1
+        if self.all_reduce is None:
+            self._call(step, plan, (0, 0, last, 1), which, geo)
+        else:
+            # One call per half layer; each half's partial sum is all-reduced between calls,
+            # then its bias added and (MLP) its sandwich norm, as RowParallelLinear and the
+            # layer's modules do.
+            proj, out = view("proj"), view("hidden_out")
+            for i, layer in enumerate(self.layers):
+                self._call(step, plan, (i, 0, i, 0), which, geo)
+                self.all_reduce(proj)
+                if layer.o.bias is not None:
+                    proj += layer.o.bias
+                self._call(step, plan, (i, 1, i, 1), which, geo)
+                self.all_reduce(out)
+                if layer.down.bias is not None:
+                    out += layer.down.bias
+                if layer.mlp_out_norm is not None:
+                    out.copy_(layer_ops.rms_norm(self.kernels, out, layer.mlp_out_norm, geo.eps))
+        del keep, positions, starts, lens  # alive until here: the calls read them
+        return view("hidden_out"), view("residual_a" if which.value == 0 else "residual_b")
+
+    def _call(
+        self,
+        step: Any,
+        plan: ctypes.Array[Any],
+        part: tuple[int, int, int, int],
+        which: ctypes.c_int,
+        geo: _Geometry,
+    ) -> None:
+        """Run layers (first, half) to (last, half) of `plan` (wick_stack.h's WickStackStep)."""
+        step.first_layer, step.first_half, step.last_layer, step.last_half = part
         # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
         status = self.kernels.lib.wick_decoder_stack(
             ctypes.addressof(step), ctypes.addressof(plan), len(plan), ctypes.addressof(which)
@@ -383,26 +443,56 @@ class CpuDecoderStack:
             layer, stage = (-status) >> 4, (-status) & 15
             if stage == 3:  # the rotary kernel's only refusal
                 raise IndexError(
-                    f"rotary embedding: a position is outside the cache's {geo.cos_sin.shape[0]}"
+                    f"rotary embedding: a position is outside the cache's {geo.max_position}"
                 )
             raise RuntimeError(
                 f"native decoder stack: layer {layer}'s {_STAGES.get(stage, stage)} failed "
                 f"(kernel status {step.status})"
             )
 
-        def view(name: str) -> torch.Tensor:
-            return arena[offsets[name] : offsets[name] + t * geo.hidden].view(t, geo.hidden)
 
-        return view("hidden_out"), view("residual_a" if which.value == 0 else "residual_b")
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
-def _dtype_reason(layers: Sequence[StackLayer], dtype: torch.dtype) -> str | None:
+def _slots_and_tables(step: Any, md: AttentionMetadata, prefix: str) -> tuple[torch.Tensor, ...]:
+    """Set the step's slot mapping and block tables of one KV cache group (`prefix` "" or
+    "sliding_"); returns the tensors the pointers point into."""
+    slots = md.slot_mapping
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
+    tables = native._int32(md.block_tables)
+    setattr(step, f"{prefix}slot_mapping", slots.data_ptr())
+    setattr(step, f"{prefix}block_tables", tables.data_ptr())
+    setattr(step, f"{prefix}bt_stride", tables.stride(0))
+    return slots, tables
+
+
+def _native_reason(
+    layers: Sequence[StackLayer],
+    dtype: torch.dtype,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> str | None:
+    """Why decoder_stack.c cannot run these layers (naming the first layer and what it has), or
+    None."""
     if dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {dtype} (the kernels take float32 and bfloat16)"
     if not layers:
         return "no layers"
     for i, layer in enumerate(layers):
-        tensors = (layer.input_norm, layer.post_attention_norm, layer.cos_sin_cache)
+        if layer.attention_backend != "cpu":
+            backend = layer.attention_backend
+            return f"layer {i}: the {backend} attention backend (not the native cpu one)"
+        if layer.tp_size != 1 and all_reduce is None:
+            return f"layer {i}: tensor parallelism without an all-reduce to run between calls"
+        if layer.activation not in _ACTIVATIONS:
+            native_acts = ", ".join(_ACTIVATIONS)
+            return f"layer {i}: the {layer.activation} activation (native: {native_acts})"
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return f"layer {i}: a q norm without a k norm"
+        tensors = [layer.input_norm, layer.post_attention_norm, layer.cos_sin_cache]
+        tensors += [t for t in (layer.attn_out_norm, layer.mlp_out_norm, layer.q_norm,
+                                layer.k_norm) if t is not None]  # fmt: skip
         if any(t.dtype != dtype or not t.is_contiguous() or not t.is_cpu for t in tensors):
-            return f"layer {i}'s norms or rotary cache are not contiguous {dtype} CPU tensors"
+            return f"layer {i}: norms or rotary cache that are not contiguous {dtype} CPU tensors"
     return None

@@ -6,8 +6,8 @@ shapes are timed in both dtypes, at a decode row count and a prefill row count, 
 fastest of F.linear, oneDNN's prepacked kernel and (few rows) the native skinny matmul (what
 `tune_cpu_linears` will choose from), and
 weighted by how many layers have that shape. The figures are cached with the linear timings
-(kernels/cpu/tuning_cache.py). `WICK_CPU_AUTO_DTYPE=bfloat16|float32` stands in for the
-measurement (tests; pinning the choice without `--dtype`).
+(kernels/cpu/tuning_cache.py). `--cpu-auto-dtype bfloat16|float32` (`WICK_CPU_AUTO_DTYPE`)
+stands in for the measurement (tests; pinning the choice without `--dtype`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
 from model_server.kernels.cpu.linear import onednn_packed_linear, pack_onednn_weight
 from model_server.kernels.cpu.linear_tuning import NATIVE_MAX_ROWS, time_candidates
 from model_server.kernels.cpu.tuning_cache import TuningCache
+from model_server.settings_spec import resolve_setting
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +71,10 @@ class DtypeFigures:
         )
 
 
-def forced_auto_dtype() -> torch.dtype | None:
-    value = os.environ.get(AUTO_DTYPE_ENV, "").strip().lower()
-    if not value:
-        return None
-    aliases = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    aliases |= {"float32": torch.float32, "fp32": torch.float32}
-    if value not in aliases:
-        raise ValueError(f"{AUTO_DTYPE_ENV}={value!r}: expected bfloat16 or float32")
-    return aliases[value]
+def forced_auto_dtype(choice: str | None = None) -> torch.dtype | None:
+    """--cpu-auto-dtype as a dtype (`choice`; None: WICK_CPU_AUTO_DTYPE); None: measure."""
+    choice = resolve_setting("cpu_auto_dtype", choice)
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(choice)
 
 
 # The dtypes' kernels are timed interleaved, in one `time_candidates` call per shape and row

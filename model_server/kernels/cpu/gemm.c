@@ -37,6 +37,7 @@
 #include <string.h>
 
 #include "wick_cpu.h"
+#include "wick_entry.h"
 #include "wick_vec.h"
 #ifdef _OPENMP
 #include <omp.h>

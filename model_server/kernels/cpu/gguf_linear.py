@@ -11,7 +11,8 @@ fixed choice for untuned shapes and tuning off (Q8_MAX_ROWS, GGUF_GEMM_MAX_ROWS)
 kernels do not take (another dtype or device, no native build) go to the portable
 dequantize-then-matmul.
 
-`WICK_GGUF_INT8_DOT` (INT8_DOT_ENV) says whether the int8 kernel may run: `auto` (default:
+`--gguf-int8-dot` (`WICK_GGUF_INT8_DOT`, INT8_DOT_ENV; the platform passes it as `int8_dot`)
+says whether the int8 kernel may run: `auto` (default:
 where it times fastest), `off` (never: the products of the dequantized model, at some speed)
 or `on` (always, for the types it takes, untimed: tests pin the numerics with it).
 """
@@ -19,7 +20,6 @@ or `on` (always, for the types it takes, untimed: tests pin the numerics with it
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 
 import torch
@@ -29,6 +29,7 @@ from model_server.kernels.cpu import native
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequant
 from model_server.kernels.table import GGUFLinearFn
+from model_server.settings_spec import GGUF_INT8_DOT_MODES, resolve_setting
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +52,13 @@ Q8_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 # at 1 to 64 rows in fp32 and bf16 (1.1-1.65x), even with dequantize-then-GEMM at 64 in bf16.
 Q8_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 64}
 INT8_DOT_ENV = "WICK_GGUF_INT8_DOT"
-INT8_DOT_MODES = ("auto", "on", "off")
+INT8_DOT_MODES = GGUF_INT8_DOT_MODES
 
 
 def int8_dot_mode() -> str:
-    """`WICK_GGUF_INT8_DOT` (auto | on | off; 1/0, true/false too), auto when unset or unknown
-    (one warning)."""
-    value = os.environ.get(INT8_DOT_ENV, "auto").strip().lower()
-    value = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(
-        value, value
-    )
-    if value not in INT8_DOT_MODES:
-        logger.warning("%s=%s is not one of %s: auto", INT8_DOT_ENV, value, INT8_DOT_MODES)
-        return "auto"
-    return value
+    """`WICK_GGUF_INT8_DOT` (auto | on | off; 1/0, true/false too) as the settings read it, auto
+    when unset; an unknown value is a ValueError naming it. For callers given no KernelOptions."""
+    return resolve_setting("gguf_int8_dot")
 
 
 def _native_gemm(

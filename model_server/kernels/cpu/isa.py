@@ -4,6 +4,9 @@ The CPU's flags are read here (the `flags` line of /proc/cpuinfo, replaced by `W
 when set), for the kernels and for platforms/cpu.py (which sits above kernels). `WICK_CPU_ISA`
 forces a lower path than the CPU allows, e.g. `avx2` on an AVX-512 machine to test both paths
 there; a forced path the CPU cannot run is refused with a warning and the best one is used.
+Both are settings (`--cpu-flags`, `--cpu-isa`, settings_spec.py) that configure the process:
+the entry points export a given flag to its variable before anything loads, and this module
+reads the variable, in every process (tensor-parallel workers inherit it).
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ ISA_NAMES = tuple(isa.name for isa in ISAS)
 
 
 def cpu_flags() -> frozenset[str]:
-    faked = os.environ.get(CPU_FLAGS_ENV)
-    if faked is not None:
+    faked = os.environ.get(CPU_FLAGS_ENV, "")
+    if faked.strip():  # empty counts as unset, as every setting's variable
         return frozenset(faked.split())
     return read_cpu_flags("/proc/cpuinfo")
 

@@ -182,6 +182,44 @@ int wick_silu_and_mul(int dtype, const void *x, int64_t x_stride, void *out, int
   return 0;
 }
 
+/* out[i] = round(round(gelu_tanh(gate[i])) * up[i]) over x = [gate (d) | up (d)]: GeGLU with
+ * the tanh approximation (Gemma), gelu(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+ * tanh(a) = sign(a) (1 - e) / (1 + e) with e = e^-2|a| <= 1 (no overflow). Not PyTorch's
+ * bits: the module path (GeluAndMul on this table) and the native decoder stack both run it. */
+static inline __attribute__((always_inline)) void gelu_tanh_and_mul_row(const int is_bf16,
+                                                                        const int d,
+                                                                        const void *restrict x,
+                                                                        void *restrict out) {
+#pragma omp simd
+  for (int i = 0; i < d; i++) {
+    const float g = load(x, i, is_bf16);
+    const float up = load(x, d + i, is_bf16);
+    const float a = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float e = exp_nonpositive(-2.f * fabsf(a));
+    const float t = (1.f - e) / (1.f + e);
+    const float gelu = 0.5f * g * (1.f + (a >= 0.f ? t : -t));
+    store(out, i, round_to(gelu, is_bf16) * up, is_bf16);
+  }
+}
+
+/* x [num_rows, 2 d] (rows `x_stride` elements apart) -> out [num_rows, d]. Returns 0. */
+int wick_gelu_tanh_and_mul(int dtype, const void *x, int64_t x_stride, void *out,
+                           int64_t num_rows, int d, int num_threads,
+                           int64_t min_work_per_thread) {
+  const int is_bf16 = dtype == 1;
+  const int threads = threads_for(num_rows * 3 * (int64_t)d, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, r * x_stride, is_bf16);
+    void *o = at_mut(out, r * d, is_bf16);
+    if (is_bf16)
+      gelu_tanh_and_mul_row(1, d, xr, o);
+    else
+      gelu_tanh_and_mul_row(0, d, xr, o);
+  }
+  return 0;
+}
+
 /* ---- Rotary embedding (neox) -------------------------------------------------------------- */
 
 /* One head: dims i and half + i rotate by the angle whose cos and sin are cs[i], cs[half + i]:

@@ -1,6 +1,6 @@
 """The decoder layer's small ops on the native CPU library (kernels/cpu/layer_ops.c): RMSNorm,
-fused add + RMSNorm, SiLU-and-mul and the neox rotary embedding, each one ctypes call where
-PyTorch runs 3 to 17 ops (their dispatch, not their arithmetic, is most of a small decode
+fused add + RMSNorm, SiLU-and-mul, GeGLU (tanh) and the neox rotary embedding, each one ctypes
+call where PyTorch runs 3 to 17 ops (their dispatch, not their arithmetic, is most of a small decode
 step's host time); and the sampler's greedy argmax.
 
 Each function takes the loaded library first (`native_kernel_table` binds it) and otherwise has
@@ -12,6 +12,7 @@ after ONE warning per kernel and reason; layouts they cannot address in place ar
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache, partial
 
@@ -21,6 +22,7 @@ from model_server.kernels.cpu.native import NativeKernels
 from model_server.kernels.portable import (
     argmax_torch,
     fused_add_rms_norm_torch,
+    gelu_tanh_and_mul_torch,
     rms_norm_torch,
     rotary_embedding_torch,
     silu_and_mul_torch,
@@ -206,18 +208,18 @@ def fused_add_rms_norm(
 # ---- SiLU-and-mul ------------------------------------------------------------------------------
 
 
-def silu_and_mul(
+def _gated(
     kernels: NativeKernels,
+    kernel: str,
+    fallback: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
-    *,
-    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+    min_work_per_thread: int,
 ) -> torch.Tensor:
-    """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d] tensor:
-    `silu_and_mul_torch`'s numerics (silu rounded to the dtype before the product)."""
+    """x [..., 2d] -> act(x[..., :d]) * x[..., d:] on the C entry point `wick_<kernel>`."""
     code = _dtype_code(x)
     if code is None or x.shape[-1] % 2:
-        _fallback("silu_and_mul", _dtype_reason({"x": x}) or f"last dim {x.shape[-1]} is odd")
-        return silu_and_mul_torch(x)
+        _fallback(kernel, _dtype_reason({"x": x}) or f"last dim {x.shape[-1]} is odd")
+        return fallback(x)
     d = x.shape[-1] // 2
     if x.dim() == 2:  # the MLP's [T, 2d], read as it is
         rows, out = x, torch.empty(x.shape[0], d, dtype=x.dtype)
@@ -227,7 +229,7 @@ def silu_and_mul(
         return out
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    kernels.lib.wick_silu_and_mul(
+    getattr(kernels.lib, f"wick_{kernel}")(
         code,
         rows.data_ptr(),
         rows.stride(0),
@@ -238,6 +240,29 @@ def silu_and_mul(
         min_work_per_thread,
     )
     return out
+
+
+def silu_and_mul(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], a new contiguous [..., d] tensor:
+    `silu_and_mul_torch`'s numerics (silu rounded to the dtype before the product)."""
+    return _gated(kernels, "silu_and_mul", silu_and_mul_torch, x, min_work_per_thread)
+
+
+def gelu_tanh_and_mul(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """x [..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:] (GeGLU), a new contiguous [..., d]
+    tensor, each result rounded as `gelu_tanh_and_mul_torch` rounds (its tanh is computed
+    otherwise: not PyTorch's bits; the native decoder stack runs this same kernel)."""
+    return _gated(kernels, "gelu_tanh_and_mul", gelu_tanh_and_mul_torch, x, min_work_per_thread)
 
 
 # ---- Greedy sampling ---------------------------------------------------------------------------
@@ -366,6 +391,7 @@ def native_kernel_table(kernels: NativeKernels, base: KernelTable) -> KernelTabl
         rms_norm=partial(rms_norm, kernels),
         fused_add_rms_norm=partial(fused_add_rms_norm, kernels),
         silu_and_mul=partial(silu_and_mul, kernels),
+        gelu_tanh_and_mul=partial(gelu_tanh_and_mul, kernels),
         rotary_embedding=partial(rotary_embedding, kernels),
         argmax=partial(argmax, kernels),
     )

@@ -1,6 +1,7 @@
-"""CPU matmuls chosen for the machine at startup: `CpuLinear` / `CpuInt8Linear` (the CPU kernel
-table's `linear` and `int8_linear`) dispatch on (weight, row bucket) to the candidate that
-`tune_cpu_linears` timed fastest on this CPU, at this thread count, in this dtype.
+"""CPU matmuls chosen for the machine at startup: `tune_cpu_linears` times the candidate
+kernels of every linear weight's shape on this CPU, at this thread count, in this dtype, and
+returns one `SitePlan` per weight (a kernel per row bucket); the model-preparation stage turns
+them into `PlannedWeight`s (kernels/planned_weight.py, kernels/cpu/linear_plan.py).
 
 Why: which matmul is fastest differs by CPU (MKL picks slow kernels on AMD; oneDNN's prepacked
 weights win on AVX-512 but not everywhere), by dtype, by shape and by row count. Rows are
@@ -19,17 +20,16 @@ candidate that raises is dropped (debug log).
 
 Memory: a packed weight holds the same bytes in another layout. Where only the layer reads the
 weight (`LinearSite.exclusive`) and one packed kind at every bucket beats the best dense kernel
-per bucket, that kind's copy replaces the dense values (the parameter keeps its shape and dtype
-on a one-element expanded placeholder), so memory does not grow. A weight another module reads
-(a tied embedding) keeps its dense values; it is packed as well (one kind) only where packed
-wins, and that extra memory is logged.
+per bucket, that kind's copy takes the values' place (`SitePlan.values_moved`: the planned
+weight keeps the copy alone, and gives the matrix back through it), so memory does not grow.
+A weight another module reads (a tied embedding) keeps its dense values; it is packed as well
+(one kind) only where packed wins, and that extra memory is logged.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +42,6 @@ from model_server.kernels.cpu.cpu_load import LoadWindow
 from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
 from model_server.kernels.cpu.gguf_linear import (
     dequant_gemm,
-    fixed_gguf_linear,
     gguf_gemm,
     gguf_q8_gemm,
     q8_supports,
@@ -53,41 +52,38 @@ from model_server.kernels.cpu.linear import (
     bmm_row_split_applies,
     dequantized_linear,
     int8_kernel_linear,
-    int8_linear,
     mm_transposed,
     onednn_packed_linear,
     pack_onednn_weight,
     row_blocks,
-    skinny_linear,
 )
 from model_server.kernels.cpu.panel_gemm import (
     Panels,
     pack_panels,
     panel_linear,
-    panel_silu_and_mul,
-    silu_and_mul_applies,
 )
 from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.kernels.cpu.wna16 import (
     wna16_dequantized_linear,
-    wna16_linear,
     wna16_native_linear,
 )
 from model_server.kernels.gguf_blocks import type_name
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.table import GGUFLinearFn, Int8LinearFn, LinearFn, WNA16LinearFn
+from model_server.settings_spec import SETTINGS_BY_NAME, resolve_setting
 
 logger = logging.getLogger(__name__)
 
-# On unless "0" (or off/false/no): then the fixed kernels of kernels/cpu/linear.py, nothing
-# timed. Timings taken while other processes kept the machine busy (kernels/cpu/cpu_load.py) are
-# used for that start only, never cached: on a 2-core box under another job's load the plans
+# --cpu-linear-tuning (settings_spec.py; KernelOptions.linear_tuning), whose variable this is:
+# on unless off; then the fixed kernels of kernels/cpu/linear.py, nothing timed. Timings taken
+# while other processes kept the machine busy (kernels/cpu/cpu_load.py) are used for that start
+# only, never cached: on a 2-core box under another job's load the plans
 # favoured single-thread kernels (fp32 batch-1 decode 24-26 tok/s against the fixed table's 35).
 TUNING_ENV = "WICK_CPU_LINEAR_TUNING"
-# Seconds of timing at most per start (all shapes together); buckets left untimed take the
-# choice of the largest timed one.
+# Seconds of timing at most per start (all shapes together; --cpu-linear-tuning-budget); buckets
+# left untimed take the choice of the largest timed one.
 BUDGET_ENV = "WICK_CPU_LINEAR_TUNING_BUDGET_S"
-DEFAULT_BUDGET_S = 10.0
+DEFAULT_BUDGET_S: float = SETTINGS_BY_NAME["cpu_linear_tuning_budget"].unset
 # Timing of one (shape, bucket): interleaved rounds of every live candidate until about this
 # long, 2 to 10 rounds after the first call (more rounds: more chances of a quiet moment on a
 # shared machine).
@@ -160,14 +156,13 @@ BucketTimes = list[dict[str, float]]
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get(TUNING_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    """WICK_CPU_LINEAR_TUNING as the settings read it, for callers given no KernelOptions."""
+    return bool(resolve_setting("cpu_linear_tuning"))
 
 
 def tuning_budget_s() -> float:
-    try:
-        return max(0.0, float(os.environ.get(BUDGET_ENV, DEFAULT_BUDGET_S)))
-    except ValueError:
-        return DEFAULT_BUDGET_S
+    """WICK_CPU_LINEAR_TUNING_BUDGET_S as the settings read it (for `budget_s=None`)."""
+    return float(resolve_setting("cpu_linear_tuning_budget"))
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
@@ -178,197 +173,37 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def bucket_index(rows: int, num_buckets: int) -> int:
-    """The bucket of `rows`: the smallest power of two >= rows, the last one beyond."""
-    return min(max(rows - 1, 0).bit_length(), num_buckets - 1)
-
-
 def _packed_call(
     fn: Callable[..., torch.Tensor],
     packed: Any,
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     return fn(x, packed, bias)
 
 
-class CpuLinear:
-    """`KernelTable.linear` on CPUs: per weight (by identity, then by shape and dtype) one
-    function per row bucket, set by `tune_cpu_linears`. Weights it was not tuned for run
-    `skinny_linear`. Immutable for callers; one instance per kernel table, so per model."""
+@dataclass(slots=True, frozen=True)
+class SitePlan:
+    """What the tuner chose for one site: per row bucket a kernel's name and function (with the
+    kernel-table slot's signature: `LinearFn`, `Int8LinearFn`, `WNA16LinearFn`,
+    `GGUFLinearFn`). A float site may run a packed copy at some buckets (`packed`, of kind
+    `packed_kind`: its functions read it and ignore the weight argument); `values_moved`: the
+    site is exclusive and runs the copy at every bucket, so the copy alone keeps the values."""
 
-    __slots__ = ("_by_shape", "_by_weight", "_panels", "version")
+    site: LinearSite
+    names: tuple[str, ...]
+    fns: tuple[Callable[..., torch.Tensor], ...]
+    packed: Any = None
+    packed_kind: str | None = None
+    values_moved: bool = False
 
-    def __init__(self) -> None:
-        # id(weight) -> (weight, one function per bucket). The weight is held so its id stays
-        # unique; packed functions ignore it (its values may have moved into the packed copy).
-        self._by_weight: dict[int, tuple[torch.Tensor, tuple[LinearFn, ...]]] = {}
-        # (N, K, dtype) -> one dense function per bucket, for weights of a tuned shape.
-        self._by_shape: dict[tuple[int, int, torch.dtype], tuple[LinearFn, ...]] = {}
-        # id(weight) -> (weight, its panels, whether the SiLU fuses into them) for weights that
-        # run the panels at every bucket: `linear_silu_and_mul` and the native decoder stack
-        # (decoder_stack.py) use them.
-        self._panels: dict[int, tuple[torch.Tensor, Panels, bool]] = {}
-        # Bumped by every plan change: callers that cached what `panels_of` said compare it.
-        self.version = 0
-
-    def set_weight_plan(self, weight: torch.Tensor, fns: Sequence[LinearFn]) -> None:
-        self._by_weight[id(weight)] = (weight, tuple(fns))
-        self._panels.pop(id(weight), None)
-        self.version += 1
-
-    def set_panels(self, weight: torch.Tensor, panels: Panels) -> None:
-        """`weight` runs on `panels` at every row count (its plan says so): where their layout
-        allows, `linear_silu_and_mul` fuses the SiLU into them."""
-        self._panels[id(weight)] = (weight, panels, silu_and_mul_applies(panels))
-        self.version += 1
-
-    def panels_of(self, weight: torch.Tensor) -> Panels | None:
-        """The panels `weight` runs on at every row count, or None."""
-        entry = self._panels.get(id(weight))
-        return entry[1] if entry is not None and entry[0] is weight else None
-
-    def fuses_silu(self, weight: torch.Tensor) -> bool:
-        """Whether `linear_silu_and_mul` fuses the SiLU into `weight`'s panels."""
-        entry = self._panels.get(id(weight))
-        return entry is not None and entry[0] is weight and entry[2]
-
-    def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """`KernelTable.linear_silu_and_mul`: silu_and_mul(self(x, weight)) in one pass
-        (kernels/cpu/panel_gemm.c, panel_gemm_f32.c) for a 2-D x and a merged gate/up weight
-        on panels of x's dtype, without bias; None otherwise (the caller runs the two ops)."""
-        entry = self._panels.get(id(weight))
-        if entry is None or not entry[2] or entry[0] is not weight:
-            return None
-        if bias is not None or x.dim() != 2 or x.dtype != entry[1].dtype:
-            return None
-        return panel_silu_and_mul(x, entry[1])
-
-    def set_shape_plan(
-        self, shape: tuple[int, int], dtype: torch.dtype, fns: Sequence[LinearFn]
-    ) -> None:
-        self._by_shape[(shape[0], shape[1], dtype)] = tuple(fns)
-        self.version += 1
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        entry = self._by_weight.get(id(weight))
-        if entry is not None and entry[0] is weight:
-            fns = entry[1]
-        else:
-            fns = self._by_shape.get((weight.shape[0], weight.shape[1], weight.dtype))
-            if fns is None:
-                return skinny_linear(x, weight, bias)
-        if x.dim() != 2:  # [..., K] -> [..., N] through the 2-D kernels
-            out = self(x.reshape(-1, x.shape[-1]), weight, bias)
-            return out.view(*x.shape[:-1], out.shape[-1])
-        if x.shape[0] == 0:
-            out = x.new_empty((0, weight.shape[0]))
-            return out
-        return fns[bucket_index(x.shape[0], len(fns))](x, weight, bias)
-
-
-class CpuInt8Linear:
-    """`KernelTable.int8_linear` on CPUs: per (N, K, activation dtype) one function per row
-    bucket; untuned shapes run the fixed `int8_linear`."""
-
-    __slots__ = ("_by_shape",)
-
-    def __init__(self) -> None:
-        self._by_shape: dict[tuple[int, int, torch.dtype], tuple[Int8LinearFn, ...]] = {}
-
-    def set_shape_plan(
-        self, shape: tuple[int, int], dtype: torch.dtype, fns: Sequence[Int8LinearFn]
-    ) -> None:
-        self._by_shape[(shape[0], shape[1], dtype)] = tuple(fns)
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        qweight: torch.Tensor,
-        scale: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        fns = self._by_shape.get((qweight.shape[0], qweight.shape[1], x.dtype))
-        if fns is None or x.shape[0] == 0:
-            return int8_linear(x, qweight, scale, bias)
-        return fns[bucket_index(x.shape[0], len(fns))](x, qweight, scale, bias)
-
-
-class CpuWNA16Linear:
-    """`KernelTable.wna16_linear` on CPUs: per (N, stored K, bits, group size, activation dtype)
-    one function per row bucket; untuned shapes run the fixed `wna16_linear`."""
-
-    __slots__ = ("_by_shape",)
-
-    def __init__(self) -> None:
-        self._by_shape: dict[tuple[int, int, int, int, torch.dtype], tuple[WNA16LinearFn, ...]] = {}
-
-    def set_shape_plan(
-        self, key: tuple[int, int, int, int], dtype: torch.dtype, fns: Sequence[WNA16LinearFn]
-    ) -> None:
-        self._by_shape[(*key, dtype)] = tuple(fns)
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        codes: torch.Tensor,
-        scales: torch.Tensor,
-        offsets: torch.Tensor,
-        bits: int,
-        group_size: int,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        fns = self._by_shape.get((codes.shape[0], codes.shape[1], bits, group_size, x.dtype))
-        if fns is None or x.shape[0] == 0:
-            return wna16_linear(x, codes, scales, offsets, bits, group_size, bias)
-        return fns[bucket_index(x.shape[0], len(fns))](
-            x, codes, scales, offsets, bits, group_size, bias
-        )
-
-
-class CpuGGUFLinear:
-    """`KernelTable.gguf_linear` on CPUs: per (ggml type, N, row bytes, activation dtype) one
-    function per row bucket; untuned shapes run the fixed `gguf_linear`. `int8_dot`
-    (gguf_linear.py's WICK_GGUF_INT8_DOT): auto lets the timings choose the int8 kernel, off
-    never offers it, on plans it for every bucket of the types it takes."""
-
-    __slots__ = ("_by_shape", "_fixed", "int8_dot", "version")
-
-    def __init__(self, int8_dot: str = "auto") -> None:
-        self._by_shape: dict[tuple[int, int, int, torch.dtype], tuple[GGUFLinearFn, ...]] = {}
-        self.int8_dot = int8_dot
-        self._fixed = fixed_gguf_linear(int8_dot)
-        self.version = 0  # bumped by every plan change (as CpuLinear.version)
-
-    def set_shape_plan(
-        self, key: tuple[int, int, int], dtype: torch.dtype, fns: Sequence[GGUFLinearFn]
-    ) -> None:
-        self._by_shape[(*key, dtype)] = tuple(fns)
-        self.version += 1
-
-    def plan_of(
-        self, key: tuple[int, int, int], dtype: torch.dtype
-    ) -> tuple[GGUFLinearFn, ...] | None:
-        """The functions per row bucket tuned for (ggml type, N, row bytes) under `dtype`
-        activations (GGUF_FNS' values), or None for an untuned shape."""
-        return self._by_shape.get((*key, dtype))
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        blocks: torch.Tensor,
-        ggml_type: int,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        fns = self._by_shape.get((ggml_type, blocks.shape[0], blocks.shape[1], x.dtype))
-        if fns is None or x.shape[0] == 0:
-            return self._fixed(x, blocks, ggml_type, bias)
-        return fns[bucket_index(x.shape[0], len(fns))](x, blocks, ggml_type, bias)
+    @property
+    def panels(self) -> Panels | None:
+        """The native panels every bucket runs (the native step and the fused SiLU read them)."""
+        if self.values_moved and isinstance(self.packed, Panels):
+            return self.packed
+        return None
 
 
 # ---- timing -------------------------------------------------------------------------------
@@ -658,42 +493,41 @@ def _runnable_times(group: _Group) -> BucketTimes:
     return runnable
 
 
-def _plan_int8(group: _Group, int8: CpuInt8Linear) -> str:
-    names = [_best(t) for t in group.times]
-    int8.set_shape_plan(group.shape, group.act_dtype, [INT8_FNS[name] for name in names])
+def _plan_int8(group: _Group, plans: list[SitePlan]) -> str:
+    names = tuple(_best(t) for t in group.times)
+    fns = tuple(INT8_FNS[name] for name in names)
+    plans.extend(SitePlan(site, names, fns) for site in group.sites)
     return _ranges(group.buckets, names)
 
 
-def _plan_wna16(group: _Group, wna16: CpuWNA16Linear) -> str:
-    names = [_best(t) for t in group.times]
-    site = group.sites[0]
-    n, stored_k = site.weight.shape
-    key = (int(n), int(stored_k), site.bits, site.group_size)
-    wna16.set_shape_plan(key, group.act_dtype, [WNA16_FNS[name] for name in names])
+def _plan_wna16(group: _Group, plans: list[SitePlan]) -> str:
+    names = tuple(_best(t) for t in group.times)
+    fns = tuple(WNA16_FNS[name] for name in names)
+    plans.extend(SitePlan(site, names, fns) for site in group.sites)
     return _ranges(group.buckets, names)
 
 
-def _plan_gguf(group: _Group, gguf: CpuGGUFLinear) -> str:
+def _plan_gguf(group: _Group, plans: list[SitePlan]) -> str:
     site = group.sites[0]
     assert site.ggml_type is not None
-    if gguf.int8_dot == "on" and q8_supports(site.ggml_type):
-        names = [GGUF_Q8] * len(group.buckets)
+    if group.int8_dot == "on" and q8_supports(site.ggml_type):
+        names = (GGUF_Q8,) * len(group.buckets)
     else:
-        names = [
-            _best(t, lambda name: name != GGUF_Q8 or gguf.int8_dot != "off") for t in group.times
-        ]
-    n, row_bytes = site.weight.shape
-    key = (site.ggml_type, int(n), int(row_bytes))
-    gguf.set_shape_plan(key, group.act_dtype, [GGUF_FNS[name] for name in names])
+        names = tuple(
+            _best(t, lambda name: name != GGUF_Q8 or group.int8_dot != "off") for t in group.times
+        )
+    fns = tuple(GGUF_FNS[name] for name in names)
+    plans.extend(SitePlan(site, names, fns) for site in group.sites)
     return _ranges(group.buckets, names)
 
 
-def _plan_float(group: _Group, linear: CpuLinear, report: TuningReport) -> str:
+def _plan_float(group: _Group, plans: list[SitePlan], report: TuningReport) -> str:
     best = [_best(t) for t in group.times]
-    dense = [_best(t, _is_dense) for t in group.times]
-    linear.set_shape_plan(group.shape, group.act_dtype, [DENSE_FNS[name] for name in dense])
+    dense = tuple(_best(t, _is_dense) for t in group.times)
+    dense_fns = tuple(DENSE_FNS[name] for name in dense)
     used = [name for name in best if name in PACKED_KINDS]
     if not used:
+        plans.extend(SitePlan(site, dense, dense_fns) for site in group.sites)
         return _ranges(group.buckets, dense)
     # Exclusive weights: the packed kind that alone beats dense by the most, if one does.
     costs = {kind: _packed_only_cost(group.times, kind) for kind in PACKED_KINDS}
@@ -704,39 +538,42 @@ def _plan_float(group: _Group, linear: CpuLinear, report: TuningReport) -> str:
     # faster (a bucket another packed kind won may still run this one faster than dense: the
     # tied LM head at 64 rows, oneDNN's best, ran F.linear 1.25x slower than the panels' 1.10x).
     shared_kind = max(set(used), key=used.count)
-    shared_names = [
+    shared_names = tuple(
         shared_kind
         if t.get(shared_kind, float("inf")) < t.get(dense[i], float("inf"))
         else dense[i]
         for i, t in enumerate(group.times)
-    ]
+    )
     layouts: list[str] = []
     for site in group.sites:
         kind = only if site.exclusive else shared_kind
         if kind is None:
             layouts.append("dense")
-            continue  # the shape plan serves it
+            plans.append(SitePlan(site, dense, dense_fns))
+            continue
         pack, fn = PACKED_KINDS[kind]
         try:
             packed = pack(site.weight)
         except Exception as exc:
             logger.debug("cannot pack %s as %s: %s", site.name, kind, exc)
             layouts.append("dense")
+            plans.append(SitePlan(site, dense, dense_fns))
             continue
         call = functools.partial(_packed_call, fn, packed)
         if site.exclusive:
-            # The packed copy now holds the values: keep shape and dtype, drop the bytes.
-            site.weight.data = torch.zeros((), dtype=site.weight.dtype).expand(group.shape)
-            linear.set_weight_plan(site.weight, [call] * len(group.buckets))
-            if isinstance(packed, Panels):
-                linear.set_panels(site.weight, packed)
+            # The packed copy alone keeps the values (the dense tensor is dropped by the
+            # model-preparation stage when it installs the planned weight).
+            names = (kind,) * len(group.buckets)
+            plans.append(SitePlan(site, names, (call,) * len(names), packed, kind, True))
             layouts.append("packed")
         else:
-            fns = [call if name == kind else DENSE_FNS[name] for name in shared_names]
-            linear.set_weight_plan(site.weight, fns)
+            fns = tuple(call if name == kind else DENSE_FNS[name] for name in shared_names)
+            plans.append(SitePlan(site, shared_names, fns, packed, kind))
             report.extra_bytes += site.weight.numel() * site.weight.element_size()
             layouts.append("packed + dense (shared weight)")
-    chosen = [only] * len(best) if only is not None and "packed" in layouts else dense
+    chosen: Sequence[str] = (
+        [only] * len(best) if only is not None and "packed" in layouts else dense
+    )
     if any(layout.startswith("packed +") for layout in layouts):
         chosen = shared_names
     kinds = sorted(set(layouts))
@@ -746,35 +583,37 @@ def _plan_float(group: _Group, linear: CpuLinear, report: TuningReport) -> str:
 def tune_cpu_linears(
     sites: Sequence[LinearSite],
     act_dtype: torch.dtype,
-    linear: CpuLinear,
-    int8: CpuInt8Linear,
     cache: TuningCache,
     budget_s: float | None = None,
-    wna16: CpuWNA16Linear | None = None,
-    gguf: CpuGGUFLinear | None = None,
-) -> TuningReport:
+    *,
+    int8_dot: str = "auto",
+    quantized_kernels: bool = True,
+) -> tuple[TuningReport, list[SitePlan]]:
     """Time the candidates for every distinct (kind, shape) of `sites` in `act_dtype` (or read
-    their timings from `cache`), then set `linear`'s and `int8`'s plans. Exclusive weights for
-    which oneDNN's packed layout wins are re-laid out in place (see the module docstring).
-    Call once per model, after its weights are loaded (and quantized), before it runs."""
+    their timings from `cache`) and choose per site and row bucket: returns what was done and
+    one `SitePlan` per planned site. Nothing is changed in place: the model-preparation stage
+    installs the plans (kernels/planned_weight.py). `int8_dot`: gguf_linear.py's mode for GGUF
+    weights; `quantized_kernels` False leaves GPTQ/AWQ and GGUF sites unplanned (no native
+    build: the fixed table serves them). Call once per model, after its weights are loaded
+    (and quantized), before it runs."""
     report = TuningReport()
     groups: dict[str, _Group] = {}
     for site in sites:
         is_int8 = site.weight.dtype == torch.int8
         is_wna16 = site.bits > 0
         is_gguf = site.ggml_type is not None
-        if (is_wna16 and wna16 is None) or (is_gguf and gguf is None):
-            continue  # no plan to set: the fixed choice serves it
+        if (is_wna16 or is_gguf) and not quantized_kernels:
+            continue  # no plan to make: the fixed choice serves it
         quantized = is_int8 or is_wna16 or is_gguf
         if site.weight.dim() != 2 or (not quantized and site.weight.dtype != act_dtype):
             continue  # not a matmul weight of this model's dtype: the fallback serves it
         act = str(act_dtype).removeprefix("torch.")
         n, k = site.weight.shape
         if is_gguf:
-            assert site.ggml_type is not None and gguf is not None
+            assert site.ggml_type is not None
             k = site.k
             # int8 off: its own key, so that cached timings with the int8 kernel stay apart
-            off = "-noint8" if gguf.int8_dot == "off" else ""
+            off = "-noint8" if int8_dot == "off" else ""
             kind = f"gguf-{type_name(site.ggml_type).lower()}{off}-{act}"
         elif is_wna16:
             k = k * 8 // site.bits
@@ -783,8 +622,8 @@ def tune_cpu_linears(
             kind = f"int8-{act}" if is_int8 else act
         key = f"linear/{kind}/{n}x{k}"
         group = groups.setdefault(key, _Group(key, [], act_dtype))
-        if is_gguf and gguf is not None:
-            group.int8_dot = gguf.int8_dot
+        if is_gguf:
+            group.int8_dot = int8_dot
         group.sites.append(site)
     for group in groups.values():
         group.buckets = row_buckets(max(site.max_rows for site in group.sites))
@@ -809,19 +648,17 @@ def tune_cpu_linears(
         for group in pending:
             cache.put(group.key, {"buckets": list(group.buckets), "times": group.times})
         cache.save()
+    plans: list[SitePlan] = []
     for group in groups.values():
         group.times = _runnable_times(group)
         if group.gguf:
-            assert gguf is not None
-            text = _plan_gguf(group, gguf)
+            text = _plan_gguf(group, plans)
         elif group.wna16:
-            assert wna16 is not None
-            text = _plan_wna16(group, wna16)
+            text = _plan_wna16(group, plans)
         elif group.int8:
-            text = _plan_int8(group, int8)
+            text = _plan_int8(group, plans)
         else:
-            text = _plan_float(group, linear, report)
-        n, k = group.shape
+            text = _plan_float(group, plans, report)
         note = "cached" if group.from_cache else "timed"
         if group.inherited_from is not None:
             note += f", budget spent: {group.buckets[group.inherited_from]}+ rows inherit"
@@ -829,4 +666,4 @@ def tune_cpu_linears(
             f"{group.key.removeprefix('linear/').replace('/', ' ')} x{len(group.sites)} ({note}): "
             f"{text}"
         )
-    return report
+    return report, plans

@@ -7,7 +7,9 @@ products, wrapped in gguf_linear.py; all of a decoder stack's layers in one call
 wrapped in decoder_stack.py), compiled together into one library on first use with the
 system's C compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded
 through ctypes (no torch headers, so a build takes a few seconds). `NativeKernels.lib` binds
-every file's entry points (`_bind`).
+every entry point declared in the headers with the types declared there, once the library's
+struct layouts are checked against their ctypes mirrors (`_bind`, kernels/cpu/abi.py); a library
+that disagrees with its Python side is refused, and callers fall back to PyTorch.
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -33,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from model_server.kernels.cpu import abi
 from model_server.kernels.cpu.isa import ISAS, Isa, choose_isas
+from model_server.settings_spec import wick_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "gguf_gemm.c",
     _HERE / "gguf_q8.c",
     _HERE / "decoder_stack.c",
+    _HERE / "abi_layout.c",
 )
 HEADERS: tuple[Path, ...] = (
     _HERE / "wick_cpu.h",
@@ -56,6 +61,7 @@ HEADERS: tuple[Path, ...] = (
     _HERE / "wick_kv.h",
     _HERE / "wick_gguf.h",
     _HERE / "wick_entry.h",
+    _HERE / "wick_stack.h",
 )
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;
@@ -97,7 +103,7 @@ class NativeKernels:
 
 
 def _cache_dirs() -> list[Path]:
-    base = Path(os.environ.get("WICK_CACHE_DIR") or Path.home() / ".cache" / "wick")
+    base = wick_cache_dir()  # --cache-dir, exported to WICK_CACHE_DIR by the entry points
     return [base / "kernels", Path(tempfile.gettempdir()) / "wick-kernels"]
 
 
@@ -147,7 +153,12 @@ def _load(isas: tuple[Isa, ...]) -> NativeKernels | None:
         return None
     errors: list[str] = []
     for isa in isas:
-        kernels = _load_isa(cc, isa, errors)
+        try:
+            kernels = _load_isa(cc, isa, errors)
+        except abi.AbiError as exc:
+            # Not specific to an ISA: every build compiles the same headers.
+            logger.error("native CPU kernels refused, falling back to PyTorch: %s", exc)
+            return None
         if kernels is not None:
             if isa is not isas[0]:
                 logger.warning(
@@ -189,106 +200,17 @@ def _load_isa(cc: str, isa: Isa, errors: list[str]) -> NativeKernels | None:
                     time.perf_counter() - start,
                 )
             try:
-                return NativeKernels(_bind(ctypes.CDLL(str(target))), isa.name)
+                return NativeKernels(_bind(abi.BoundLibrary(str(target))), isa.name)
             except OSError as exc:
                 errors.append(f"{target}: {exc}")
     return None
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Argument and return types of every entry point, one block per source file."""
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    f32 = ctypes.c_float
-    # paged_attention.c
-    fn = lib.wick_paged_attention
-    fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]  # dtype .. num_slots
-    fn.argtypes += [ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, f32, i32, i64]
-    fn.argtypes += [i32, ptr, ptr]  # kv_format, k_scales, v_scales
-    fn.restype = i32
-    fn = lib.wick_paged_attention_windowed  # the same + sliding window, logit soft cap
-    fn.argtypes = [*lib.wick_paged_attention.argtypes, i32, f32]
-    fn.restype = i32
-    lib.wick_isa.restype = ctypes.c_char_p
-    # layer_ops.c
-    fn = lib.wick_rms_norm
-    fn.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, i64, i32, f32]
-    fn.argtypes += [i32, i64]
-    fn.restype = i32
-    fn = lib.wick_silu_and_mul
-    fn.argtypes = [i32, ptr, i64, ptr, i64, i32, i32, i64]
-    fn.restype = i32
-    fn = lib.wick_argmax
-    fn.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i64]
-    fn.restype = i32
-    fn = lib.wick_rotary_neox
-    fn.argtypes = [i32, ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32, i32, i32]
-    fn.argtypes += [i32, i64]
-    fn.restype = i32
-    # gemm.c
-    fn = lib.wick_gemm
-    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32, i32, i64]
-    fn.restype = i32
-    lib.wick_gemm_has_dpbf16.restype = i32
-    fn = lib.wick_gemm_packed
-    fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_gemm as packed int64s
-    fn.restype = i32
-    # panel_gemm.c
-    lib.wick_panel_gemm_available.restype = i32
-    lib.wick_panel_elements.argtypes = [i64, i64]
-    lib.wick_panel_elements.restype = i64
-    lib.wick_panel_pack.argtypes = [ptr, i64, i64, ptr]
-    lib.wick_panel_pack.restype = None
-    fn = lib.wick_panel_gemm
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
-    fn.restype = i32
-    fn = lib.wick_panel_gemm_silu
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i32, i64]
-    fn.restype = i32
-    # panel_gemm_f32.c
-    lib.wick_panel_f32_lanes.restype = i32
-    lib.wick_panel_f32_elements.argtypes = [i64, i64]
-    lib.wick_panel_f32_elements.restype = i64
-    lib.wick_panel_f32_pack.argtypes = [i32, ptr, i64, i64, ptr]
-    lib.wick_panel_f32_pack.restype = None
-    fn = lib.wick_panel_f32_gemm
-    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
-    fn.restype = i32
-    fn = lib.wick_panel_f32_gemm_silu
-    fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i32, i64]
-    fn.restype = i32
-    # wna16_gemm.c
-    fn = lib.wick_wna16_gemm
-    fn.argtypes = [i32, ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i64]
-    fn.restype = i32
-    fn = lib.wick_wna16_gemm_packed
-    fn.argtypes = [ctypes.c_char_p]  # the arguments of wick_wna16_gemm as packed int64s
-    fn.restype = i32
-    fn = lib.wick_wna16_dequantize
-    fn.argtypes = [i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32]
-    fn.restype = i32
-    # gguf_gemm.c
-    fn = lib.wick_gguf_gemm
-    fn.argtypes = [i32, i32, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i32, i64]
-    fn.restype = i32
-    fn = lib.wick_gguf_dequant
-    fn.argtypes = [i32, i32, ptr, i64, i64, ptr, i32]
-    fn.restype = i32
-    # gguf_q8.c
-    fn = lib.wick_gguf_q8_gemm
-    fn.argtypes = list(lib.wick_gguf_gemm.argtypes)
-    fn.restype = i32
-    fn = lib.wick_gguf_q8_quantize
-    fn.argtypes = [i32, ptr, i64, i64, i64, ptr, ptr]
-    fn.restype = i32
-    lib.wick_gguf_q8_supports.argtypes = [i32]
-    lib.wick_gguf_q8_supports.restype = i32
-    lib.wick_gguf_q8_has_vnni.restype = i32
-    # decoder_stack.c: (WickStackStep *, WickLayer *, num_layers, int *residual_out); the
-    # structs are decoder_stack.py's
-    fn = lib.wick_decoder_stack
-    fn.argtypes = [ptr, ptr, i32, ptr]
-    fn.restype = i32
-    return lib
+    """Every entry point declared in wick_entry.h and wick_stack.h bound with its declared types
+    (kernels/cpu/abi.py), and no other name callable; abi.AbiError when one is missing or a
+    struct's layout differs."""
+    return abi.bind(lib)
 
 
 def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int) -> str | None:

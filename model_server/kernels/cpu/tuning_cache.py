@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from model_server.settings_spec import wick_cache_dir
+
 logger = logging.getLogger(__name__)
 
 # Raised whenever the candidates or how they are timed change, so that older timings are taken
@@ -32,8 +34,8 @@ FORMAT_VERSION = 6
 
 
 def cache_root() -> Path:
-    """Wick's cache folder: $WICK_CACHE_DIR, else ~/.cache/wick (as kernels/cpu/native.py)."""
-    return Path(os.environ.get("WICK_CACHE_DIR") or Path.home() / ".cache" / "wick")
+    """Wick's cache folder: --cache-dir ($WICK_CACHE_DIR), else ~/.cache/wick."""
+    return wick_cache_dir()
 
 
 def _cpuinfo_field(*names: str) -> str:

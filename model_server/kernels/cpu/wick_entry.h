@@ -1,6 +1,9 @@
-/* The kernels' entry points that other files of the library call (decoder_stack.c runs them
- * all): declared once here and included by the files that define them, so the compiler checks
- * each definition against what its callers were told. */
+/* The kernels' entry points, declared once here: included by the files that define them, so the
+ * compiler checks each definition against what its callers were told (decoder_stack.c runs
+ * several), and read by the Python side, which binds every prototype of this header and of
+ * wick_stack.h with ctypes types parsed from it (kernels/cpu/abi.py; see wick_stack.h for the C
+ * subset it reads). An entry point declared here is bound at load with those types; a library
+ * that lacks one is refused there. */
 #ifndef WICK_ENTRY_H
 #define WICK_ENTRY_H
 
@@ -20,6 +23,9 @@ int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens, co
                      int head_dim, int num_threads, int64_t min_work_per_thread);
 int wick_silu_and_mul(int dtype, const void *x, int64_t x_stride, void *out, int64_t num_rows,
                       int d, int num_threads, int64_t min_work_per_thread);
+int wick_gelu_tanh_and_mul(int dtype, const void *x, int64_t x_stride, void *out,
+                           int64_t num_rows, int d, int num_threads,
+                           int64_t min_work_per_thread);
 int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache, const void *k,
                          const void *v, int64_t k_stride, int64_t v_stride,
                          const int64_t *slot_mapping, int64_t num_slots,
@@ -48,5 +54,50 @@ int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int6
                       const uint8_t *w, const void *bias, void *y, const int64_t m,
                       const int64_t n, const int64_t k, const int num_threads,
                       const int64_t min_work_per_thread);
+
+/* paged_attention.c */
+int wick_paged_attention_windowed(int dtype, const void *q, void *k_cache, void *v_cache,
+                                  const void *k, const void *v, int64_t k_stride,
+                                  int64_t v_stride, const int64_t *slot_mapping,
+                                  int64_t num_slots, const int32_t *block_tables,
+                                  int64_t bt_stride, const int32_t *query_start_loc,
+                                  const int32_t *seq_lens, void *out, int num_seqs,
+                                  int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                  float scale, int num_threads, int64_t min_work_per_thread,
+                                  int kv_format, float *k_scales, float *v_scales, int window,
+                                  float soft_cap);
+const char *wick_isa(void);
+/* layer_ops.c */
+int wick_argmax(int dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t n,
+                int64_t *out, int num_threads, int64_t min_work_per_thread);
+/* gemm.c: wick_gemm_packed takes wick_gemm's arguments as one int64 array */
+int wick_gemm(int dtype, const void *x, int64_t x_stride, const void *w, const void *bias,
+              void *y, int M, int N, int K, int use_dpbf16, int num_threads,
+              int64_t min_work_per_thread);
+int wick_gemm_has_dpbf16(void);
+int wick_gemm_packed(const int64_t *a);
+/* panel_gemm.c, panel_gemm_f32.c */
+int wick_panel_gemm_available(void);
+int64_t wick_panel_elements(int64_t n, int64_t k);
+void wick_panel_pack(const bf16_t *w, int64_t n, int64_t k, bf16_t *panels);
+int wick_panel_f32_lanes(void);
+int64_t wick_panel_f32_elements(int64_t n, int64_t k);
+void wick_panel_f32_pack(int dtype, const void *w, int64_t n, int64_t k, void *panels);
+/* wna16_gemm.c: wick_wna16_gemm_packed takes wick_wna16_gemm's arguments as one int64 array */
+int wick_wna16_gemm(int dtype, const void *x, int64_t x_stride, const uint8_t *codes,
+                    const float *scales, const float *offsets, const void *bias, void *y, int M,
+                    int N, int K, int bits, int group_size, int num_threads,
+                    int64_t min_work_per_thread);
+int wick_wna16_gemm_packed(const int64_t *a);
+int wick_wna16_dequantize(int dtype, const uint8_t *codes, const float *scales,
+                          const float *offsets, void *w, int N, int K, int bits, int group_size,
+                          int num_threads);
+/* gguf_gemm.c, gguf_q8.c */
+int wick_gguf_dequant(const int type, const int dtype, const uint8_t *w, const int64_t rows,
+                      const int64_t k, void *out, const int num_threads);
+int wick_gguf_q8_quantize(const int dtype, const void *x, const int64_t x_stride, const int64_t m,
+                          const int64_t k, int8_t *q, float *d);
+int wick_gguf_q8_supports(const int type);
+int wick_gguf_q8_has_vnni(void);
 
 #endif /* WICK_ENTRY_H */

@@ -13,9 +13,9 @@ The matmul is the model's `KernelTable.int8_linear` (the platform's choice). Dec
 each weight once per step, so at a few rows a step moves 1 byte per weight instead of 4 (fp32) or
 2 (bf16): that is what makes batch-1 decode faster on bandwidth-bound CPUs. The portable
 implementation (`kernels.portable.int8_linear_dequant`) dequantizes the whole matrix on every
-call: correct, but slower than the float model, so only platforms with a real int8 kernel accept
-the method (`Platform.quantization_methods`). `models.quantization.quantize_model` swaps the
-weights in.
+call: correct, but slower than the float model; gcu and hpu, which have no int8 kernel, run it
+for the memory (`Platform.quantization_methods` lists what each platform accepts).
+`models.quantization.quantize_model` swaps the weights in.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from model_server.config import EngineConfig
 from model_server.engine.core.kv_cache_manager import KVCacheManager
 from model_server.engine.core.request import Request, RequestStatus
 from model_server.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from model_server.sampling_params import SamplingParams
 
 EOS = 2
@@ -410,6 +410,61 @@ def test_prefix_cache_hit_through_the_scheduler() -> None:
     assert tokens_of(out) == {"b": 3}
     assert b.num_cached_tokens == 8
     assert (sched.prefix_cache_queries, sched.prefix_cache_hits) == (21, 8)
+
+
+def _prompt_logprobs_step(sched: Scheduler) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    """One step whose fake model also gives prompt logprobs (logprob -position) for the rows of
+    requests that compute them, as the model runner does."""
+    out = sched.schedule()
+    sampled: list[int | None] = []
+    prompt_lps: list[list[TokenLogprobs] | None] = []
+    for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens, strict=True):
+        start = r.num_computed_tokens
+        sampled.append(7 if start + n == r.num_tokens else None)
+        rows = min(start + n, r.num_prompt_tokens - 1) - start
+        if r.computes_prompt_logprobs and rows > 0:
+            targets = r.prompt_token_ids[start + 1 : start + 1 + rows]
+            prompt_lps.append(
+                [TokenLogprobs(t, -float(start + 1 + i), []) for i, t in enumerate(targets)]
+            )
+        else:
+            prompt_lps.append(None)
+    outputs = sched.update_from_output(
+        out, ModelRunnerOutput(sampled, [None] * len(sampled), prompt_lps)
+    )
+    return out, outputs
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_gather_over_chunks() -> None:
+    """A request with prompt_logprobs takes no prefix-cache hit, gathers its positions chunk by
+    chunk (again from the start after a preemption) and hands them out with its first output;
+    max_tokens=0 finishes it there, with no token."""
+    sched = make_scheduler(block_size=4, enable_prefix_caching=True, max_num_batched_tokens=6)
+    a = make_request("a", 10, max_tokens=1)
+    sched.add_request(a)
+    while not a.is_finished:
+        step(sched)
+    b = make_request("b", prompt=list(a.prompt_token_ids), max_tokens=0, prompt_logprobs=1)
+    sched.add_request(b)
+    out, outputs = _prompt_logprobs_step(sched)
+    assert tokens_of(out) == {"b": 6} and b.num_cached_tokens == 0 and outputs == []
+    # Preempted mid-prefill: recomputed from scratch, the positions overwritten, not appended.
+    sched.running.remove(b)
+    sched._preempt(b)
+    for _ in range(2):
+        out, outputs = _prompt_logprobs_step(sched)
+    (done,) = outputs
+    assert done.new_token_ids == [] and done.finish_reason == "length" and b.is_finished
+    assert done.prompt_logprobs is not None
+    assert [e.token_id for e in done.prompt_logprobs] == b.prompt_token_ids[1:]
+    assert [e.logprob for e in done.prompt_logprobs] == [-float(p) for p in range(1, 10)]
+    # With max_tokens > 0: only the first output carries them.
+    c = make_request("c", 5, max_tokens=2, prompt_logprobs=0)
+    sched.add_request(c)
+    _, (first,) = _prompt_logprobs_step(sched)
+    _, (second,) = _prompt_logprobs_step(sched)
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == 4
+    assert second.prompt_logprobs is None and c.output_token_ids == [7, 7]
 
 
 def test_config_from_engine_config() -> None:

@@ -286,9 +286,10 @@ def test_profiled_engine_sizes_the_kv_cache(
     platform = FakeGpu()
     with caplog.at_level(logging.INFO, logger="model_server.engine.execution.model_runner"):
         core = _engine(monkeypatch, spy, platform, _config(model=tiny_model))
-    # One profile forward of the whole token budget, logits and sampling for max_num_seqs rows.
+    # One profile forward of the whole token budget, logits and sampling for max_num_seqs rows,
+    # then one piece of prompt logprobs (at most 2**24 logits: here every row of the budget).
     assert spy.forward_tokens == [MAX_NUM_BATCHED_TOKENS]
-    assert spy.logits_rows == [MAX_NUM_SEQS]
+    assert spy.logits_rows == [MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS]
     assert spy.sampled == [(MAX_NUM_SEQS, MAX_LOGPROBS)]
     # 64 MiB x 0.5 - (4 MiB weights + 2 MiB activations + 1 MiB non-torch) = 25 MiB.
     assert core.model_runner.bytes_per_block() == BYTES_PER_BLOCK

@@ -1,0 +1,115 @@
+/* The structs of wick_decoder_stack (decoder_stack.c), declared once: decoder_stack.c includes
+ * this header, and the Python side builds its ctypes mirrors of them from it at load
+ * (kernels/cpu/abi.py parses it), so a field added here reaches both.
+ *
+ * Every field must also be listed in abi_layout.c's table: the loader compares the compiled
+ * sizeof and offsetof of each field there with the ctypes structures', and refuses the library
+ * (naming the struct and field) when they differ or a field is missing from the table.
+ *
+ * abi.py parses a C subset: typedef'd structs of fields of the stdint/int/float/double/char
+ * types, typedefs (bf16_t), other structs of this header by their typedef name, pointers,
+ * `const`, and arrays whose size is a number, a #define or an enum constant. No unions,
+ * bit-fields, function pointers or declarations under #if. */
+#ifndef WICK_STACK_H
+#define WICK_STACK_H
+
+#include <stdint.h>
+
+#include "wick_cpu.h"
+
+/* How a linear layer multiplies (decoder_stack.py's LINEAR_* values). */
+enum {
+  LINEAR_PANELS_BF16 = 0, /* panel_gemm.c's pair layout */
+  LINEAR_PANELS_F32 = 1,  /* panel_gemm_f32.c's lanes layout, fp32 or bf16 activations */
+  LINEAR_GGUF = 2,        /* per segment: gguf_q8.c (segment_q8) or gguf_gemm.c */
+  LINEAR_DENSE_GEMM = 3,  /* gemm.c's skinny matmul on the dense weight (`data`: W [n, k]) */
+  LINEAR_WNA16 = 4        /* wna16_gemm.c on GPTQ/AWQ codes (`data`) with their scales, offsets */
+};
+#define MAX_SEGMENTS 4
+
+typedef struct {
+  int32_t kind;     /* LINEAR_* */
+  int32_t num_segments; /* GGUF kinds: row segments of W, each its own ggml type */
+  int64_t n, k;     /* W [n, k] */
+  const void *data; /* the panels (panel kinds) */
+  const void *bias; /* [n] in the activation dtype, or NULL */
+  int64_t min_work_per_thread;
+  int32_t segment_type[MAX_SEGMENTS];
+  int64_t segment_rows[MAX_SEGMENTS];
+  const void *segment_blocks[MAX_SEGMENTS];
+  /* Per segment: whether it runs the int8 kernel (gguf_q8.c) or the float one (gguf_gemm.c). */
+  int32_t segment_q8[MAX_SEGMENTS];
+  /* LINEAR_WNA16: scales and offsets [n, groups] fp32, 4 or 8 bits per code, group size */
+  const float *scales, *offsets;
+  int32_t bits, group_size;
+} WickLinear;
+
+/* The gated MLP's activation (WickLayer.activation). */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+typedef struct {
+  const void *input_norm;          /* [hidden] */
+  const void *post_attention_norm; /* [hidden]: the norm before the MLP (HF's name) */
+  /* Sandwich norms (Gemma 2/3, GLM-4), or NULL: on the attention output before the residual
+   * add, and on the MLP output. */
+  const void *attn_out_norm, *mlp_out_norm; /* [hidden] */
+  const void *q_norm, *k_norm;     /* per-head RMSNorm of q and k before rotary [D], or NULL */
+  const void *cos_sin;             /* this layer's rotary cache [max_position, D] */
+  WickLinear qkv, o, gate_up, down;
+  int32_t fuse_silu;               /* gate_up runs the panels' fused SiLU-and-mul */
+  int32_t activation;              /* ACT_*, when not fused */
+  int32_t sliding_window;          /* keys in (p - W, p] only; 0: full attention */
+  float logits_soft_cap;           /* scores s -> c tanh(s / c); 0: none */
+  int32_t kv_group;                /* 0: the step's slots and block tables; 1: the sliding ones */
+  int64_t num_slots;               /* slots of this layer's cache (num_blocks * block_size) */
+  void *k_cache, *v_cache;         /* [num_blocks, block_size, Hkv, D] */
+  float *k_scales, *v_scales;      /* quantized caches: [num_blocks, block_size, Hkv], else NULL */
+} WickLayer;
+
+typedef struct {
+  int32_t dtype; /* 0 fp32, 1 bf16 */
+  int32_t num_threads;
+  int64_t num_tokens, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  float eps, scale;
+  /* rotary (each layer's cache has max_position rows) */
+  const int64_t *positions;
+  int64_t max_position;
+  /* attention: KV cache group 0's slots and block tables, and group 1's (sliding-window
+   * layers with a pool of their own; NULL when there is none) */
+  const int64_t *slot_mapping;
+  const int32_t *block_tables;
+  int64_t bt_stride;
+  const int64_t *sliding_slot_mapping;
+  const int32_t *sliding_block_tables;
+  int64_t sliding_bt_stride;
+  const int32_t *query_start_loc, *seq_lens;
+  int32_t num_seqs, block_size, kv_format;
+  int32_t status; /* out: the failing kernel's own return code (0 when none failed) */
+  /* The part of the stack one call runs: from layer `first_layer`'s half `first_half` (0: the
+   * attention half, input norm to o_proj; 1: the MLP half, the norms before the MLP to down)
+   * to layer `last_layer`'s half `last_half`, both included. One rank runs the whole stack in
+   * one call; tensor-parallel ranks one half per call, the all-reduce of its output (proj, or
+   * hidden_out) between calls. The stream between calls: */
+  int32_t first_layer, first_half, last_layer, last_half;
+  /* in/out: where the residual stream is: 0 nowhere yet (before layer 0's input norm),
+   * 1 residual_a, 2 residual_b, 3 hidden_in (layer 0's input itself) */
+  int32_t residual_state;
+  /* threads per kind of kernel (the per-module path's defaults) */
+  int64_t norm_min_work, attn_min_work;
+  /* buffers (see the top of decoder_stack.c) */
+  const void *hidden_in;
+  void *normed, *qkv, *q_normed, *k_normed, *q_rot, *k_rot, *attn, *proj, *sandwich,
+      *residual_a, *residual_b, *gate_up, *mid, *segment, *hidden_out;
+} WickStackStep;
+
+/* decoder_stack.c: all of a decoder stack's layers in one call. */
+int wick_decoder_stack(WickStackStep *s, const WickLayer *layers, int num_layers,
+                       int *residual_out);
+
+/* abi_layout.c: the compiled layout of the structs above, one row per struct (field "": its
+ * sizeof at values[2 i + 1]) and per field (offsetof at values[2 i], sizeof at values[2 i + 1]),
+ * names[2 i] the struct and names[2 i + 1] the field. Fills min(rows, capacity) rows and
+ * returns the number of rows. */
+int wick_abi_layout(const char **names, int64_t *values, int capacity);
+
+#endif /* WICK_STACK_H */

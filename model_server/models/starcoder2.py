@@ -1,0 +1,131 @@
+"""StarCoder2 (`Starcoder2ForCausalLM`): LayerNorm with bias (`norm_epsilon`), q/k/v/o biases and a
+non-gated GELU MLP `c_fc` -> `c_proj` with biases (`use_bias`), GQA, full-head neox rotary, a
+sliding window on every layer (`sliding_window`), the LM head tied to the embedding unless the
+config says otherwise.
+
+Built from Phi's LayerNorm decoder layer and model (models/phi.py) with explicit eps and bias,
+which DBRX (models/dbrx.py) reuses without the bias. Tensor parallelism as Llama's: heads by
+KV-head group, c_fc by columns, c_proj by rows, the vocabulary split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.layers.attention.backend import AttentionBackend
+from model_server.layers.embedding import VocabParallelEmbedding
+from model_server.layers.linear import ColumnParallelLinear, RowParallelLinear
+from model_server.layers.rotary import get_rope
+from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head
+from model_server.models.llama import LlamaForCausalLM, get_sliding_window, layer_sliding_windows
+from model_server.models.phi import LayerNormDecoderLayer, LayerNormModel
+
+_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
+
+
+class SequentialLayerNormLayer(LayerNormDecoderLayer):
+    """x + attn(ln1(x)), then + mlp(ln2(.)): Phi's layer in its sequential form, with the eps and
+    LayerNorm bias given rather than read from `layer_norm_eps`."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, norm_bias: bool, self_attn: nn.Module, mlp: nn.Module
+    ) -> None:
+        nn.Module.__init__(self)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.parallel = False
+        self.input_layernorm = nn.LayerNorm(hidden_size, eps=eps, bias=norm_bias)
+        self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps, bias=norm_bias)
+
+
+class LayerNormBody(LayerNormModel):
+    """embed_tokens -> layers -> final LayerNorm `norm` (eps and bias given)."""
+
+    def __init__(
+        self,
+        config: Any,
+        layers: list[nn.Module],
+        rotary_emb: nn.Module,
+        eps: float,
+        norm_bias: bool,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = rotary_emb
+        self.layers = nn.ModuleList(layers)
+        self.final_norm_name = "norm"
+        self.norm = nn.LayerNorm(config.hidden_size, eps=eps, bias=norm_bias)
+        self._norm_kind = "LayerNorm" + (" with bias" if norm_bias else " without bias")
+
+    def stack_layers(self) -> str:
+        """Why a native decoder step does not describe these layers (it runs RMSNorm layers)."""
+        return f"layer 0: {self._norm_kind} ({type(self.layers[0]).__name__})"
+
+
+class Starcoder2MLP(nn.Module):
+    """c_fc -> GELU -> c_proj."""
+
+    def __init__(self, config: Any, bias: bool, kernels: KernelTable) -> None:
+        super().__init__()
+        act = config.hidden_act
+        if act not in _GELU:
+            raise ValueError(
+                f"unsupported hidden_act {act!r} for starcoder2; supported: {', '.join(_GELU)}"
+            )
+        self.approximate = _GELU[act]
+        self.c_fc = ColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, bias=bias, kernels=kernels
+        )
+        self.c_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias, kernels=kernels
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    """StarCoder2 (see the module docstring); the runner interface, tensor-parallel check and
+    loading are Llama's (HF's module names)."""
+
+    def __init__(
+        self,
+        config: Any,
+        attn_backend: type[AttentionBackend],
+        max_model_len: int | None = None,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.max_position = max_model_len or config.max_position_embeddings
+        self.sliding_window = get_sliding_window(config)
+        bias = bool(getattr(config, "use_bias", True))
+        eps = config.norm_epsilon
+        rotary = get_rope(get_head_dim(config), self.max_position, config, kernels)
+        layers = [
+            SequentialLayerNormLayer(
+                config.hidden_size,
+                eps,
+                True,
+                QKVAttention(
+                    config,
+                    rotary,
+                    attn_backend,
+                    kernels,
+                    qkv_bias=bias,
+                    o_bias=bias,
+                    sliding_window=window,
+                ),
+                Starcoder2MLP(config, bias, kernels),
+            )
+            for window in layer_sliding_windows(config)
+        ]
+        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=True)
+        self.tie_word_embeddings, self.lm_head = make_lm_head(
+            config, self.model.embed_tokens, kernels, tie_default=True
+        )

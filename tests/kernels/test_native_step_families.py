@@ -1,0 +1,316 @@
+"""The runner's native decoder step across the families (kernels/cpu/decoder_stack.c): on each
+tiny random model that transformers writes, one engine generates with the step and without it
+(the modules), and the greedy tokens and top logprobs are the same bits, in fp32 and bf16, with
+prefill chunks mixed with decodes. One engine per case, so one plan: the step is switched on
+the runner, never re-planned. Families the step does not run say why in the plan."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from model_server.engine.llm import LLM
+from model_server.kernels.cpu import decoder_stack
+from model_server.kernels.cpu.gemm import default_kernels
+from model_server.kernels.cpu.linear_tuning import NATIVE as NATIVE_GEMM
+from model_server.kernels.cpu.linear_tuning import PANELS
+from model_server.sampling_params import SamplingParams
+from tests.kernels.helpers import MIXED_PROMPTS, force
+
+pytestmark = pytest.mark.skipif(
+    default_kernels() is None, reason="the native CPU kernels need a C compiler"
+)
+
+WINDOW = 8
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+NATIVE: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=32),
+    "qwen2-bias": lambda: transformers.Qwen2Config(**_COMMON),
+    "mistral-window": lambda: transformers.MistralConfig(**_COMMON, sliding_window=WINDOW),
+    "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
+    # Sliding and global layers in two KV cache groups; soft-capped scores.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **_COMMON,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0,
+    ),
+    # q/k norms, a rope per layer kind, sandwich norms, GeGLU.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **_COMMON,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+        },
+    ),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON, sliding_window=None),
+}
+# What the step does not run yet, and the reason the plan gives.
+MODULES: dict[str, tuple[Callable[[], transformers.PretrainedConfig], str]] = {
+    "phi2": (
+        lambda: transformers.PhiConfig(**_COMMON, partial_rotary_factor=0.5),
+        "LayerNorm with bias, parallel attention + MLP",
+    ),
+    "glm4": (
+        lambda: transformers.Glm4Config(**_COMMON, head_dim=16, partial_rotary_factor=0.5),
+        "rotary",
+    ),
+}
+
+
+def _folder(tmp_path: Path, make: Callable[[], transformers.PretrainedConfig]) -> Path:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(make()).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # norms of 1 (Gemma: 0) would hide a mix-up
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.02))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path
+
+
+def _engine(folder: Path, dtype: str) -> LLM:
+    return LLM(
+        str(folder),
+        dtype=dtype,
+        device="cpu",
+        attention_backend="cpu",
+        block_size=8,
+        kv_cache_memory=4 * 1024**2,
+        max_num_batched_tokens=24,  # prompts prefill in chunks, beside decodes
+        enable_prefix_caching=False,
+        seed=3,
+    )
+
+
+class StepCalls:
+    """Counts the steps the native step ran (it returned hidden states)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ran = 0
+        own = decoder_stack.CpuDecoderStack.__call__
+
+        def call(step, *args):
+            out = own(step, *args)
+            self.ran += out is not None
+            return out
+
+        monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("family", "kernel"),
+    [(family, PANELS) for family in NATIVE] + [("qwen3", NATIVE_GEMM), ("gemma3", NATIVE_GEMM)],
+)
+def test_the_native_step_generates_the_modules_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str, kernel: str, dtype: str
+) -> None:
+    """Every matmul planned on `kernel` (the timer is forced: tiny shapes might not choose
+    it): the native panels, or the native skinny matmul on the dense weight."""
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force(monkeypatch, kernel)
+    llm = _engine(_folder(tmp_path / "model", NATIVE[family]), dtype)
+    runner = llm.engine.core.model_runner
+    step = runner.native_step
+    assert step is not None, runner.prepared.native_reason
+    # Sliding-window layers keep a KV pool of their own (their block tables, their slots).
+    assert runner.kv_groups.hybrid == family.startswith(("gemma2", "gemma3", "mistral"))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = []
+    try:
+        for enabled in (False, True):
+            runner.native_step = step if enabled else None
+            calls = StepCalls(monkeypatch)
+            outs = llm.generate(MIXED_PROMPTS, params)
+            results.append(
+                [
+                    (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+                    for o in outs
+                ]
+            )
+            assert (calls.ran > 0) == enabled
+    finally:
+        llm.shutdown()
+    assert results[1] == results[0]
+    assert all(len(tokens) == 10 for tokens, _ in results[1])
+
+
+@pytest.mark.parametrize("family", list(MODULES))
+def test_families_the_step_does_not_run_say_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str
+) -> None:
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    make, why = MODULES[family]
+    llm = _engine(_folder(tmp_path / "model", make), "float32")
+    try:
+        prepared = llm.engine.core.model_runner.prepared
+        assert prepared.native_step is None
+        assert "layer 0: " in prepared.native_reason and why in prepared.native_reason
+        assert "decoder layers: module by module (layer 0: " in prepared.describe()
+    finally:
+        llm.shutdown()
+
+
+def test_the_plan_names_every_planned_weight(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force(monkeypatch, PANELS)
+    (tmp_path / "model").mkdir()
+    llm = _engine(_folder(tmp_path / "model", NATIVE["qwen3"]), "float32")
+    try:
+        prepared = llm.engine.core.model_runner.prepared
+        text = prepared.describe()
+        assert "decoder layers: one native call per step" in text
+        assert "dtype: float32 (given)" in text
+        names = set(prepared.linear_plan.weights)
+        layer_parts = {
+            "self_attn.qkv_proj",
+            "self_attn.o_proj",
+            "mlp.gate_up_proj",
+            "mlp.down_proj",
+        }
+        assert names == {f"model.layers.{i}.{p}" for i in range(3) for p in layer_parts} | {
+            "lm_head"
+        }
+        assert all(f"  {name}: float32 (" in text for name in names)
+        # Nothing hollowed: each planned weight gives its matrix back.
+        w = prepared.model.get_submodule("model.layers.0.mlp.down_proj").weight
+        assert w.source is None and w.dequantize().abs().sum() > 0
+    finally:
+        llm.shutdown()
+
+
+def test_json_config_round_trip(tmp_path: Path) -> None:
+    """The folders are plain HF folders (what `wick plan` reads too)."""
+    folder = _folder(tmp_path, NATIVE["gemma3"])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+
+
+class _QuietWindow:
+    """The tuner's load window on a machine counted as quiet: its timings are cached."""
+
+    def others_share(self) -> float:
+        return 0.0
+
+    def busy_machine(self) -> bool:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str
+) -> None:
+    """TP=2 (rank 0 here, rank 1 a spawned worker) with one native call per half layer and the
+    all-reduces between them gives TP=1's greedy tokens, and its logprobs up to the order of the
+    partial sums (fp32). Both ranks read the panel plan the TP=1 run cached."""
+    from model_server.kernels.cpu import linear_tuning
+
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force(monkeypatch, PANELS)
+    monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
+    folder = _folder(tmp_path / "model", NATIVE[family])
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    results = []
+    for tp in (1, 2):
+        calls = StepCalls(monkeypatch)
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            device="cpu",
+            attention_backend="cpu",
+            block_size=8,
+            kv_cache_memory=4 * 1024**2,
+            max_num_batched_tokens=24,
+            tensor_parallel_size=tp,
+            num_threads=1,
+        )
+        try:
+            assert llm.engine.core.model_runner.native_step is not None
+            outs = llm.generate(MIXED_PROMPTS, params)
+        finally:
+            llm.shutdown()
+        assert calls.ran > 0
+        results.append(
+            [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+        )
+    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(*results, strict=True):
+        assert tokens_2 == tokens_1 and len(tokens_1) == 10
+        torch.testing.assert_close(logprobs_2, logprobs_1, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, method: str
+) -> None:
+    """A checkpoint kept in its 4-bit codes (written by `wick quantize`, group 32): every
+    projection on the native wNa16 kernel, in the native step as in the modules."""
+    from model_server.kernels.cpu.linear_tuning import WNA16_NATIVE
+    from model_server.loader.load import load_model_source
+    from model_server.loader.write_quantized import write_quantized_folder
+
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force(monkeypatch, WNA16_NATIVE)
+    folder = _folder(tmp_path / "model", NATIVE["qwen3"])
+    quantized = write_quantized_folder(
+        load_model_source(str(folder)), tmp_path / "q", method, 4, 32, sym=method == "gptq"
+    )
+    llm = _engine(quantized, "bfloat16")
+    runner = llm.engine.core.model_runner
+    step = runner.native_step
+    assert step is not None, runner.prepared.native_reason
+    assert runner.prepared.quantization_description.startswith(method)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    results = []
+    try:
+        for enabled in (False, True):
+            runner.native_step = step if enabled else None
+            calls = StepCalls(monkeypatch)
+            outs = llm.generate(MIXED_PROMPTS, params)
+            results.append(
+                [
+                    (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+                    for o in outs
+                ]
+            )
+            assert (calls.ran > 0) == enabled
+    finally:
+        llm.shutdown()
+    assert results[1] == results[0]
+
+
+@pytest.mark.slow
+def test_a_resolution_error_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
+    """The config is resolved on rank 0 and broadcast: an error there (a float checkpoint asked
+    to be served as GPTQ) is raised on every rank at once, not a worker left waiting."""
+    import time
+
+    folder = _folder(tmp_path / "model", NATIVE["qwen3"])
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="gptq"):
+        LLM(str(folder), quantization="gptq", tensor_parallel_size=2, num_threads=1)
+    assert time.perf_counter() - start < 120
