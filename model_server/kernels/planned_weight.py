@@ -33,15 +33,20 @@ def bucket_index(rows: int, num_buckets: int) -> int:
     return min(max(rows - 1, 0).bit_length(), num_buckets - 1)
 
 
-def bucket_ranges(names: Sequence[str]) -> str:
-    """'rows 1-2 mm_t, 3-64 torch, 65+ native_panels' from one kernel name per bucket."""
+def bucket_ranges(names: Sequence[str], open_end: bool = True) -> str:
+    """'rows 1-2 mm_t, 3-64 torch, 65+ native_panels' from one kernel name per bucket (bucket i
+    holds up to 2^i rows). `open_end`: the last range reads "65+" (more rows than the last bucket
+    run its kernel), else "65-128"."""
     parts: list[str] = []
     first = 0
     for i, name in enumerate(names):
         if i + 1 < len(names) and names[i + 1] == name:
             continue
-        lo = 1 if first == 0 else (1 << (first - 1)) + 1
-        span = f"{lo}+" if i == len(names) - 1 else (f"{lo}" if lo == 1 << i else f"{lo}-{1 << i}")
+        lo, hi = (1 << (first - 1)) + 1 if first else 1, 1 << i
+        if i == len(names) - 1 and open_end:
+            span = f"{lo}+"
+        else:
+            span = f"{lo}" if lo == hi else f"{lo}-{hi}"
         parts.append(f"{span} {name}")
         first = i + 1
     return "rows " + ", ".join(parts)

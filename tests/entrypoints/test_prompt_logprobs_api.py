@@ -265,30 +265,17 @@ def _hf_loglikelihood(served: Served, context: str, continuation: str) -> float:
     return sum(lps[pos - 1, whole[pos]].item() for pos in range(ctxlen, len(whole)))
 
 
-@pytest.mark.slow
-def test_lm_eval_local_completions_matches_transformers(
-    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`lm_eval --model local-completions` against the server on a multiple-choice task defined
-    in a local YAML + JSONL (no hub): every choice's loglikelihood equals transformers'."""
-    pytest.importorskip("lm_eval")
-
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(doc) + "\n" for doc in MC_DOCS))
+def _run_lm_eval(
+    tmp_path: Path, model: str, model_args: list[str], task: str, task_yaml: str, *extra: str
+) -> Path:
+    """`lm_eval run --model MODEL` on the local task `task` (its YAML), offline, against the
+    served model; returns the output folder (samples logged). lm-eval is a test dependency
+    (pyproject's test extras): a missing one fails, it is never skipped."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "wick_tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    (tasks / f"{task}.yaml").write_text(task_yaml)
     out_dir = tmp_path / "out"
-    model_args = ",".join(
-        [
-            f"model={MODEL_NAME}",
-            f"base_url={served.url}/v1/completions",
-            f"tokenizer={served.folder}",
-            "tokenizer_backend=huggingface",
-            "num_concurrent=1",
-            "max_retries=1",
-        ]
-    )
+    args = ",".join([f"model={MODEL_NAME}", *model_args, "num_concurrent=1", "max_retries=1"])
     env = {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -298,27 +285,34 @@ def test_lm_eval_local_completions_matches_transformers(
     }
     lm_eval = Path(sys.executable).with_name("lm_eval")
     result = subprocess.run(
-        [
-            str(lm_eval),
-            "run",
-            "--model",
-            "local-completions",
-            "--model_args",
-            model_args,
-            "--tasks",
-            "wick_tiny_mc",
-            "--include_path",
-            str(tasks),
-            "--output_path",
-            str(out_dir),
-            "--log_samples",
-        ],
+        [str(lm_eval), "run", "--model", model, "--model_args", args, *extra, "--tasks", task,
+         "--include_path", str(tasks), "--output_path", str(out_dir), "--log_samples"],
         env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=300,
-    )
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
+    return out_dir
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_matches_transformers(served: Served, tmp_path: Path) -> None:
+    """`lm_eval --model local-completions` against the server on a multiple-choice task defined
+    in a local YAML + JSONL (no hub): every choice's loglikelihood equals transformers'."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in MC_DOCS))
+    out_dir = _run_lm_eval(
+        tmp_path,
+        "local-completions",
+        [
+            f"base_url={served.url}/v1/completions",
+            f"tokenizer={served.folder}",
+            "tokenizer_backend=huggingface",
+        ],
+        "wick_tiny_mc",
+        MC_TASK.format(data=data),
+    )
     (samples_file,) = out_dir.rglob("samples_wick_tiny_mc_*.jsonl")
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert len(samples) == len(MC_DOCS)
@@ -362,54 +356,17 @@ def test_lm_eval_local_chat_completions_generates_what_the_chat_api_does(
     """`lm_eval --model local-chat-completions --apply_chat_template` on a `generate_until` task:
     each answer the harness records is what the chat API answers greedily to the same message
     with the same limit and stop (the random model's words, so equality, not accuracy)."""
-    pytest.importorskip("lm_eval")
-
     docs = [{"question": d["question"], "answer": d["choices"][0]} for d in MC_DOCS]
     data = tmp_path / "gen.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "wick_tiny_gen.yaml").write_text(GEN_TASK.format(data=data))
-    out_dir = tmp_path / "out"
-    model_args = ",".join(
-        [
-            f"model={MODEL_NAME}",
-            f"base_url={served.url}/v1/chat/completions",
-            "num_concurrent=1",
-            "max_retries=1",
-        ]
+    out_dir = _run_lm_eval(
+        tmp_path,
+        "local-chat-completions",
+        [f"base_url={served.url}/v1/chat/completions"],
+        "wick_tiny_gen",
+        GEN_TASK.format(data=data),
+        "--apply_chat_template",
     )
-    env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets"),
-        "OPENAI_API_KEY": "unused",
-    }
-    lm_eval = Path(sys.executable).with_name("lm_eval")
-    result = subprocess.run(
-        [
-            str(lm_eval),
-            "run",
-            "--model",
-            "local-chat-completions",
-            "--model_args",
-            model_args,
-            "--apply_chat_template",
-            "--tasks",
-            "wick_tiny_gen",
-            "--include_path",
-            str(tasks),
-            "--output_path",
-            str(out_dir),
-            "--log_samples",
-        ],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
     (samples_file,) = out_dir.rglob("samples_wick_tiny_gen_*.jsonl")
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
     assert len(samples) == len(docs)

@@ -6,7 +6,6 @@ the runner, never re-planned. Families the step does not run say why in the plan
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -121,6 +120,31 @@ class StepCalls:
         monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)
 
 
+def _with_and_without_the_step(
+    monkeypatch: pytest.MonkeyPatch, llm: LLM, params: SamplingParams
+) -> tuple[list, list]:
+    """(tokens and logprobs per prompt of MIXED_PROMPTS) with the modules, then with the
+    runner's native step, on one engine (one plan); shuts the engine down."""
+    runner = llm.engine.core.model_runner
+    step = runner.native_step
+    results = []
+    try:
+        for enabled in (False, True):
+            runner.native_step = step if enabled else None
+            calls = StepCalls(monkeypatch)
+            outs = llm.generate(MIXED_PROMPTS, params)
+            results.append(
+                [
+                    (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+                    for o in outs
+                ]
+            )
+            assert (calls.ran > 0) == enabled
+    finally:
+        llm.shutdown()
+    return results[0], results[1]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("family", "kernel"),
@@ -140,23 +164,9 @@ def test_the_native_step_generates_the_modules_bits(
     # Sliding-window layers keep a KV pool of their own (their block tables, their slots).
     assert runner.kv_groups.hybrid == family.startswith(("gemma2", "gemma3", "mistral"))
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
-    results = []
-    try:
-        for enabled in (False, True):
-            runner.native_step = step if enabled else None
-            calls = StepCalls(monkeypatch)
-            outs = llm.generate(MIXED_PROMPTS, params)
-            results.append(
-                [
-                    (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
-                    for o in outs
-                ]
-            )
-            assert (calls.ran > 0) == enabled
-    finally:
-        llm.shutdown()
-    assert results[1] == results[0]
-    assert all(len(tokens) == 10 for tokens, _ in results[1])
+    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
+    assert native == modules
+    assert all(len(tokens) == 10 for tokens, _ in native)
 
 
 @pytest.mark.parametrize("family", list(MODULES))
@@ -201,13 +211,6 @@ def test_the_plan_names_every_planned_weight(monkeypatch: pytest.MonkeyPatch, tm
         assert w.source is None and w.dequantize().abs().sum() > 0
     finally:
         llm.shutdown()
-
-
-def test_json_config_round_trip(tmp_path: Path) -> None:
-    """The folders are plain HF folders (what `wick plan` reads too)."""
-    folder = _folder(tmp_path, NATIVE["gemma3"])
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Gemma3ForCausalLM"]
 
 
 class _QuietWindow:
@@ -285,22 +288,8 @@ def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
     assert step is not None, runner.prepared.native_reason
     assert runner.prepared.quantization_description.startswith(method)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
-    results = []
-    try:
-        for enabled in (False, True):
-            runner.native_step = step if enabled else None
-            calls = StepCalls(monkeypatch)
-            outs = llm.generate(MIXED_PROMPTS, params)
-            results.append(
-                [
-                    (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
-                    for o in outs
-                ]
-            )
-            assert (calls.ran > 0) == enabled
-    finally:
-        llm.shutdown()
-    assert results[1] == results[0]
+    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
+    assert native == modules
 
 
 @pytest.mark.slow

@@ -69,6 +69,7 @@ from model_server.kernels.cpu.wna16 import (
 )
 from model_server.kernels.gguf_blocks import type_name
 from model_server.kernels.linear_sites import LinearSite
+from model_server.kernels.planned_weight import bucket_ranges
 from model_server.kernels.table import GGUFLinearFn, Int8LinearFn, LinearFn, WNA16LinearFn
 from model_server.settings_spec import SETTINGS_BY_NAME, resolve_setting
 
@@ -446,20 +447,9 @@ def _packed_only_cost(times: BucketTimes, kind: str) -> float | None:
 
 
 def _ranges(buckets: tuple[int, ...], names: Sequence[str]) -> str:
-    """'rows 1-2 mm_t, 3-64 torch, 65+ onednn_packed' from a choice per bucket."""
-    parts: list[str] = []
-    first = 0
-    for i, name in enumerate(names):
-        if i + 1 < len(names) and names[i + 1] == name:
-            continue
-        lo, hi = (buckets[first - 1] + 1 if first else 1), buckets[i]
-        if i == len(names) - 1 and hi >= MAX_BUCKET:
-            span = f"{lo}+"
-        else:
-            span = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        parts.append(f"{span} {name}")
-        first = i + 1
-    return "rows " + ", ".join(parts)
+    """'rows 1-2 mm_t, 3-64 torch, 65+ onednn_packed' from a choice per bucket (`row_buckets`'
+    powers of two): the last range is open only at MAX_BUCKET, where more rows run it too."""
+    return bucket_ranges(names, open_end=buckets[len(names) - 1] >= MAX_BUCKET)
 
 
 @dataclass(slots=True)
