@@ -60,8 +60,14 @@ class StepMetadata(Protocol):
 
 class NativeDecoderStep(Protocol):
     """A platform's whole-stack fast path for one model (`Platform.native_decoder_step`): the
-    decoder layers of a step in one native call, with the modules' results, or None for a step
-    it does not take (the model runner then runs the modules)."""
+    decoder layers of a step in one native call, with the modules' results. The model runner
+    asks `takes` before it runs anything of the step (the embedding included: under tensor
+    parallelism that is a collective, which a rank must not issue twice), and runs the modules
+    where it does not."""
+
+    def takes(self, num_tokens: int, kv_caches: Sequence[Any]) -> bool:
+        """Whether a step of `num_tokens` rows over `kv_caches` runs natively."""
+        ...
 
     def __call__(
         self,
@@ -69,4 +75,4 @@ class NativeDecoderStep(Protocol):
         hidden_states: torch.Tensor,
         kv_caches: Sequence[Any],
         attn_metadata: StepMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

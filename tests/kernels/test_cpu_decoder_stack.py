@@ -47,24 +47,27 @@ def force_panels(monkeypatch: pytest.MonkeyPatch) -> None:
     force(monkeypatch, PANELS)
 
 
+_OWN_TAKES = decoder_stack.CpuDecoderStack.takes
 _OWN_CALL = decoder_stack.CpuDecoderStack.__call__
 
 
 class StackCalls:
-    """Counts the steps the native stack ran (returned hidden states) and declined."""
+    """Counts the steps the native stack ran and declined (`takes` said no)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, enabled: bool = True) -> None:
         self.ran = 0
         self.declined = 0
 
-        def call(stack, *args):
-            out = _OWN_CALL(stack, *args) if enabled else None
-            if out is None:
-                self.declined += 1
-            else:
-                self.ran += 1
+        def takes(stack, *args):
+            out = _OWN_TAKES(stack, *args) if enabled else False
+            self.declined += not out
             return out
 
+        def call(stack, *args):
+            self.ran += 1
+            return _OWN_CALL(stack, *args)
+
+        monkeypatch.setattr(decoder_stack.CpuDecoderStack, "takes", takes)
         monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)
 
 

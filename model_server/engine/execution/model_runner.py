@@ -325,13 +325,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The final-norm hidden states [T, hidden]: the layers in one native call where the
         native step takes this step, else the model's modules."""
-        if self.native_step is not None:
+        step = self.native_step
+        if step is not None and step.takes(input_ids.shape[0], self.kv_caches):
             decoder = self.model.model
-            stacked = self.native_step(
-                positions, decoder.embed(input_ids), self.kv_caches, attn_metadata
-            )
-            if stacked is not None:
-                return decoder.norm(*stacked)[0]
+            hidden = decoder.embed(input_ids)
+            return decoder.norm(*step(positions, hidden, self.kv_caches, attn_metadata))[0]
         return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
     @torch.inference_mode()

@@ -120,8 +120,8 @@ class _Geometry:
 class CpuDecoderStack:
     """The native decoder step of one model (`Platform.native_decoder_step`, the model runner's
     fast path): made once the model's planned weights are installed; per row bucket it builds
-    the layers' structs on first use (None where a matmul has no native kernel at that count)
-    and runs the layers in one native call, else returns None."""
+    the layers' structs on first use (None where a matmul has no native kernel at that count:
+    `takes` says no) and runs the layers in one native call."""
 
     def __init__(
         self,
@@ -309,35 +309,47 @@ class CpuDecoderStack:
 
     # ---- a step ---------------------------------------------------------------------------
 
+    def takes(self, num_tokens: int, kv_caches: Sequence[Any]) -> bool:
+        """Whether a step of `num_tokens` rows runs natively: the caches' format and the row
+        bucket's plan (every matmul with a native kernel there) decide, nothing of the step's
+        values, so the runner asks before it embeds."""
+        if num_tokens == 0 or not kv_caches:
+            return False
+        if kv_caches is not self._kv_caches:
+            first = kv_caches[0]
+            first = first.data if isinstance(first, QuantizedKVCache) else first
+            query = torch.empty((), dtype=self.geometry.dtype)  # the step's dtype and device
+            if native.unsupported_reason(query, first[0], self.geometry.head_dim) is not None:
+                return False
+            self._plans, self._kv_caches = {}, kv_caches
+        key = (num_tokens - 1).bit_length()
+        if key not in self._plans:
+            self._plans[key] = self._plan(key, kv_caches, self.geometry.dtype)
+        return self._plans[key] is not None
+
     def __call__(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         kv_caches: Sequence[Any],
         attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it) as the layers' modules
-        return them, or None where the native stack does not apply to this step."""
+        return them; `takes` said yes for this step's row count and caches."""
         geo = self.geometry
-        dtype = hidden_states.dtype
         num_tokens = hidden_states.shape[0]
-        if dtype != geo.dtype or num_tokens == 0 or not kv_caches:
-            return None
-        if hidden_states.dim() != 2 or not hidden_states.is_contiguous():
-            return None
-        if kv_caches is not self._kv_caches:
-            first = kv_caches[0]
-            first = first.data if isinstance(first, QuantizedKVCache) else first
-            if native.unsupported_reason(hidden_states, first[0], geo.head_dim) is not None:
-                return None
-            self._plans, self._kv_caches = {}, kv_caches
-        key = max(num_tokens - 1, 0).bit_length()
-        if key not in self._plans:
-            self._plans[key] = self._plan(key, kv_caches, dtype)
-        plan = self._plans[key]
-        if plan is None:
-            return None
-        return self._run(plan, geo, positions, hidden_states, kv_caches[0], attn_metadata)
+        if not self.takes(num_tokens, kv_caches):
+            raise ValueError(f"the native step does not take {num_tokens} rows (ask `takes`)")
+        if hidden_states.dtype != geo.dtype or hidden_states.dim() != 2:
+            raise ValueError(
+                f"hidden states {tuple(hidden_states.shape)} {hidden_states.dtype}: the native "
+                f"step takes [T, hidden] {geo.dtype}"
+            )
+        plan = self._plans[(num_tokens - 1).bit_length()]
+        assert plan is not None
+        return self._run(
+            plan, geo, positions, hidden_states.contiguous(), kv_caches[0], attn_metadata
+        )
 
     def _run(
         self,
