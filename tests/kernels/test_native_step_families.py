@@ -7,8 +7,8 @@ the runner, never re-planned. Families the step does not run say why in the plan
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -237,8 +237,8 @@ def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
 
     Ranks time and plan their own shards, so one may run a row count module by module while
     the other runs it natively: `rank0_modules_for_prefill` makes rank 0 do so for every step
-    of more than 4 rows (the prefill chunks). Both paths issue the same collectives (an embedding that was once
-    issued twice on the declining rank shifted every all-reduce after it: a hang)."""
+    of more than 4 rows (the prefill chunks). Both paths issue the same collectives (an
+    embedding once issued twice on the declining rank shifted every all-reduce after it)."""
     from model_server.kernels.cpu import linear_tuning
 
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
@@ -247,14 +247,14 @@ def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
     folder = _folder(tmp_path / "model", NATIVE[family])
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
     results = []
+    own_takes = decoder_stack.CpuDecoderStack.takes
+
+    def small_steps_only(step: Any, num_tokens: int, kv_caches: Any) -> bool:
+        return num_tokens <= 4 and own_takes(step, num_tokens, kv_caches)
+
     for tp in (1, 2):
         if tp == 2 and rank0_modules_for_prefill:
-            own_takes = decoder_stack.CpuDecoderStack.takes
-
-            def decode_only(step: Any, num_tokens: int, kv_caches: Any) -> bool:
-                return num_tokens <= 4 and own_takes(step, num_tokens, kv_caches)
-
-            monkeypatch.setattr(decoder_stack.CpuDecoderStack, "takes", decode_only)
+            monkeypatch.setattr(decoder_stack.CpuDecoderStack, "takes", small_steps_only)
         calls = StepCalls(monkeypatch)
         llm = LLM(
             str(folder),
