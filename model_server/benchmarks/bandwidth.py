@@ -81,7 +81,7 @@ def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
     parallelism `model` holds this rank's shards, so this is this rank's share."""
     import torch
 
-    from model_server.kernels.planned_weight import PlannedWeight
+    from model_server.kernels.planned_weight import PlannedWeight, bucket_index
     from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 
     # A planned head (kernels/planned_weight.py) reads its source: the tied table itself.
@@ -101,15 +101,27 @@ def weight_bytes_per_step(model: nn.Module, batch_size: int) -> int:
                 else:  # a table kept quantized (GGUF): its rows' share of its bytes
                     for p in w.parameters():
                         gathered[id(p)] = rows * p.numel() * p.element_size() // w.shape[0]
+    # A GGUF weight beside its float twin reads one of the two at this row count.
+    unread: set[int] = set()  # ids of parameters and planned weights the step does not read
+    for m in model.modules():
+        if isinstance(m, PlannedWeight) and m.twin is not None:
+            read = m.at_bucket(bucket_index(batch_size, len(m.kernel_names)))
+            idle = m.twin if read is m else m.source
+            assert idle is not None
+            unread.update(id(x) for x in (idle, *idle.modules(), *idle.parameters()))
     # parameters() yields a shared (tied) parameter once. A weight whose values live only in an
     # opaque packed tensor (oneDNN's layout: no parameter) reads its matrix's bytes.
     opaque = sum(
         m.shape.numel() * m.dtype.itemsize
         for m in model.modules()
-        if isinstance(m, PlannedWeight) and m.source is None and not hasattr(m, "packed_data")
+        if isinstance(m, PlannedWeight)
+        and m.source is None
+        and not hasattr(m, "packed_data")
+        and id(m) not in unread
     )
     return opaque + sum(
-        gathered.get(id(p), p.numel() * p.element_size()) for p in model.parameters()
+        gathered.get(id(p), 0 if id(p) in unread else p.numel() * p.element_size())
+        for p in model.parameters()
     )
 
 

@@ -11,6 +11,10 @@ exact: each output is one product by 1). `state_dict()` lists `source` or the pa
 
 Row buckets: a call with M rows runs the kernel of bucket `bucket_index(M, len(kernels))`,
 the smallest power of two >= M (the last bucket beyond).
+
+A GGUF weight planned beside its float twin (`--gguf-weights auto`) holds both: its blocks
+(`source`) run the buckets below `blocks_buckets`, the twin (`twin`, a float planned weight of
+the same matrix) the others.
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ class PlannedWeight(nn.Module):
         packed: Any = None,
         packed_data: torch.Tensor | None = None,
         fused_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        twin: PlannedWeight | None = None,
+        blocks_buckets: int = 0,
     ) -> None:
         super().__init__()
         if source is None and packed is None:
@@ -122,6 +128,12 @@ class PlannedWeight(nn.Module):
         self.calls = tuple(calls)
         self.kernels = kernels
         self.fused_silu_and_mul = fused_silu_and_mul
+        self.twin = twin  # a submodule: its values are listed by state_dict() too
+        self.blocks_buckets = blocks_buckets
+        if twin is not None and (
+            not isinstance(source, nn.Module) or kernels is None or twin.shape != self._shape
+        ):
+            raise ValueError("a float twin stands beside a quantized source of its shape")
         if not self.calls and (kernels is None or not isinstance(source, nn.Module)):
             raise ValueError("a planned weight needs bound kernels or a quantized source's table")
 
@@ -154,12 +166,21 @@ class PlannedWeight(nn.Module):
             return x.new_empty((0, self._shape[0]))
         return self.calls[bucket_index(x.shape[0], len(self.calls))](x, bias)
 
+    def at_bucket(self, index: int) -> PlannedWeight:
+        """The planned weight that runs row bucket `index`: the twin past `blocks_buckets`."""
+        if self.twin is not None and index >= self.blocks_buckets:
+            return self.twin
+        return self
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(x @ gate^T) * (x @ up^T) in one pass where the plan fused it (a merged gate/up
         weight on panels), else None: the layer runs `apply` and its activation."""
-        if self.fused_silu_and_mul is None or x.dim() != 2 or x.dtype != self._dtype:
+        if x.dim() != 2 or x.dtype != self._dtype:
             return None
-        return self.fused_silu_and_mul(x)
+        weight = self.at_bucket(bucket_index(x.shape[0], len(self.kernel_names)))
+        if weight.fused_silu_and_mul is None:
+            return None
+        return weight.fused_silu_and_mul(x)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float matrix [N, K] (references, tests, slow paths)."""
@@ -181,7 +202,10 @@ class PlannedWeight(nn.Module):
     def extra_repr(self) -> str:
         n, k = self._shape
         kind = self.method or str(self._dtype).removeprefix("torch.")
-        return f"{kind} ({n}, {k}), {self.layout}: {bucket_ranges(self.kernel_names)}"
+        layout = self.layout
+        if self.twin is not None:
+            layout += f" + float twin ({self.twin.layout})"
+        return f"{kind} ({n}, {k}), {layout}: {bucket_ranges(self.kernel_names)}"
 
 
 @dataclass(slots=True, frozen=True)

@@ -260,13 +260,15 @@ class Platform(ABC):
         sites: Sequence[LinearSite],
         dtype: torch.dtype,
         options: KernelOptions | None = None,
+        gguf_beside_float: bool = False,
     ) -> LinearPlan:
         """The kernels the loaded model's linear weights (`sites`; activations in `dtype`) run on
         this machine, per row bucket, as planned weights for the model-preparation stage to
         install (kernels/planned_weight.py); `kernels` is the table this platform's
         `kernel_table()` made; `options` the model's kernel settings (tuning on or off, its
-        budget, the GGUF int8 mode; None: from the variables). Changes nothing itself. None
-        planned by default: every weight runs the table's slot."""
+        budget, the GGUF int8 mode; None: from the variables); `gguf_beside_float`: GGUF
+        weights get float twins (`gguf_weights_layout` said "mixed"). Changes nothing itself.
+        None planned by default: every weight runs the table's slot."""
         return LinearPlan()
 
     def native_decoder_step(
@@ -299,18 +301,18 @@ class Platform(ABC):
                 f"quantization {method} is not supported on {self.name} (supported: {have})"
             )
 
-    def keep_gguf_quantized(self, mode: str) -> bool:
-        """Whether a GGUF's quantized matrices stay in their blocks for `--gguf-weights mode`
-        (auto | quantized | dequantized); ValueError for `quantized` where no kernel runs them.
-        `auto` dequantizes: measured on the embedded Q4_1 model (README, GGUF section), the kept
-        blocks on the int8 kernel were faster at batch 1 but slower from batch 8 than the float
-        weights, and their int8 activations change greedy tokens (as bf16 against fp32 does)."""
+    def gguf_weights_layout(self, mode: str, options: KernelOptions, tp_size: int) -> str:
+        """How a GGUF's quantized matrices load for `--gguf-weights mode` (auto | quantized |
+        dequantized): "quantized" (kept in their blocks), "dequantized" (float weights) or
+        "mixed" (kept, each beside its float twin: `plan_linears` runs the faster of the two per
+        row count); ValueError for `quantized` where no kernel runs blocks. Here `auto`
+        dequantizes; a platform whose plan times blocks against floats may mix."""
         if mode == "quantized" and not self.keeps_gguf_quantized:
             raise ValueError(
                 f"--gguf-weights quantized is not supported on {self.name} (cpu only); use "
                 "auto or dequantized to load the GGUF as float weights"
             )
-        return mode == "quantized"
+        return "quantized" if mode == "quantized" else "dequantized"
 
     def check_kv_cache_dtype(self, kv_dtype: KVCacheDtype) -> None:
         """ValueError when this platform cannot run a quantized `--kv-cache-dtype`."""

@@ -6,6 +6,8 @@ tensor-parallel split rules, and the real embedded Q4_1 model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+from model_server.config import KernelOptions
 from model_server.engine.llm import LLM
 from model_server.kernels.cpu.gguf_linear import INT8_DOT_ENV
 from model_server.kernels.cpu.linear_tuning import TUNING_ENV
@@ -149,12 +152,16 @@ def test_platforms_without_a_kernel_dequantize_or_refuse() -> None:
         name = "nokernels"
         keeps_gguf_quantized = False
 
-    assert not CpuPlatform().keep_gguf_quantized("auto")  # measured: README, GGUF section
-    assert CpuPlatform().keep_gguf_quantized("quantized")
-    assert not CpuPlatform().keep_gguf_quantized("dequantized")
-    assert not NoKernels().keep_gguf_quantized("auto")
+    tuned, untuned = KernelOptions.resolve(), replace(KernelOptions.resolve(), linear_tuning=False)
+    cpu = CpuPlatform()
+    assert cpu.gguf_weights_layout("auto", tuned, 1) == "mixed"  # README, GGUF section
+    assert cpu.gguf_weights_layout("auto", tuned, 2) == "dequantized"  # ranks split blocks
+    assert cpu.gguf_weights_layout("auto", untuned, 1) == "dequantized"  # nothing timed
+    assert cpu.gguf_weights_layout("quantized", untuned, 2) == "quantized"
+    assert cpu.gguf_weights_layout("dequantized", tuned, 1) == "dequantized"
+    assert NoKernels().gguf_weights_layout("auto", tuned, 1) == "dequantized"
     with pytest.raises(ValueError, match="--gguf-weights quantized is not supported on nokernels"):
-        NoKernels().keep_gguf_quantized("quantized")
+        NoKernels().gguf_weights_layout("quantized", tuned, 1)
 
 
 def test_tensor_parallel_splits_whole_blocks() -> None:
@@ -262,3 +269,94 @@ def test_embedded_model_on_the_int8_kernel_keeps_the_greedy_tokens(
     agree = _tokens_before_first_difference(got, want)
     print(f"int8 dot, {dtype}: {agree} of 256 tokens before the first difference")
     assert agree >= AGREE_INT8[dtype], agree
+
+
+# ---- `--gguf-weights auto`: the blocks beside their float twins ----------------------------
+
+
+def _blocks_win_below(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """The tuner's timer, made up: the blocks' float kernel (the only one they run beside a
+    twin) times fastest at up to `rows` rows, every float candidate faster above; the other
+    candidates in between. Every candidate still runs once (a failing one is dropped)."""
+    from model_server.kernels.cpu import linear_tuning
+
+    def fake(calls, pair_budget_s=0.0):
+        times = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except Exception:
+                continue
+            few = call.x.shape[0] <= rows
+            if name == linear_tuning.GGUF_FLOAT:
+                times[name] = 0.1 if few else 9.0
+            else:
+                times[name] = 1.0 if name == linear_tuning.PANELS else 2.0
+        return times
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+
+
+@pytest.fixture(scope="module")
+def beside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    """The embedded model at `--gguf-weights auto`, its blocks planned for 1-2 rows; fp32."""
+    with pytest.MonkeyPatch.context() as env:
+        # Made-up timings stay out of the machine's timing cache.
+        env.setenv("WICK_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        _blocks_win_below(env, 2)
+        llm = LLM(dtype="float32", kv_cache_memory=64 * 1024**2)
+    yield llm
+    llm.shutdown()
+
+
+def test_auto_runs_the_blocks_at_few_rows_and_the_float_twins_beyond(beside: LLM) -> None:
+    from model_server.benchmarks.bandwidth import weight_bytes_per_step
+
+    model = _model(beside)
+    planned = [m.weight for m in model.modules() if isinstance(m, LinearBase | ParallelLMHead)]
+    assert planned and all(isinstance(w, PlannedWeight) for w in planned)
+    for weight in planned:
+        assert weight.twin is not None and weight.blocks_buckets == 2, weight
+        assert isinstance(weight.source, GGUFWeight)
+        assert weight.twin.source is None  # the twin's values live in its panels alone
+        assert weight.kernel_names[:2] == ("gguf_float", "gguf_float")
+        assert set(weight.kernel_names[2:]) == {"native_panels"}
+        x = torch.randn(5, weight.shape[1])
+        want = x @ weight.dequantize(torch.float32).t()
+        for rows in (1, 2, 5):  # blocks, blocks, twin: the same matrix
+            got = weight.apply(x[:rows], None)
+            torch.testing.assert_close(got, want[:rows], rtol=1e-4, atol=1e-4)
+    # A decode of 1 sequence reads the blocks, of 16 the float twins (4x the bytes and more).
+    assert weight_bytes_per_step(model, 16) > 3 * weight_bytes_per_step(model, 1)
+    plan = beside.engine.core.model_runner.prepared.describe()
+    assert "each beside its float twin" in plan and "rows 1-2 gguf_float, 3+ native_panels" in plan
+
+
+def test_auto_with_blocks_beside_floats_generates_the_float_models_tokens(
+    beside: LLM, embedded, chat_prompts
+) -> None:
+    """Mixed rows (1-2 rows on the blocks, more on the twins) against the dequantized model,
+    fp32: the same products, in another order; and the native step gives the modules' bits."""
+    _, ref = embedded
+    prompts = [ref.apply_chat_template(chat) for chat in chat_prompts[:8]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    runner = beside.engine.core.model_runner
+    step = runner.native_step
+    assert step is not None
+    runs = []
+    try:
+        for enabled in (True, False):
+            runner.native_step = step if enabled else None
+            runs.append(beside.generate(prompts, params))
+    finally:
+        runner.native_step = step
+    native, modules = ([o.outputs[0] for o in outs] for outs in runs)
+    assert [o.token_ids for o in native] == [o.token_ids for o in modules]
+    assert [[lp.logprob for lp in o.logprobs] for o in native] == [
+        [lp.logprob for lp in o.logprobs] for o in modules
+    ]
+    want = [o.outputs[0] for o in ref.generate(prompts, params)]
+    agree = _tokens_before_first_difference(
+        [o.token_ids for o in native], [w.token_ids for w in want]
+    )
+    assert agree >= 8 * 12 - 8, agree

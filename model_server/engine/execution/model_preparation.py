@@ -72,7 +72,9 @@ class ResolvedModelConfig:
     dtype_reason: str  # "given", or what `auto` weighed
     kv_cache_dtype: str  # the --kv-cache-dtype name (resolve_kv_cache_dtype reads it)
     quantization: str | None  # int8 at load, or a checkpoint format checked
-    keep_gguf: bool  # GGUF matrices kept in their blocks
+    # GGUF matrices: "quantized" (kept in their blocks), "dequantized" or "mixed" (kept, each
+    # beside its float twin; the plan runs the faster per row count): gguf_weights_layout.
+    gguf_layout: str
     attention_backend: str
     max_model_len: int
     max_model_len_given: bool
@@ -140,7 +142,9 @@ def _resolve_here(
         dtype_reason=reason,
         kv_cache_dtype=config.kv_cache_dtype,
         quantization=quantization,
-        keep_gguf=platform.keep_gguf_quantized(config.gguf_weights),
+        gguf_layout=platform.gguf_weights_layout(
+            config.gguf_weights, options, get_tensor_model_parallel_world_size()
+        ),
         attention_backend=config.attention_backend or platform.default_attention_backend,
         max_model_len=config.max_model_len or source.context_length,
         max_model_len_given=config.max_model_len is not None,
@@ -223,7 +227,12 @@ class PreparedModel:
             f"dtype: {str(r.dtype).removeprefix('torch.')} ({r.dtype_reason})",
             f"kv cache dtype: {self.kv_dtype.name}",
             f"weights: {self.quantization_description or 'float'}"
-            + (f", GGUF matrices kept ({self.gguf_kept})" if self.gguf_kept else ""),
+            + (f", GGUF matrices kept ({self.gguf_kept})" if self.gguf_kept else "")
+            + (
+                ", each beside its float twin"
+                if self.gguf_kept and r.gguf_layout == "mixed"
+                else ""
+            ),
             f"attention backend: {r.attention_backend}",
             f"kernel settings: {r.kernel_options.describe()}",
             f"max model len: {r.max_model_len}",
@@ -305,7 +314,7 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
                 "load the checkpoint, or drop quantization_config from the config"
             )
         init_dummy_weights(model, seed=config.seed)
-    elif source.quantized_weights is not None and resolved.keep_gguf:
+    elif source.quantized_weights is not None and resolved.gguf_layout != "dequantized":
         collector = GGUFWeightCollector(model)
         model.load_weights(_with_progress(source.quantized_weights(), source.num_weights))
         counts = collector.finish()
@@ -327,7 +336,8 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
     # (CPU: times kernels per shape and row bucket, cached on disk).
     max_head_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
     sites = linear_sites(model, config.max_num_batched_tokens, max_head_rows)
-    plan = platform.plan_linears(kernels, sites, dtype, options)
+    beside = bool(gguf_kept) and resolved.gguf_layout == "mixed"
+    plan = platform.plan_linears(kernels, sites, dtype, options, gguf_beside_float=beside)
     install_planned_weights(model, plan)
     kv_groups = group_kv_layers(model, config)
     decoder = getattr(model, "model", None)

@@ -180,6 +180,7 @@ class CpuDecoderStack:
             return None
         if not isinstance(weight, PlannedWeight):
             return None  # not planned: the table's fixed matmul, not a native one
+        weight = weight.at_bucket(key)  # a GGUF weight's float twin past its blocks' buckets
         out = abi.structure("WickLinear")()
         out.bias = None if bias is None else bias.data_ptr()
         panels = weight.packed if weight.source is None else None
@@ -280,7 +281,10 @@ class CpuDecoderStack:
                     return None
                 setattr(s, name, linear)
             # The module path fuses the SiLU wherever the planned weight can (GatedMLP).
-            fused = getattr(layer.gate_up.weight, "fused_silu_and_mul", None)
+            gate_up = layer.gate_up.weight
+            if isinstance(gate_up, PlannedWeight):
+                gate_up = gate_up.at_bucket(key)
+            fused = getattr(gate_up, "fused_silu_and_mul", None)
             if layer.activation == "silu" and fused is not None:
                 if s.gate_up.kind == abi.constant("LINEAR_GGUF"):
                     return None

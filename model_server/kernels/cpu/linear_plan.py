@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from model_server.kernels.cpu.linear_tuning import SitePlan
+from model_server.kernels.cpu.linear_tuning import BlocksBesideFloat, SitePlan
 from model_server.kernels.cpu.panel_gemm import Panels, panel_silu_and_mul, silu_and_mul_applies
 from model_server.kernels.planned_weight import (
     GGUFSegmentDispatch,
@@ -35,35 +35,29 @@ def _bind(
     return fn(x, weight, bias)
 
 
+def _blocks_call(
+    holder: torch.nn.Module, kernels: KernelTable, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return holder.apply(x, bias, kernels)  # type: ignore[operator]
+
+
 def planned_weights(
-    plans: Sequence[SitePlan], table: KernelTable, dtype: torch.dtype
+    plans: Sequence[SitePlan | BlocksBesideFloat], table: KernelTable, dtype: torch.dtype
 ) -> dict[str, PlannedWeight]:
     """Module name -> its planned weight, for every module with a plan (`table`: the model's
     kernel table; `dtype`: the activations')."""
     by_module: dict[str, list[SitePlan]] = {}
-    for plan in plans:
-        by_module.setdefault(plan.site.module, []).append(plan)
     out: dict[str, PlannedWeight] = {}
+    for plan in plans:
+        if isinstance(plan, BlocksBesideFloat):
+            out[plan.module] = _beside_twin(plan, table, dtype)
+        else:
+            by_module.setdefault(plan.site.module, []).append(plan)
     for module, site_plans in by_module.items():
         first = site_plans[0]
         site, holder = first.site, first.site.holder
         if site.ggml_type is not None:
-            dispatch = GGUFSegmentDispatch(
-                tuple(((p.site.ggml_type, p.site.weight.shape[0]), p.fns) for p in site_plans),
-                table.gguf_linear,
-            )
-            names = tuple(
-                "|".join(dict.fromkeys(n for p in site_plans for n in p.names[i : i + 1]))
-                for i in range(max(len(p.names) for p in site_plans))
-            )
-            out[module] = PlannedWeight(
-                shape=tuple(holder.shape),
-                dtype=dtype,
-                kernel_names=names,
-                layout="gguf blocks",
-                source=holder,
-                kernels=replace(table, gguf_linear=dispatch),
-            )
+            out[module] = _gguf_weight(site_plans, table, dtype)
         elif site.bits:
             out[module] = PlannedWeight(
                 shape=tuple(holder.shape),
@@ -85,6 +79,54 @@ def planned_weights(
         else:
             out[module] = _float_weight(first)
     return out
+
+
+def _gguf_weight(
+    site_plans: Sequence[SitePlan], table: KernelTable, dtype: torch.dtype
+) -> PlannedWeight:
+    """A GGUF weight in its blocks: per segment (ggml type, rows) its kernel per row bucket."""
+    dispatch = GGUFSegmentDispatch(
+        tuple(((p.site.ggml_type, p.site.weight.shape[0]), p.fns) for p in site_plans),
+        table.gguf_linear,
+    )
+    names = tuple(
+        "|".join(dict.fromkeys(n for p in site_plans for n in p.names[i : i + 1]))
+        for i in range(max(len(p.names) for p in site_plans))
+    )
+    holder = site_plans[0].site.holder
+    return PlannedWeight(
+        shape=tuple(holder.shape),
+        dtype=dtype,
+        kernel_names=names,
+        layout="gguf blocks",
+        source=holder,
+        kernels=replace(table, gguf_linear=dispatch),
+    )
+
+
+def _beside_twin(plan: BlocksBesideFloat, table: KernelTable, dtype: torch.dtype) -> PlannedWeight:
+    """The blocks for the leading buckets and the float twin for the rest; either alone where
+    the other runs no bucket (the unused one is dropped with its memory)."""
+    twin = _float_weight(plan.twin)
+    cut = plan.blocks_buckets
+    if cut == 0:
+        return twin
+    blocks = _gguf_weight(plan.blocks, table, dtype)
+    if cut >= len(twin.calls):
+        return blocks
+    assert blocks.kernels is not None
+    call = functools.partial(_blocks_call, blocks.source, blocks.kernels)
+    return PlannedWeight(
+        shape=tuple(blocks.shape),
+        dtype=dtype,
+        kernel_names=blocks.kernel_names[:cut] + twin.kernel_names[cut:],
+        layout="gguf blocks",
+        source=blocks.source,
+        calls=(call,) * cut + twin.calls[cut:],
+        kernels=blocks.kernels,
+        twin=twin,
+        blocks_buckets=cut,
+    )
 
 
 def _float_weight(plan: SitePlan) -> PlannedWeight:

@@ -18,6 +18,13 @@ in their blocks (`CpuGGUFLinear`, the table's `gguf_linear`) the int8 dot-produc
 (kernels/cpu/gguf_q8.c), the float kernel (gguf_gemm.c) and chunked dequantize-then-matmul. A
 candidate that raises is dropped (debug log).
 
+GGUF weights under `--gguf-weights auto` (`blocks_beside_float`): each kept weight is also
+timed as its float twin (the dequantized matrix, the float candidates above); per row bucket
+the weight runs whichever is faster, its blocks on their float kernel (gguf_gemm.c: the blocks'
+values times x, no int8 rounding, so the output does not hinge on the row count) or the twin.
+Blocks win at few rows, where a decode streams weights, if at all; a weight whose blocks win
+nowhere keeps only the twin, one whose twin wins nowhere only its blocks (`BlocksBesideFloat`).
+
 Memory: a packed weight holds the same bytes in another layout. Where only the layer reads the
 weight (`LinearSite.exclusive`) and one packed kind at every bucket beats the best dense kernel
 per bucket, that kind's copy takes the values' place (`SitePlan.values_moved`: the planned
@@ -205,6 +212,19 @@ class SitePlan:
         if self.values_moved and isinstance(self.packed, Panels):
             return self.packed
         return None
+
+
+@dataclass(slots=True, frozen=True)
+class BlocksBesideFloat:
+    """A GGUF weight planned beside its float twin (`--gguf-weights auto`): its blocks run the
+    row buckets below `blocks_buckets` (`blocks`: one plan per segment, GGUF_FLOAT there), the
+    twin's plan (`twin`: a float site of the dequantized matrix) the others. 0: the twin
+    alone keeps the values; len(twin.names): the blocks alone."""
+
+    module: str
+    blocks: tuple[SitePlan, ...]
+    twin: SitePlan
+    blocks_buckets: int
 
 
 # ---- timing -------------------------------------------------------------------------------
@@ -455,12 +475,15 @@ def _ranges(buckets: tuple[int, ...], names: Sequence[str]) -> str:
 @dataclass(slots=True)
 class TuningReport:
     """What `tune_cpu_linears` did: shapes timed now and read from the cache, the seconds spent
-    timing, the bytes of packed copies kept beside dense weights, one log line per shape."""
+    timing, the bytes of packed copies kept beside dense weights (and of GGUF blocks beside
+    float twins), one log line per shape."""
 
     timed: int = 0
     cached: int = 0
     seconds: float = 0.0
     extra_bytes: int = 0
+    # GGUF blocks kept beside their float twins (`blocks_beside_float`), in bytes.
+    blocks_beside_bytes: int = 0
     lines: list[str] = field(default_factory=list)
     # Share of the cores other processes used while timing; above BUSY_SHARE nothing was cached.
     others_share: float = 0.0
@@ -570,6 +593,68 @@ def _plan_float(group: _Group, plans: list[SitePlan], report: TuningReport) -> s
     return f"{_ranges(group.buckets, chosen)} [{', '.join(kinds)}]"
 
 
+def _plan_gguf_float_kernel(group: _Group, plans: list[SitePlan]) -> str:
+    """Blocks beside a float twin run their float kernel only (see the module docstring)."""
+    names = (GGUF_FLOAT,) * len(group.buckets)
+    fns = (GGUF_FNS[GGUF_FLOAT],) * len(names)
+    plans.extend(SitePlan(site, names, fns) for site in group.sites)
+    return _ranges(group.buckets, names) + " [beside the float twin where faster]"
+
+
+def _float_twins(sites: Sequence[LinearSite], act_dtype: torch.dtype) -> dict[str, LinearSite]:
+    """Module name -> a float site of each GGUF weight's dequantized matrix (exclusive: the twin
+    is a new tensor no other module reads)."""
+    twins: dict[str, LinearSite] = {}
+    for site in sites:
+        if site.ggml_type is None or site.module in twins:
+            continue
+        matrix = site.holder.dequantize(act_dtype).contiguous()
+        twins[site.module] = LinearSite(
+            matrix, site.max_rows, True, None, f"{site.module}.float", module=site.module
+        )
+    return twins
+
+
+def _beside_float(
+    plans: list[SitePlan],
+    groups: dict[str, _Group],
+    twins: dict[str, LinearSite],
+    report: TuningReport,
+) -> list[SitePlan | BlocksBesideFloat]:
+    """Each GGUF module's segment plans and twin plan as one `BlocksBesideFloat`: its blocks
+    for the leading row buckets where the sum of their segments' times beats the twin's
+    chosen kernel by MARGIN, the twin from the first bucket where it does not."""
+    times_of: dict[int, BucketTimes] = {}
+    for group in groups.values():
+        for site in group.sites:
+            times_of[id(site)] = group.times
+    twin_ids = {id(site): module for module, site in twins.items()}
+    blocks: dict[str, list[SitePlan]] = {}
+    twin_plans: dict[str, SitePlan] = {}
+    out: list[SitePlan | BlocksBesideFloat] = []
+    for plan in plans:
+        if id(plan.site) in twin_ids:
+            twin_plans[twin_ids[id(plan.site)]] = plan
+        elif plan.site.ggml_type is not None and plan.site.module in twins:
+            blocks.setdefault(plan.site.module, []).append(plan)
+        else:
+            out.append(plan)
+    for module, twin in twin_plans.items():
+        twin_times = times_of[id(twin.site)]
+        cut = 0
+        for i, name in enumerate(twin.names):
+            on_blocks = sum(
+                times_of[id(p.site)][i].get(GGUF_FLOAT, float("inf")) for p in blocks[module]
+            )
+            if on_blocks >= twin_times[i].get(name, float("inf")) * (1 - MARGIN):
+                break
+            cut = i + 1
+        if 0 < cut < len(twin.names):
+            report.blocks_beside_bytes += sum(p.site.weight.numel() for p in blocks[module])
+        out.append(BlocksBesideFloat(module, tuple(blocks[module]), twin, cut))
+    return out
+
+
 def tune_cpu_linears(
     sites: Sequence[LinearSite],
     act_dtype: torch.dtype,
@@ -578,16 +663,22 @@ def tune_cpu_linears(
     *,
     int8_dot: str = "auto",
     quantized_kernels: bool = True,
-) -> tuple[TuningReport, list[SitePlan]]:
+    blocks_beside_float: bool = False,
+) -> tuple[TuningReport, list[SitePlan | BlocksBesideFloat]]:
     """Time the candidates for every distinct (kind, shape) of `sites` in `act_dtype` (or read
     their timings from `cache`) and choose per site and row bucket: returns what was done and
     one `SitePlan` per planned site. Nothing is changed in place: the model-preparation stage
     installs the plans (kernels/planned_weight.py). `int8_dot`: gguf_linear.py's mode for GGUF
     weights; `quantized_kernels` False leaves GPTQ/AWQ and GGUF sites unplanned (no native
     build: the fixed table serves them). Call once per model, after its weights are loaded
-    (and quantized), before it runs."""
+    (and quantized), before it runs. `blocks_beside_float`: GGUF weights are planned beside
+    their float twins (see the module docstring)."""
     report = TuningReport()
     groups: dict[str, _Group] = {}
+    twins: dict[str, LinearSite] = {}
+    if blocks_beside_float and quantized_kernels:
+        twins = _float_twins(sites, act_dtype)
+        sites = [*sites, *twins.values()]
     for site in sites:
         is_int8 = site.weight.dtype == torch.int8
         is_wna16 = site.bits > 0
@@ -641,7 +732,9 @@ def tune_cpu_linears(
     plans: list[SitePlan] = []
     for group in groups.values():
         group.times = _runnable_times(group)
-        if group.gguf:
+        if group.gguf and twins:
+            text = _plan_gguf_float_kernel(group, plans)
+        elif group.gguf:
             text = _plan_gguf(group, plans)
         elif group.wna16:
             text = _plan_wna16(group, plans)
@@ -656,4 +749,6 @@ def tune_cpu_linears(
             f"{group.key.removeprefix('linear/').replace('/', ' ')} x{len(group.sites)} ({note}): "
             f"{text}"
         )
-    return report, plans
+    if not twins:
+        return report, list(plans)
+    return report, _beside_float(plans, groups, twins, report)
