@@ -10,6 +10,7 @@ from model_server.settings_spec import (
     check_device_count,
     engine_defaults,
     parse_device_ids,
+    parse_kv_events_config,
     parse_quantization,
     parse_size,
     resolve_setting,
@@ -18,6 +19,7 @@ from model_server.settings_spec import (
 __all__ = [
     "QUANTIZATION_METHODS",
     "EngineConfig",
+    "KVEventsConfig",
     "KernelOptions",
     "parse_device_ids",
     "parse_quantization",
@@ -63,6 +65,26 @@ class KernelOptions:
 
 
 @dataclass(slots=True, frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig, when events are published (`--kv-events-config`)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    buffer_steps: int
+    hwm: int
+    max_queue_size: int
+    topic: str
+
+    @classmethod
+    def parse(cls, text: str | None) -> KVEventsConfig | None:
+        """None when events are off (no config, disabled, or the null publisher)."""
+        values = parse_kv_events_config(text)
+        if values is None:
+            return None
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+
+@dataclass(slots=True, frozen=True)
 class EngineConfig:
     """Everything the engine needs to start. Names mirror `vllm serve` flags. Frozen: the engine
     resolves it once (`EngineCore.config`) and nothing changes it after.
@@ -80,9 +102,12 @@ class EngineConfig:
     gguf_weights: str = _D["gguf_weights"]  # auto | quantized | dequantized (GGUF files)
     # auto | bfloat16 | float16 | int8 | fp8_e4m3 | fp8_e5m2 (kernels/kv_cache_dtype.py)
     kv_cache_dtype: str = _D["kv_cache_dtype"]
+    # vLLM's static per-layer KV scales (JSON), for a quantized kv_cache_dtype; None: per row.
+    quantization_param_path: str | None = _D["quantization_param_path"]
     device: str = _D["device"]  # cpu | cuda | gcu | hpu | auto
     device_ids: list[int] | None = _D["device_ids"]  # rank i uses device_ids[i]; None: 0, 1, ...
     tensor_parallel_size: int = _D["tensor_parallel_size"]
+    distributed_executor_backend: str = _D["distributed_executor_backend"]  # mp | ray
     seed: int = _D["seed"]
     hf_overrides: str | None = _D["hf_overrides"]  # JSON object of HF config fields
     max_model_len: int | None = _D["max_model_len"]
@@ -92,6 +117,7 @@ class EngineConfig:
     block_size: int = _D["block_size"]
     kv_cache_memory: int | None = _D["kv_cache_memory"]  # bytes
     enable_prefix_caching: bool = _D["enable_prefix_caching"]
+    kv_events_config: str | None = _D["kv_events_config"]  # JSON: vLLM's KVEventsConfig
     enable_chunked_prefill: bool = _D["enable_chunked_prefill"]
     attention_backend: str | None = _D["attention_backend"]  # None: the platform's default
     enforce_eager: bool = _D["enforce_eager"]
@@ -137,7 +163,22 @@ class EngineConfig:
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
         check_device_count(self.device_ids, self.tensor_parallel_size)
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be mp or ray, got "
+                f"{self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size < 2:
+            raise ValueError(
+                "--distributed-executor-backend ray starts tensor-parallel ranks as Ray actors: "
+                "it needs --tensor-parallel-size 2 or more"
+            )
         parse_quantization(self.quantization)
+        if KVEventsConfig.parse(self.kv_events_config) and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-config publishes the prefix cache's blocks: it needs prefix "
+                "caching (drop --no-enable-prefix-caching)"
+            )
         self.kernel_options()  # a bad kernel setting or WICK_* variable: one error, before loading
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -175,6 +175,68 @@ def parse_hf_overrides(text: str | dict[str, Any] | None) -> dict[str, Any] | No
     return value or None
 
 
+# vLLM's KVEventsConfig fields and defaults (`--kv-events-config`); publisher None: "zmq" when
+# events are enabled, else "null".
+KV_EVENTS_DEFAULTS: dict[str, Any] = {
+    "enable_kv_cache_events": False,
+    "publisher": None,
+    "endpoint": "tcp://*:5557",
+    "replay_endpoint": None,
+    "buffer_steps": 10_000,
+    "hwm": 100_000,
+    "max_queue_size": 100_000,
+    "topic": "",
+}
+
+
+def parse_kv_events_config(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """`--kv-events-config` (a JSON object of vLLM's KVEventsConfig fields) -> every field,
+    checked; None when events are off. Unknown fields and other publishers are refused."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    import json
+
+    if isinstance(text, dict):
+        value: Any = text
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_events_config must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_events_config must be a JSON object, got {text!r}")
+    unknown = sorted(set(value) - set(KV_EVENTS_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"kv_events_config: unknown field(s) {unknown}; Wick takes vLLM's "
+            f"{sorted(KV_EVENTS_DEFAULTS)}"
+        )
+    config = {**KV_EVENTS_DEFAULTS, **value}
+    if not isinstance(config["enable_kv_cache_events"], bool):
+        raise ValueError("kv_events_config: enable_kv_cache_events must be true or false")
+    if config["publisher"] is None:
+        config["publisher"] = "zmq" if config["enable_kv_cache_events"] else "null"
+    if config["publisher"] not in ("zmq", "null"):
+        raise ValueError(
+            f"kv_events_config: publisher {config['publisher']!r} is not one Wick has (zmq, null)"
+        )
+    for key in ("endpoint", "topic"):
+        if not isinstance(config[key], str):
+            raise ValueError(f"kv_events_config: {key} must be a string")
+    if config["replay_endpoint"] is not None and not isinstance(config["replay_endpoint"], str):
+        raise ValueError("kv_events_config: replay_endpoint must be a string or null")
+    for key in ("buffer_steps", "hwm", "max_queue_size"):
+        if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
+            raise ValueError(f"kv_events_config: {key} must be a positive integer")
+    if not config["enable_kv_cache_events"] or config["publisher"] == "null":
+        return None
+    if not config["endpoint"].startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(
+            f"kv_events_config: endpoint {config['endpoint']!r} must be tcp://, ipc:// or inproc://"
+        )
+    return config
+
+
 # Applied at load (models/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
 # Names of a checkpoint's own format (vLLM-GCU's --quantization gptq|awq|w8a16): checked
@@ -229,12 +291,17 @@ def _check_kv_cache_dtype(value: str) -> None:
         )
 
 
+# --quantization-param-path's kv_cache.dtype -> the --kv-cache-dtype its scales are for.
+KV_SCALES_DTYPES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "int8": "int8"}
+
+
 def read_kv_cache_scales(path: str) -> tuple[str, dict[int, dict[int, float]]]:
     """vLLM's --quantization-param-path file, strictly: `{"model_type": str | null, "kv_cache":
     {"dtype": "float8_e4m3fn", "scaling_factor": {TP rank: {layer: scale}}}}` (vLLM's
-    QuantParamSchema, as AMMO's and AMD's quantizers write it): ranks 0..R-1 each with layers
-    0..L-1, every scale a positive finite number. Returns (dtype, scales); ValueError (one line
-    naming the file and the field) for anything else."""
+    QuantParamSchema, as AMMO's and AMD's quantizers write it; dtype also float8_e5m2 or int8,
+    for those caches): ranks 0..R-1 each with layers 0..L-1, every scale a positive finite
+    number (a stored value reads back as code * scale). Returns (dtype, scales); ValueError
+    (one line naming the file and the field) for anything else."""
     import json
     import math
 
@@ -267,8 +334,8 @@ def read_kv_cache_scales(path: str) -> tuple[str, dict[int, dict[int, float]]]:
     if unknown:
         raise bad(f"unknown field kv_cache.{unknown[0]}")
     dtype = kv.get("dtype")
-    if dtype != "float8_e4m3fn":
-        raise bad(f"kv_cache.dtype is {dtype!r}, not 'float8_e4m3fn'")
+    if dtype not in KV_SCALES_DTYPES:
+        raise bad(f"kv_cache.dtype is {dtype!r}, not one of {', '.join(KV_SCALES_DTYPES)}")
     ranks = kv.get("scaling_factor")
     if not isinstance(ranks, dict) or not ranks:
         raise bad("kv_cache.scaling_factor is not a non-empty object of TP ranks")
@@ -298,20 +365,12 @@ def read_kv_cache_scales(path: str) -> tuple[str, dict[int, dict[int, float]]]:
     return dtype, scales
 
 
-def _refuse_quantization_param_path(value: str | None) -> None:
-    """A well-formed scales file is still refused: Wick's quantized KV caches
-    (kernels/kv_cache_dtype.py) compute one scale per token and KV head as they are written, and
-    have nowhere to put static per-layer ones. Never accepted and ignored."""
+def _check_quantization_param_path(value: str | None) -> None:
+    """The file reads as vLLM's KV cache scales (its match with --kv-cache-dtype, the ranks
+    and the layers are checked when the engine starts)."""
     if value is None or not str(value).strip():
         return
-    _, scales = read_kv_cache_scales(str(value).strip())
-    layers = len(next(iter(scales.values())))
-    raise ValueError(
-        f"{value}: static per-layer KV cache scales ({len(scales)} TP rank(s) x {layers} "
-        "layers) are not supported: Wick's quantized KV caches compute a scale per token and "
-        "KV head as they are written and need no calibration file; leave it out and use "
-        "--kv-cache-dtype fp8_e4m3 (cpu, cuda) or --kv-cache-dtype int8 (every device)"
-    )
+    read_kv_cache_scales(str(value).strip())
 
 
 class _CheckedAtParse(argparse.Action):
@@ -648,10 +707,11 @@ SETTINGS: tuple[Setting, ...] = (
         "to Q8_0 and Q2_K to Q6_K, decoded by the matmul as it reads them, with activations "
         "rounded to int8 per 32 values where that times faster (--gguf-int8-dot): weight "
         "memory about the file's size, faster batch-1 decode, slower batches of 8 and more; cpu "
-        "only), dequantized (float weights in --dtype), or auto (dequantized: the faster choice "
-        "from batch 8 on, and the greedy output of the float weights; README's GGUF section has "
-        "the figures). --dtype stays the activation dtype either way; other checkpoint formats "
-        "ignore it.",
+        "only), dequantized (float weights in --dtype), or auto (on cpu with linear tuning on "
+        "and one rank: float weights, and the blocks kept beside those whose blocks time faster "
+        "at few rows, which then run them there on their float kernel, no int8 rounding; the "
+        "extra memory is logged; elsewhere dequantized; README's GGUF section has the figures). "
+        "--dtype stays the activation dtype either way; other checkpoint formats ignore it.",
         "engine",
         choices=GGUF_WEIGHTS_MODES,
         check=_check_gguf_weights,
@@ -699,6 +759,17 @@ SETTINGS: tuple[Setting, ...] = (
         opea=("VLLM_TP_SIZE",),
         aliases=("-tp",),
         check=_check_tp,
+    ),
+    Setting(
+        "distributed_executor_backend",
+        str,
+        "mp",
+        "How tensor-parallel ranks start: mp (worker processes on this node, other nodes through "
+        "MASTER_ADDR/NNODES/NODE_RANK and `worker`) or ray (Ray actors in a placement group of "
+        "the Ray cluster RAY_ADDRESS names, else a local one; needs `pip install ray` and "
+        "--tensor-parallel-size > 1).",
+        "engine",
+        choices=("mp", "ray"),
     ),
     Setting("seed", int, 0, "Seed for dummy weights.", "engine"),
     Setting(
@@ -753,6 +824,18 @@ SETTINGS: tuple[Setting, ...] = (
         True,
         "Reuse the KV blocks of shared prompt prefixes.",
         "engine",
+    ),
+    Setting(
+        "kv_events_config",
+        str,  # the raw JSON; EngineConfig.kv_events() reads it
+        None,
+        "Publish the prefix cache's KV events as vLLM does, for KV-aware routers: a JSON object "
+        "of vLLM's KVEventsConfig fields (enable_kv_cache_events, publisher zmq|null, endpoint, "
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic), e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'. Needs prefix caching.',
+        "engine",
+        default_text="off",
+        check=parse_kv_events_config,
     ),
     Setting(
         "enable_chunked_prefill",
@@ -1137,14 +1220,15 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         None,
         "vLLM's (and vLLM-GCU's) file of static per-layer KV cache scales (JSON: "
-        "kv_cache.dtype float8_e4m3fn, kv_cache.scaling_factor per TP rank and layer, as "
-        "AMMO's or AMD's quantizer writes it). Checked strictly, then refused: Wick's int8 and "
-        "fp8 KV caches compute one scale per token and KV head as they are written and need no "
-        "calibration file; use --kv-cache-dtype fp8_e4m3 (cpu, cuda) or int8 (every device). "
-        "A malformed or a valid file given as the flag is one error line and exit 2.",
-        "server",
+        "kv_cache.dtype float8_e4m3fn, float8_e5m2 or int8, kv_cache.scaling_factor per TP rank "
+        "and layer, as AMMO's or AMD's quantizer writes it): every K and V row a layer stores "
+        "takes the layer's scale instead of its own max|x| / qmax (values past qmax x scale "
+        "clamp). Needs the matching --kv-cache-dtype (fp8_e4m3, fp8_e5m2, int8), one scale per "
+        "layer and one set per --tensor-parallel-size rank; anything else is one error line. "
+        "Without it each row gets its own scale, which needs no calibration.",
+        "engine",
         default_text="none",
-        check=_refuse_quantization_param_path,
+        check=_check_quantization_param_path,
         check_flag=True,
     ),
     # Server-wide sampling defaults (candle-vllm's flags, vLLM's --generation-config): a request

@@ -77,11 +77,17 @@ def kv_dtype_of(storage: torch.dtype) -> KVCacheDtype:
     raise ValueError(f"{storage} is not a quantized KV cache dtype")
 
 
-def quantize_kv(x: torch.Tensor, kv: KVCacheDtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(
+    x: torch.Tensor, kv: KVCacheDtype, fixed_scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes [..., D] in kv.storage, scales [...] float32): the reference of
-    every backend's store (see the module docstring)."""
+    every backend's store (see the module docstring). `fixed_scale`: every row's scale (a
+    static per-layer one, `QuantizedKVCache.fixed_scale`) instead of its own."""
     xf = x.to(torch.float32)
-    scales = xf.abs().amax(dim=-1) / kv.qmax
+    if fixed_scale is not None:
+        scales = torch.full(xf.shape[:-1], fixed_scale, dtype=torch.float32, device=xf.device)
+    else:
+        scales = xf.abs().amax(dim=-1) / kv.qmax
     # An all-zero row divides by 1 instead of 0: its codes are 0 either way.
     y = xf / torch.where(scales > 0, scales, 1.0)[..., None]
     y = y.clamp(-kv.qmax, kv.qmax)
@@ -100,6 +106,9 @@ class QuantizedKVCache:
 
     data: torch.Tensor  # [2 (k, v), num_blocks, block_size, Hkv, D] codes
     scales: torch.Tensor  # [2 (k, v), num_blocks, block_size, Hkv] float32
+    # A static scale every stored K and V row takes (--quantization-param-path: the layer's
+    # calibrated one; rows beyond qmax * scale clamp); None: each row's own max|x| / qmax.
+    fixed_scale: float | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -111,14 +120,17 @@ class QuantizedKVCache:
 
 
 def allocate_kv_cache(
-    shape: tuple[int, ...], kv: KVCacheDtype, zeros
+    shape: tuple[int, ...], kv: KVCacheDtype, zeros, fixed_scale: float | None = None
 ) -> torch.Tensor | QuantizedKVCache:
     """One layer's cache of `shape` ([2, num_blocks, block_size, Hkv, D]) in `kv`'s format;
-    `zeros(shape, dtype)` allocates on the device (Platform.allocate_zeros)."""
+    `zeros(shape, dtype)` allocates on the device (Platform.allocate_zeros); `fixed_scale`:
+    the layer's static scale (quantized caches only)."""
     data = zeros(shape, kv.storage)
     if not kv.quantized:
+        if fixed_scale is not None:
+            raise ValueError(f"a static KV scale needs a quantized cache, not {kv.name}")
         return data
-    return QuantizedKVCache(data, zeros(shape[:-1], SCALE_DTYPE))
+    return QuantizedKVCache(data, zeros(shape[:-1], SCALE_DTYPE), fixed_scale)
 
 
 def as_bytes(cache: torch.Tensor) -> torch.Tensor:

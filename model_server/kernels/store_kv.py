@@ -53,12 +53,19 @@ def _fp8_bits(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def _quantize_rows(
-    x, QMAX: tl.constexpr, KV_QUANT: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr
+    x,
+    fixed_scale,
+    QMAX: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
 ):
-    """x [BLOCK_H, BLOCK_D] fp32 (padding zeros) -> (codes in the cache's storage, scales).
+    """x [BLOCK_H, BLOCK_D] fp32 (padding zeros) -> (codes in the cache's storage, scales): each
+    row's own max|x| / QMAX, or `fixed_scale` > 0 for every row (a static per-layer scale).
     Divisions round to nearest (div_rn), as PyTorch's: a GPU's default fp32 division does not."""
     amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_H]
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    own = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    scale = tl.where(fixed_scale > 0, tl.full(amax.shape, 1.0, tl.float32) * fixed_scale, own)
     div = tl.where(scale > 0, scale, 1.0)
     y = tl.math.div_rn(x, tl.broadcast_to(div[:, None], x.shape))
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -93,6 +100,7 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
     k_scale_ptr=None,  # quantized caches: [num_blocks, block_size, Hkv] float32
     v_scale_ptr=None,
+    fixed_scale=0.0,  # quantized caches: every row's static scale; 0: each row's own
     QMAX: tl.constexpr = 0.0,
     KV_QUANT: tl.constexpr = 0,  # 0: float cache; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2
     FP8_MBITS: tl.constexpr = 3,  # fp8 mantissa bits and exponent bias (e4m3: 3, 7; e5m2: 2, 15)
@@ -135,8 +143,12 @@ def _store_kv_kernel(
         + dims[None, :]
     )
     if KV_QUANT > 0:
-        k_codes, k_scale = _quantize_rows(k.to(tl.float32), QMAX, KV_QUANT, FP8_MBITS, FP8_BIAS)
-        v_codes, v_scale = _quantize_rows(v.to(tl.float32), QMAX, KV_QUANT, FP8_MBITS, FP8_BIAS)
+        k_codes, k_scale = _quantize_rows(
+            k.to(tl.float32), fixed_scale, QMAX, KV_QUANT, FP8_MBITS, FP8_BIAS
+        )
+        v_codes, v_scale = _quantize_rows(
+            v.to(tl.float32), fixed_scale, QMAX, KV_QUANT, FP8_MBITS, FP8_BIAS
+        )
         tl.store(kc, k_codes, mask=mask)
         tl.store(vc, v_codes, mask=mask)
         head_mask = heads < NUM_KV_HEADS
@@ -155,12 +167,13 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    fixed_scale: float | None = None,
 ) -> None:
     """key, value: [T, Hkv, D] -> caches [num_blocks, block_size, Hkv, D] at `slot_mapping` [T].
 
     Slots < 0 are skipped. Values are cast to the cache dtype, or quantized with their scales
-    into `k_scales`, `v_scales` [num_blocks, block_size, Hkv] float32 for int8 / float8 caches.
-    In place; never syncs the device.
+    into `k_scales`, `v_scales` [num_blocks, block_size, Hkv] float32 for int8 / float8 caches
+    (each row's own, or `fixed_scale` for every row). In place; never syncs the device.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -183,6 +196,7 @@ def store_kv_cache(
         quant = dict(
             k_scale_ptr=k_scales,
             v_scale_ptr=v_scales,
+            fixed_scale=float(fixed_scale or 0.0),
             QMAX=quant_qmax,
             KV_QUANT=tile["KV_QUANT"],
             FP8_MBITS=2 if e5m2 else 3,

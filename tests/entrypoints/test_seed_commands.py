@@ -438,6 +438,8 @@ def test_kv_cache_scales_file_is_read_strictly(tmp_path: Path) -> None:
 
     dtype, scales = read_kv_cache_scales(str(_scales_file(tmp_path, KV_SCALES)))
     assert dtype == "float8_e4m3fn" and scales[1] == {0: 0.0391, 1: 0.0488}
+    int8 = {"kv_cache": {**KV_SCALES["kv_cache"], "dtype": "int8"}}
+    assert read_kv_cache_scales(str(_scales_file(tmp_path, int8)))[0] == "int8"
     kv = KV_SCALES["kv_cache"]
     for data, needle in [
         ("{", "not valid JSON"),
@@ -445,7 +447,7 @@ def test_kv_cache_scales_file_is_read_strictly(tmp_path: Path) -> None:
         ({**KV_SCALES, "extra": 1}, "unknown field 'extra'"),
         ({"model_type": 3, "kv_cache": kv}, "model_type is not a string"),
         ({"model_type": "llama"}, "no kv_cache object"),
-        ({"kv_cache": {**kv, "dtype": "int8"}}, "kv_cache.dtype is 'int8'"),
+        ({"kv_cache": {**kv, "dtype": "fp16"}}, "kv_cache.dtype is 'fp16', not one of"),
         ({"kv_cache": {**kv, "scaling_factor": {}}}, "not a non-empty object of TP ranks"),
         ({"kv_cache": {**kv, "scaling_factor": {"a": {"0": 1.0}}}}, "TP rank 'a'"),
         ({"kv_cache": {**kv, "scaling_factor": {"0": {"0": -1}}}}, "0.0 is -1, not a positive"),
@@ -466,19 +468,15 @@ def test_kv_cache_scales_file_is_read_strictly(tmp_path: Path) -> None:
         read_kv_cache_scales(str(tmp_path / "missing.json"))
 
 
-def test_quantization_param_path_flag_is_refused_in_one_line(
+def test_quantization_param_path_flag_reads_the_file_while_parsing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Parsed, checked, then refused while the command line parses: never accepted and ignored.
-    Malformed and valid files both end `serve` with one `error:` line and exit 2."""
+    """A valid file is taken (the engine checks it against the cache dtype, ranks and layers);
+    a malformed one ends `serve` with one `error:` line and exit 2."""
     good = _scales_file(tmp_path, KV_SCALES)
-    with pytest.raises(SystemExit) as done:
-        serve(f"--model DIR --kv-cache-dtype fp8_e4m3 --quantization-param-path {good}")
-    assert done.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --quantization-param-path: "), lines
-    assert "2 TP rank(s) x 2 layers" in lines[0] and "are not supported" in lines[0]
-    assert "need no calibration file" in lines[0] and "--kv-cache-dtype fp8_e4m3" in lines[0]
+    _, settings = serve(f"--model DIR --kv-cache-dtype fp8_e4m3 --quantization-param-path {good}")
+    assert settings.quantization_param_path == str(good)
+    assert settings.engine_config().quantization_param_path == str(good)
     bad = _scales_file(tmp_path, "[")
     with pytest.raises(SystemExit) as done:
         serve(f"--quantization-param-path={bad}")
@@ -488,22 +486,24 @@ def test_quantization_param_path_flag_is_refused_in_one_line(
     assert lines[0].startswith(f"error: --quantization-param-path: {bad}: not valid JSON (")
 
 
-def test_quantization_param_path_variable_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("LLM_QUANTIZATION_PARAM_PATH", str(_scales_file(tmp_path, KV_SCALES)))
-    with pytest.raises(ValueError, match=r"LLM_QUANTIZATION_PARAM_PATH: .* are not supported"):
+def test_quantization_param_path_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = _scales_file(tmp_path, KV_SCALES)
+    monkeypatch.setenv("LLM_QUANTIZATION_PARAM_PATH", str(good))
+    assert serve("--model DIR")[1].quantization_param_path == str(good)
+    monkeypatch.setenv("LLM_QUANTIZATION_PARAM_PATH", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"LLM_QUANTIZATION_PARAM_PATH: .*cannot read the file"):
         serve("--model DIR")
     monkeypatch.setenv("LLM_QUANTIZATION_PARAM_PATH", "")
     assert serve("--model DIR")[1].quantization_param_path is None
 
 
 def test_quantization_param_path_cli_exits_2_with_one_line(tmp_path: Path) -> None:
+    bad = {"kv_cache": {**KV_SCALES["kv_cache"], "scaling_factor": {"0": {"0": 0}}}}
     proc = subprocess.run(
         [sys.executable, "-m", "model_server", "serve", "--model", "DIR",
-         "--quantization-param-path", str(_scales_file(tmp_path, KV_SCALES))],
+         "--quantization-param-path", str(_scales_file(tmp_path, bad))],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "are not supported" in lines[0], proc.stderr
+    assert len(lines) == 1 and "0.0 is 0, not a positive number" in lines[0], proc.stderr

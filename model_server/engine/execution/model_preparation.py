@@ -31,6 +31,7 @@ from torch import nn
 
 from model_server.config import EngineConfig, KernelOptions, parse_quantization
 from model_server.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_group,
     tensor_model_parallel_all_reduce,
@@ -60,6 +61,7 @@ from model_server.models.quantization import (
 )
 from model_server.models.registry import build_model, init_dummy_weights
 from model_server.platforms import Platform
+from model_server.settings_spec import KV_SCALES_DTYPES, read_kv_cache_scales
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class ResolvedModelConfig:
     dtype: torch.dtype
     dtype_reason: str  # "given", or what `auto` weighed
     kv_cache_dtype: str  # the --kv-cache-dtype name (resolve_kv_cache_dtype reads it)
+    # --quantization-param-path: per TP rank, each layer's static KV scale; None: per row.
+    kv_cache_scales: tuple[tuple[float, ...], ...] | None
     quantization: str | None  # int8 at load, or a checkpoint format checked
     # GGUF matrices: "quantized" (kept in their blocks), "dequantized" or "mixed" (kept, each
     # beside its float twin; the plan runs the faster per row count): gguf_weights_layout.
@@ -141,6 +145,7 @@ def _resolve_here(
         dtype=dtype,
         dtype_reason=reason,
         kv_cache_dtype=config.kv_cache_dtype,
+        kv_cache_scales=_kv_cache_scales(config, get_tensor_model_parallel_world_size()),
         quantization=quantization,
         gguf_layout=platform.gguf_weights_layout(
             config.gguf_weights, options, get_tensor_model_parallel_world_size()
@@ -149,6 +154,29 @@ def _resolve_here(
         max_model_len=config.max_model_len or source.context_length,
         max_model_len_given=config.max_model_len is not None,
         kernel_options=options,
+    )
+
+
+def _kv_cache_scales(config: EngineConfig, tp_size: int) -> tuple[tuple[float, ...], ...] | None:
+    """The --quantization-param-path file's scales per rank, checked against the cache dtype and
+    the rank count (the layer count once the model is built)."""
+    path = config.quantization_param_path
+    if not path:
+        return None
+    dtype, scales = read_kv_cache_scales(path)
+    want = KV_SCALES_DTYPES[dtype]
+    if config.kv_cache_dtype != want:
+        raise ValueError(
+            f"--quantization-param-path {path}: its scales are for {dtype} KV caches; serve "
+            f"with --kv-cache-dtype {want} (not {config.kv_cache_dtype})"
+        )
+    if len(scales) != tp_size:
+        raise ValueError(
+            f"--quantization-param-path {path}: scales for {len(scales)} tensor-parallel "
+            f"rank(s), but the engine runs {tp_size}"
+        )
+    return tuple(
+        tuple(layers[i] for i in range(len(layers))) for _, layers in sorted(scales.items())
     )
 
 
@@ -216,6 +244,8 @@ class PreparedModel:
     # cannot be profiled.
     memory_baseline: MemorySnapshot | None
     kv_groups: KVCacheGroups  # which layers share a KV cache pool
+    # This rank's static KV scale per layer (--quantization-param-path); None: per row.
+    kv_fixed_scales: tuple[float, ...] | None = None
     source_path: str = ""
 
     def describe(self) -> str:
@@ -274,6 +304,21 @@ def group_kv_layers(model: nn.Module, config: EngineConfig) -> KVCacheGroups:
             groups.sliding_window,
         )
     return groups
+
+
+def _rank_kv_scales(
+    resolved: ResolvedModelConfig, model: nn.Module, config: EngineConfig
+) -> tuple[float, ...] | None:
+    """This rank's layer scales, one per KV cache layer of the model."""
+    if resolved.kv_cache_scales is None:
+        return None
+    scales = resolved.kv_cache_scales[get_tensor_model_parallel_rank()]
+    if len(scales) != model.num_layers:
+        raise ValueError(
+            f"--quantization-param-path {config.quantization_param_path}: scales for "
+            f"{len(scales)} layers, but the model has {model.num_layers}"
+        )
+    return scales
 
 
 def install_planned_weights(model: nn.Module, plan: LinearPlan) -> None:
@@ -340,6 +385,7 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
     plan = platform.plan_linears(kernels, sites, dtype, options, gguf_beside_float=beside)
     install_planned_weights(model, plan)
     kv_groups = group_kv_layers(model, config)
+    kv_fixed_scales = _rank_kv_scales(resolved, model, config)
     decoder = getattr(model, "model", None)
     layers = (
         decoder.stack_layers()
@@ -364,6 +410,7 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
         hf_config=source.hf_config,
         memory_baseline=memory_baseline,
         kv_groups=kv_groups,
+        kv_fixed_scales=kv_fixed_scales,
         source_path=str(source.path),
     )
 

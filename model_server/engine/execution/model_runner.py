@@ -185,6 +185,7 @@ class ModelRunner:
                 ),
                 self.kv_dtype,
                 self.platform.allocate_zeros,
+                None if self.prepared.kv_fixed_scales is None else self.prepared.kv_fixed_scales[i],
             )
             for i in range(m.num_layers)
         ]

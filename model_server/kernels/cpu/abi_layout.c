@@ -57,6 +57,7 @@ static const Row ROWS[] = {
     FIELD(WickLayer, v_cache),
     FIELD(WickLayer, k_scales),
     FIELD(WickLayer, v_scales),
+    FIELD(WickLayer, kv_fixed_scale),
 
     STRUCT(WickStackStep),
     FIELD(WickStackStep, dtype),

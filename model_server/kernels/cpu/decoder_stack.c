@@ -170,13 +170,13 @@ static int attend(const WickStackStep *s, const WickLayer *l, const char *qkv) {
   const int32_t *tables = sliding ? s->sliding_block_tables : s->block_tables;
   const int64_t bt_stride = sliding ? s->sliding_bt_stride : s->bt_stride;
   if (slots == NULL || tables == NULL) return -100;
-  if (l->sliding_window > 0 || l->logits_soft_cap > 0.f)
+  if (l->sliding_window > 0 || l->logits_soft_cap > 0.f || l->kv_fixed_scale > 0.f)
     return wick_paged_attention_windowed(
         s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot, qkv + (H + Hkv) * D * es, Hkv * D,
         qkv_n, slots, l->num_slots, tables, bt_stride, s->query_start_loc, s->seq_lens, s->attn,
         s->num_seqs, (int)H, (int)Hkv, (int)D, s->block_size, s->scale, s->num_threads,
         s->attn_min_work, s->kv_format, l->k_scales, l->v_scales, l->sliding_window,
-        l->logits_soft_cap);
+        l->logits_soft_cap, l->kv_fixed_scale);
   return wick_paged_attention(s->dtype, s->q_rot, l->k_cache, l->v_cache, s->k_rot,
                               qkv + (H + Hkv) * D * es, Hkv * D, qkv_n, slots, l->num_slots,
                               tables, bt_stride, s->query_start_loc, s->seq_lens, s->attn,

@@ -305,6 +305,7 @@ class CpuDecoderStack:
             if isinstance(kv, QuantizedKVCache):
                 data = kv.data
                 s.k_scales, s.v_scales = kv.scales[0].data_ptr(), kv.scales[1].data_ptr()
+                s.kv_fixed_scale = kv.fixed_scale or 0.0
             else:
                 data = kv
             s.k_cache, s.v_cache = data[0].data_ptr(), data[1].data_ptr()

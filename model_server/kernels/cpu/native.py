@@ -270,6 +270,7 @@ def paged_attention(
     logits_soft_cap: float | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    kv_fixed_scale: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for decodes and prefills alike, K/V read from the cache.
 
@@ -284,6 +285,8 @@ def paged_attention(
     Up to torch's thread count run it, fewer for small steps (0 `min_work_per_thread`: all).
     With `sliding_window` W a query at position p sees keys in (p - W, p] (blocks wholly before
     that are never read); with `logits_soft_cap` c scaled scores s become c * tanh(s / c).
+    `kv_fixed_scale` (quantized caches): the static scale every stored row takes instead of
+    its own (kv_cache_dtype.quantize_kv's `fixed_scale`).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -304,14 +307,21 @@ def paged_attention(
             slot_mapping = slot_mapping.to(torch.int64).contiguous()
         store = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slot_mapping.data_ptr())
     # Gemma 2/3 layers take the entry point with the window and the soft cap (0: off).
-    windowed: tuple[int, float] | tuple[()] = ()
+    # and a static KV scale: 0 turns each off.
+    windowed: tuple[int, float, float] | tuple[()] = ()
     entry = kernels.lib.wick_paged_attention
-    if sliding_window is not None or logits_soft_cap is not None:
+    if sliding_window is not None or logits_soft_cap is not None or kv_fixed_scale is not None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"paged attention: sliding_window {sliding_window} must be >= 1")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"paged attention: logits_soft_cap {logits_soft_cap} must be > 0")
-        windowed = (sliding_window or 0, float(logits_soft_cap or 0.0))
+        if kv_fixed_scale is not None and not kv_fixed_scale > 0:
+            raise ValueError(f"paged attention: kv_fixed_scale {kv_fixed_scale} must be > 0")
+        windowed = (
+            sliding_window or 0,
+            float(logits_soft_cap or 0.0),
+            float(kv_fixed_scale or 0.0),
+        )
         entry = kernels.lib.wick_paged_attention_windowed
     kv_format = _KV_FORMATS[k_cache.dtype]
     scales: tuple[int | None, int | None] = (None, None)

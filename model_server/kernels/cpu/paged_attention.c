@@ -954,7 +954,7 @@ static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cach
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                            int block_size, float scale, int num_threads,
                            int64_t min_work_per_thread, int kv_format, float *k_scales,
-                           float *v_scales, int window, float soft_cap) {
+                           float *v_scales, int window, float soft_cap, float kv_fixed_scale) {
   const Geometry geo = {
       .num_heads = num_heads,
       .group = num_heads / num_kv_heads,
@@ -1034,7 +1034,7 @@ static int paged_attention(int dtype, const void *q, void *k_cache, void *v_cach
                       (char *)k_cache, (char *)v_cache);
         else
           store_token_kv(t, is_bf16, kv, num_kv_heads, head_dim, k, v, k_stride, v_stride,
-                         slot_mapping, k_cache, v_cache, k_scales, v_scales);
+                         slot_mapping, k_cache, v_cache, k_scales, v_scales, kv_fixed_scale);
       }
     }
 #pragma omp for schedule(dynamic, 1)
@@ -1083,12 +1083,15 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
   return paged_attention(dtype, q, k_cache, v_cache, k, v, k_stride, v_stride, slot_mapping,
                          num_slots, block_tables, bt_stride, query_start_loc, seq_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-                         num_threads, min_work_per_thread, kv_format, k_scales, v_scales, 0, 0.f);
+                         num_threads, min_work_per_thread, kv_format, k_scales, v_scales, 0, 0.f,
+                         0.f);
 }
 
 /* wick_paged_attention with a sliding window (`window` > 0: position p sees keys in (p - W, p];
- * the blocks wholly before every query's window are never read) and a logit soft cap
- * (`soft_cap` > 0: scaled scores s become c * tanh(s / c)); 0 turns either off. */
+ * the blocks wholly before every query's window are never read), a logit soft cap
+ * (`soft_cap` > 0: scaled scores s become c * tanh(s / c)) and, for quantized caches, a static
+ * scale every stored K/V row takes (`kv_fixed_scale` > 0, a calibration file's per-layer
+ * scale) instead of its own; 0 turns each off. */
 int wick_paged_attention_windowed(int dtype, const void *q, void *k_cache, void *v_cache,
                                   const void *k, const void *v, int64_t k_stride,
                                   int64_t v_stride, const int64_t *slot_mapping,
@@ -1098,10 +1101,10 @@ int wick_paged_attention_windowed(int dtype, const void *q, void *k_cache, void 
                                   int num_heads, int num_kv_heads, int head_dim, int block_size,
                                   float scale, int num_threads, int64_t min_work_per_thread,
                                   int kv_format, float *k_scales, float *v_scales, int window,
-                                  float soft_cap) {
+                                  float soft_cap, float kv_fixed_scale) {
   return paged_attention(dtype, q, k_cache, v_cache, k, v, k_stride, v_stride, slot_mapping,
                          num_slots, block_tables, bt_stride, query_start_loc, seq_lens, out,
                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
                          num_threads, min_work_per_thread, kv_format, k_scales, v_scales, window,
-                         soft_cap);
+                         soft_cap, kv_fixed_scale);
 }

@@ -65,7 +65,7 @@ int wick_paged_attention_windowed(int dtype, const void *q, void *k_cache, void 
                                   int num_heads, int num_kv_heads, int head_dim, int block_size,
                                   float scale, int num_threads, int64_t min_work_per_thread,
                                   int kv_format, float *k_scales, float *v_scales, int window,
-                                  float soft_cap);
+                                  float soft_cap, float kv_fixed_scale);
 const char *wick_isa(void);
 /* layer_ops.c */
 int wick_argmax(int dtype, const void *x, int64_t x_stride, int64_t num_rows, int64_t n,

@@ -125,9 +125,12 @@ static inline uint8_t f32_to_fp8(const float y, const int kv) {
   return (uint8_t)(sign | (base + q + (rem > half || (rem == half && (q & 1u)))));
 }
 
-/* One token's row of head_dim values (fp32 or bf16 by is_bf16) -> codes and scale. */
+/* One token's row of head_dim values (fp32 or bf16 by is_bf16) -> codes and scale: the row's
+ * own scale max|x| / qmax, or `fixed` > 0 (a static per-layer scale from a calibration file:
+ * values beyond qmax * fixed clamp). */
 static inline void quantize_row(const void *x, const int is_bf16, const int kv, const int head_dim,
-                                uint8_t *restrict codes, float *restrict scale) {
+                                const float fixed, uint8_t *restrict codes,
+                                float *restrict scale) {
   float row[512]; /* head_dim <= native.MAX_HEAD_DIM */
   float amax = 0.f;
   for (int d = 0; d < head_dim; d++) {
@@ -135,7 +138,7 @@ static inline void quantize_row(const void *x, const int is_bf16, const int kv, 
     const float a = row[d] < 0.f ? -row[d] : row[d];
     amax = a > amax ? a : amax;
   }
-  const float qmax = kv_qmax(kv), s = amax / qmax, div = s > 0.f ? s : 1.f;
+  const float qmax = kv_qmax(kv), s = fixed > 0.f ? fixed : amax / qmax, div = s > 0.f ? s : 1.f;
   *scale = s;
   for (int d = 0; d < head_dim; d++) {
     float y = row[d] / div;
@@ -146,11 +149,13 @@ static inline void quantize_row(const void *x, const int is_bf16, const int kv, 
 
 /* Token t's K and V (num_kv_heads rows of head_dim values each, in q's dtype, tokens k_step /
  * v_step elements apart) into slot slot_mapping[t] of the caches in format kv: quantized with
- * their scales, converted (fp32 -> bf16 cache), or copied. */
+ * their scales (each row's own, or `fixed_scale` > 0 for every row), converted (fp32 -> bf16
+ * cache), or copied. */
 static void store_token_kv(const int64_t t, const int is_bf16, const int kv, const int num_kv_heads,
                            const int head_dim, const void *k, const void *v, const int64_t k_step,
                            const int64_t v_step, const int64_t *slot_mapping, void *k_cache,
-                           void *v_cache, float *k_scales, float *v_scales) {
+                           void *v_cache, float *k_scales, float *v_scales,
+                           const float fixed_scale) {
   const int64_t slot = slot_mapping[t];
   if (slot < 0) return;
   const size_t in_elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
@@ -163,7 +168,8 @@ static void store_token_kv(const int64_t t, const int is_bf16, const int kv, con
       const char *xr = x + (int64_t)h * head_dim * (int64_t)in_elem;
       const int64_t at = (row0 + h) * head_dim;
       if (KV_QUANT(kv)) {
-        quantize_row(xr, is_bf16, kv, head_dim, (uint8_t *)cache + at, scales + row0 + h);
+        quantize_row(xr, is_bf16, kv, head_dim, fixed_scale, (uint8_t *)cache + at,
+                     scales + row0 + h);
       } else if (kv == is_bf16) {
         memcpy((char *)cache + at * (int64_t)in_elem, xr, (size_t)head_dim * in_elem);
       } else { /* fp32 values into a bf16 cache */

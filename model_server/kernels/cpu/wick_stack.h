@@ -64,6 +64,7 @@ typedef struct {
   int64_t num_slots;               /* slots of this layer's cache (num_blocks * block_size) */
   void *k_cache, *v_cache;         /* [num_blocks, block_size, Hkv, D] */
   float *k_scales, *v_scales;      /* quantized caches: [num_blocks, block_size, Hkv], else NULL */
+  float kv_fixed_scale;            /* quantized caches: every stored row's static scale; 0: own */
 } WickLayer;
 
 typedef struct {

@@ -82,8 +82,9 @@ class AttentionBackend(ABC):
       refuses such a layer at construction with one clear line.
       - With `k_scales` and `v_scales` ([num_blocks, block_size, num_kv_heads] float32) the
         caches are quantized (int8, float8_e4m3fn or float8_e5m2 codes, told by the caches'
-        dtype): the store quantizes each token's head row with its own scale and every read
-        dequantizes, exactly as `kv_cache_dtype.quantize_kv` / `dequantize_kv`. Float caches
+        dtype): the store quantizes each token's head row with its own scale (or with
+        `kv_fixed_scale`, the layer's static one, where given) and every read dequantizes,
+        exactly as `kv_cache_dtype.quantize_kv` / `dequantize_kv`. Float caches
         may have a dtype other than q's: K/V are cast on store and read in q's dtype.
     """
 
@@ -146,4 +147,5 @@ class AttentionBackend(ABC):
         *,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        kv_fixed_scale: float | None = None,
     ) -> torch.Tensor: ...

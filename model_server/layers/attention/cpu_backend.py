@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -75,8 +76,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         *,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        kv_fixed_scale: float | None = None,
     ) -> torch.Tensor:
-        scales = {"k_scales": k_scales, "v_scales": v_scales}
+        scales: dict[str, Any] = {"k_scales": k_scales, "v_scales": v_scales}
+        if kv_fixed_scale is not None:
+            scales["kv_fixed_scale"] = kv_fixed_scale
         if self.kernels is None:
             reason = "the kernels could not be built (see the warning above)"
         else:

@@ -28,9 +28,11 @@ def write_to_paged_cache(
     slots: torch.Tensor,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    fixed_scale: float | None = None,
 ) -> None:
     """k, v: [T, Hkv, D] -> cache slots (k_cache, v_cache: [num_blocks, block_size, Hkv, D]);
-    with scales ([num_blocks, block_size, Hkv]) quantized first (kv_cache_dtype.quantize_kv)."""
+    with scales ([num_blocks, block_size, Hkv]) quantized first (kv_cache_dtype.quantize_kv,
+    with the layer's static `fixed_scale` where it has one)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if k_scales is None or v_scales is None:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
@@ -38,7 +40,7 @@ def write_to_paged_cache(
         return
     kv = kv_dtype_of(k_cache.dtype)
     for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
-        codes, s = quantize_kv(x, kv)
+        codes, s = quantize_kv(x, kv, fixed_scale)
         as_bytes(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slots, as_bytes(codes))
         scales.view(-1, num_kv_heads).index_copy_(0, slots, s)
 
@@ -85,8 +87,11 @@ class TorchAttentionBackend(AttentionBackend):
         *,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        kv_fixed_scale: float | None = None,
     ) -> torch.Tensor:
-        write_to_paged_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scales, v_scales)
+        write_to_paged_cache(
+            k, v, k_cache, v_cache, metadata.slot_mapping, k_scales, v_scales, kv_fixed_scale
+        )
         out = torch.empty_like(q)
         nd = metadata.num_decodes
         scales = (k_scales, v_scales)

@@ -108,8 +108,11 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        kv_fixed_scale: float | None = None,
     ) -> torch.Tensor:
-        store_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping, k_scales, v_scales)
+        store_kv_cache(
+            k, v, k_cache, v_cache, metadata.slot_mapping, k_scales, v_scales, kv_fixed_scale
+        )
         return self.attend(q, k_cache, v_cache, metadata, k_scales=k_scales, v_scales=v_scales)
 
     def attend(
@@ -122,6 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
         *,
         k_scales: torch.Tensor | None = None,
         v_scales: torch.Tensor | None = None,
+        kv_fixed_scale: float | None = None,
     ) -> torch.Tensor:
         """The attention part of `forward` (K/V already stored): decode, then prefill kernels."""
         md = metadata
