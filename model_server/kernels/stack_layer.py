@@ -18,7 +18,8 @@ class StackLayer:
     """One pre-norm decoder layer as the model describes it (`DecoderLayer.stack_layer`):
     x -> x + attn_out_norm?(o(attn(rotary(qk_norm?(qkv(norm(x))))))) ->
          x + mlp_out_norm?(down(act(gate(norm(x))) * up(norm(x)))),
-    norms RMSNorm (Gemma's hold 1 + w), rotary neox over whole heads. What the layer cannot be
+    norms RMSNorm (Gemma's hold 1 + w), rotary neox over each head's first `rotary_dim` dims
+    (the others pass through; None: the whole head). What the layer cannot be
     described as, the model says in words instead. The platform decides which described layers
     its native step runs (the attention backend, the activation, the rank count, ...)."""
 
@@ -33,7 +34,7 @@ class StackLayer:
     num_kv_heads: int  # this rank's
     head_dim: int
     scale: float
-    cos_sin_cache: torch.Tensor  # [max_position, D]: cos | sin (this layer's rope)
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]: cos | sin (this layer's rope)
     activation: str  # the gated MLP's: "silu", "gelu_tanh", "gelu"
     attention_backend: str  # the backend the layer's attention runs ("cpu", "torch", ...)
     tp_size: int = 1
@@ -45,6 +46,7 @@ class StackLayer:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     kv_group: int = 0  # 1: the sliding-window layers' own KV cache pool
+    rotary_dim: int | None = None  # partial rotary (GLM-4): the leading dims that rotate
 
 
 class StepMetadata(Protocol):

@@ -28,7 +28,7 @@ from model_server.layers.linear import (
     default_weight_loader,
 )
 from model_server.layers.norm import RMSNorm
-from model_server.layers.rotary import RotaryEmbedding
+from model_server.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 
 # (our fused param name part, checkpoint name part, shard id)
 STACKED_PARAMS_MAPPING: tuple[tuple[str, str, str | int], ...] = (
@@ -257,9 +257,13 @@ def stack_layer(layer: nn.Module) -> StackLayer | str:
         return f"{type(attn).__name__} (not the fused q/k/v attention)"
     if attn.qk_norm and not (_plain_rms_norm(attn.q_norm) and _plain_rms_norm(attn.k_norm)):
         return "a q/k norm other than RMSNorm"
-    rotary = attn.rotary_emb
-    if type(rotary).forward is not RotaryEmbedding.forward or rotary.head_dim != attn.head_dim:
-        return f"{type(rotary).__name__} (partial or scaled-at-runtime rotary)"
+    rotary, rotary_dim = attn.rotary_emb, None
+    if type(rotary) is PartialRotaryEmbedding:  # the leading dims rotate, the rest pass
+        rotary, rotary_dim = rotary.rotary, rotary.rotary_dim
+    elif rotary.head_dim != attn.head_dim:
+        return f"{type(rotary).__name__} (a rotary over {rotary.head_dim} of {attn.head_dim} dims)"
+    if type(rotary).forward is not RotaryEmbedding.forward:
+        return f"{type(rotary).__name__} (a rotary scaled at runtime)"
     if type(mlp) is not GatedMLP and type(mlp).forward is not GatedMLP.forward:
         return f"{type(mlp).__name__} (not the gated MLP)"
     activation = _activation(mlp)
@@ -298,6 +302,7 @@ def stack_layer(layer: nn.Module) -> StackLayer | str:
         sliding_window=attn.attn.sliding_window,
         logits_soft_cap=getattr(impl, "logits_soft_cap", None),
         kv_group=attn.attn.kv_group,
+        rotary_dim=rotary_dim,
     )
 
 

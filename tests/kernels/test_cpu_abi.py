@@ -212,7 +212,8 @@ def test_every_declared_function_is_bound_with_its_declared_types() -> None:
     assert lib.wick_panel_pack.restype is None
     assert list(lib.wick_gemm_packed.argtypes) == [ctypes.c_void_p]
     windowed = list(lib.wick_paged_attention_windowed.argtypes)
-    assert windowed == [*lib.wick_paged_attention.argtypes, ctypes.c_int, ctypes.c_float]
+    extra = [ctypes.c_int, ctypes.c_float, ctypes.c_float]  # window, soft cap, static KV scale
+    assert windowed == [*lib.wick_paged_attention.argtypes, *extra]
 
 
 def _python_entry_points() -> set[str]:

@@ -67,16 +67,14 @@ NATIVE: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         },
     ),
     "phi3": lambda: transformers.Phi3Config(**_COMMON, sliding_window=None),
+    # Partial rotary (half of each head's dims), sandwich norms.
+    "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16, partial_rotary_factor=0.5),
 }
 # What the step does not run yet, and the reason the plan gives.
 MODULES: dict[str, tuple[Callable[[], transformers.PretrainedConfig], str]] = {
     "phi2": (
         lambda: transformers.PhiConfig(**_COMMON, partial_rotary_factor=0.5),
         "LayerNorm with bias, parallel attention + MLP",
-    ),
-    "glm4": (
-        lambda: transformers.Glm4Config(**_COMMON, head_dim=16, partial_rotary_factor=0.5),
-        "rotary",
     ),
 }
 

@@ -58,6 +58,7 @@ static const Row ROWS[] = {
     FIELD(WickLayer, k_scales),
     FIELD(WickLayer, v_scales),
     FIELD(WickLayer, kv_fixed_scale),
+    FIELD(WickLayer, rotary_dim),
 
     STRUCT(WickStackStep),
     FIELD(WickStackStep, dtype),

@@ -236,7 +236,7 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
       }
       STAGE(wick_rotary_neox(s->dtype, s->positions, T, l->cos_sin, s->max_position, q,
                              q_stride, D, s->q_rot, k, k_stride, D, s->k_rot, (int)H, (int)Hkv,
-                             (int)D, s->num_threads, s->norm_min_work),
+                             (int)D, l->rotary_dim, s->num_threads, s->norm_min_work),
             STAGE_ROTARY);
       /* 4. store k_rot and v into the cache, attend */
       STAGE(attend(s, l, qkv), STAGE_ATTN);

@@ -7,13 +7,16 @@ kernels (module calls, allocations, argument marshalling; 2-core Zen 4). The nat
 the very kernels the per-module path calls, with the same arguments in the same order, so its
 outputs are the same bits; the Python between them is gone.
 
-It runs where every layer is the plain pre-norm Llama shape (RMSNorm, fused q/k/v without a
-q/k norm, neox rotary over the whole head, full causal attention on the native CPU backend,
-o_proj, RMSNorm with the residual add, SwiGLU) on one rank, and every matmul has a native kernel
-at the step's row count, as the planned weights say (kernels/planned_weight.py): panels at every
-row count (float weights), or the GGUF kernels planned for that count (weights kept in their
-blocks). Anything else, the model's own modules run: `CpuDecoderStack.build` returns None (why
-is logged once), or `__call__` does for a step it does not take.
+It runs where the model describes its layers (`StackLayer`, models/decoder_parts.py) and
+`_native_reason` finds nothing the C code lacks: RMSNorms (sandwich norms too), fused q/k/v
+with optional biases and per-head q/k norms, neox rotary over the whole head or its leading
+dims, causal attention (sliding windows in their own KV pool, soft caps, quantized caches) on
+the native CPU backend, o_proj, a gated MLP (SiLU or GELU); under tensor parallelism one call
+per half layer with the all-reduce between. Per row bucket every matmul must have a native
+kernel as the planned weights say (kernels/planned_weight.py): dense or panel kernels for float
+weights, the GGUF or wNa16 kernels planned for that count for kept quantized weights. Elsewhere
+the model's own modules run: `CpuDecoderStack.build` returns why (logged once), or `takes` says
+no for a row count without native kernels.
 """
 
 from __future__ import annotations
@@ -296,6 +299,7 @@ class CpuDecoderStack:
             s.mlp_out_norm = _ptr(layer.mlp_out_norm)
             s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
             s.cos_sin = layer.cos_sin_cache.data_ptr()
+            s.rotary_dim = layer.rotary_dim or layer.head_dim
             s.sliding_window = layer.sliding_window or 0
             s.logits_soft_cap = layer.logits_soft_cap or 0.0
             s.kv_group = layer.kv_group
@@ -507,6 +511,12 @@ def _native_reason(
             return f"layer {i}: the {layer.activation} activation (native: {native_acts})"
         if (layer.q_norm is None) != (layer.k_norm is None):
             return f"layer {i}: a q norm without a k norm"
+        rotary_dim = layer.rotary_dim or layer.head_dim
+        if rotary_dim % 2 or rotary_dim > layer.head_dim or layer.cos_sin_cache.dim() != 2:
+            return f"layer {i}: a rotary over {rotary_dim} of {layer.head_dim} dims"
+        cache_dims = layer.cos_sin_cache.shape[1]
+        if cache_dims != rotary_dim:
+            return f"layer {i}: a rotary cache of {cache_dims} dims, not {rotary_dim}"
         tensors = [layer.input_norm, layer.post_attention_norm, layer.cos_sin_cache]
         tensors += [t for t in (layer.attn_out_norm, layer.mlp_out_norm, layer.q_norm,
                                 layer.k_norm) if t is not None]  # fmt: skip

@@ -238,11 +238,25 @@ static inline __attribute__((always_inline)) void rotate_head(const int is_bf16,
   }
 }
 
-/* Geometry of one rotary call; strides count elements. */
+/* Geometry of one rotary call; strides count elements. The first rotary_dim dims of a head
+ * rotate, the others (partial rotary: GLM-4, Phi-2, StableLM) pass through. */
 typedef struct {
   int64_t q_token_stride, q_head_stride, k_token_stride, k_head_stride;
-  int num_heads, num_kv_heads, head_dim;
+  int num_heads, num_kv_heads, head_dim, rotary_dim;
 } RotaryGeometry;
+
+/* One head of head_dim values: the first rotary_dim rotate (`rotate_head`), the rest copy. */
+static inline __attribute__((always_inline)) void rotate_partial(const int is_bf16,
+                                                                 const RotaryGeometry *geo,
+                                                                 const void *restrict x,
+                                                                 const void *restrict cs,
+                                                                 void *restrict out) {
+  rotate_head(is_bf16, geo->rotary_dim / 2, x, cs, out);
+  const size_t es = is_bf16 ? 2 : 4;
+  if (geo->rotary_dim < geo->head_dim)
+    memcpy((char *)out + (size_t)geo->rotary_dim * es, (const char *)x + (size_t)geo->rotary_dim * es,
+           (size_t)(geo->head_dim - geo->rotary_dim) * es);
+}
 
 /* Token t's query and key heads. */
 static inline __attribute__((always_inline)) void rotary_token(const int is_bf16,
@@ -250,35 +264,38 @@ static inline __attribute__((always_inline)) void rotary_token(const int is_bf16
                                                                const int64_t t, const void *cs,
                                                                const void *q, const void *k,
                                                                void *q_out, void *k_out) {
-  const int head_dim = geo->head_dim, half = head_dim / 2;
+  const int head_dim = geo->head_dim;
   for (int h = 0; h < geo->num_heads; h++)
-    rotate_head(is_bf16, half, at(q, t * geo->q_token_stride + h * geo->q_head_stride, is_bf16),
-                cs, at_mut(q_out, (t * geo->num_heads + h) * head_dim, is_bf16));
+    rotate_partial(is_bf16, geo, at(q, t * geo->q_token_stride + h * geo->q_head_stride, is_bf16),
+                   cs, at_mut(q_out, (t * geo->num_heads + h) * head_dim, is_bf16));
   for (int h = 0; h < geo->num_kv_heads; h++)
-    rotate_head(is_bf16, half, at(k, t * geo->k_token_stride + h * geo->k_head_stride, is_bf16),
-                cs, at_mut(k_out, (t * geo->num_kv_heads + h) * head_dim, is_bf16));
+    rotate_partial(is_bf16, geo, at(k, t * geo->k_token_stride + h * geo->k_head_stride, is_bf16),
+                   cs, at_mut(k_out, (t * geo->num_kv_heads + h) * head_dim, is_bf16));
 }
 
 /* q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim] (strided: token and head strides
- * given, unit stride along head_dim), positions [T] int64, cos_sin [max_position, head_dim]
- * (cos in the first half of a row, sin in the second) -> q_out, k_out contiguous. head_dim is
- * even. Returns 0; -2 when a position is outside [0, max_position), before any work. */
+ * given, unit stride along head_dim), positions [T] int64, cos_sin [max_position, rotary_dim]
+ * (cos in the first half of a row, sin in the second) -> q_out, k_out contiguous: each head's
+ * first rotary_dim dims rotated (neox pairs within them), the rest copied. rotary_dim is even
+ * and <= head_dim. Returns 0; -2 when a position is outside [0, max_position), -3 for a
+ * rotary_dim that is not, before any work. */
 int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens,
                      const void *cos_sin, int64_t max_position, const void *q,
                      int64_t q_token_stride, int64_t q_head_stride, void *q_out, const void *k,
                      int64_t k_token_stride, int64_t k_head_stride, void *k_out, int num_heads,
-                     int num_kv_heads, int head_dim, int num_threads,
+                     int num_kv_heads, int head_dim, int rotary_dim, int num_threads,
                      int64_t min_work_per_thread) {
+  if (rotary_dim < 2 || rotary_dim > head_dim || rotary_dim % 2) return -3;
   for (int64_t t = 0; t < num_tokens; t++)
     if (positions[t] < 0 || positions[t] >= max_position) return -2;
   const RotaryGeometry geo = {q_token_stride, q_head_stride, k_token_stride, k_head_stride,
-                              num_heads,      num_kv_heads,  head_dim};
+                              num_heads,      num_kv_heads,  head_dim,       rotary_dim};
   const int is_bf16 = dtype == 1;
   const int64_t work = num_tokens * (num_heads + num_kv_heads) * (int64_t)head_dim;
   const int threads = threads_for(work, min_work_per_thread, num_threads);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
   for (int64_t t = 0; t < num_tokens; t++) {
-    const void *cs = at(cos_sin, positions[t] * head_dim, is_bf16);
+    const void *cs = at(cos_sin, positions[t] * rotary_dim, is_bf16);
     if (is_bf16)
       rotary_token(1, &geo, t, cs, q, k, q_out, k_out);
     else

@@ -374,6 +374,7 @@ def rotary_embedding(
         num_heads,
         key.shape[1],
         head_dim,
+        head_dim,  # rotary_dim: every dim of the heads given
         torch.get_num_threads(),
         min_work_per_thread,
     )

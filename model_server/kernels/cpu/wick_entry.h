@@ -20,7 +20,7 @@ int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens, co
                      int64_t max_position, const void *q, int64_t q_token_stride,
                      int64_t q_head_stride, void *q_out, const void *k, int64_t k_token_stride,
                      int64_t k_head_stride, void *k_out, int num_heads, int num_kv_heads,
-                     int head_dim, int num_threads, int64_t min_work_per_thread);
+                     int head_dim, int rotary_dim, int num_threads, int64_t min_work_per_thread);
 int wick_silu_and_mul(int dtype, const void *x, int64_t x_stride, void *out, int64_t num_rows,
                       int d, int num_threads, int64_t min_work_per_thread);
 int wick_gelu_tanh_and_mul(int dtype, const void *x, int64_t x_stride, void *out,

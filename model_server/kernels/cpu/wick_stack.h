@@ -54,7 +54,8 @@ typedef struct {
    * add, and on the MLP output. */
   const void *attn_out_norm, *mlp_out_norm; /* [hidden] */
   const void *q_norm, *k_norm;     /* per-head RMSNorm of q and k before rotary [D], or NULL */
-  const void *cos_sin;             /* this layer's rotary cache [max_position, D] */
+  const void *cos_sin;             /* this layer's rotary cache [max_position, rotary_dim] */
+  int32_t rotary_dim;              /* the leading dims of a head that rotate (<= D, even) */
   WickLinear qkv, o, gate_up, down;
   int32_t fuse_silu;               /* gate_up runs the panels' fused SiLU-and-mul */
   int32_t activation;              /* ACT_*, when not fused */
