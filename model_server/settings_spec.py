@@ -729,6 +729,22 @@ SETTINGS: tuple[Setting, ...] = (
         check=_check_kv_cache_dtype,
     ),
     Setting(
+        "quantization_param_path",
+        str,
+        None,
+        "vLLM's (and vLLM-GCU's) file of static per-layer KV cache scales (JSON: "
+        "kv_cache.dtype float8_e4m3fn, float8_e5m2 or int8, kv_cache.scaling_factor per TP rank "
+        "and layer, as AMMO's or AMD's quantizer writes it): every K and V row a layer stores "
+        "takes the layer's scale instead of its own max|x| / qmax (values past qmax x scale "
+        "clamp). Needs the matching --kv-cache-dtype (fp8_e4m3, fp8_e5m2, int8), one scale per "
+        "layer and one set per --tensor-parallel-size rank; anything else is one error line. "
+        "Without it each row gets its own scale, which needs no calibration.",
+        "engine",
+        default_text="none",
+        check=_check_quantization_param_path,
+        check_flag=True,
+    ),
+    Setting(
         "device",
         str,
         "cpu",
@@ -1214,22 +1230,6 @@ SETTINGS: tuple[Setting, ...] = (
         "server",
         choices=REASONING_PARSERS,
         check=_check_reasoning_parser,
-    ),
-    Setting(
-        "quantization_param_path",
-        str,
-        None,
-        "vLLM's (and vLLM-GCU's) file of static per-layer KV cache scales (JSON: "
-        "kv_cache.dtype float8_e4m3fn, float8_e5m2 or int8, kv_cache.scaling_factor per TP rank "
-        "and layer, as AMMO's or AMD's quantizer writes it): every K and V row a layer stores "
-        "takes the layer's scale instead of its own max|x| / qmax (values past qmax x scale "
-        "clamp). Needs the matching --kv-cache-dtype (fp8_e4m3, fp8_e5m2, int8), one scale per "
-        "layer and one set per --tensor-parallel-size rank; anything else is one error line. "
-        "Without it each row gets its own scale, which needs no calibration.",
-        "engine",
-        default_text="none",
-        check=_check_quantization_param_path,
-        check_flag=True,
     ),
     # Server-wide sampling defaults (candle-vllm's flags, vLLM's --generation-config): a request
     # field left unset takes the flag, else the model's generation_config.json, else OpenAI's

@@ -141,15 +141,18 @@ def _resolve_here(
         dtype, reason = platform.resolve_dtype(config.dtype), "given"
     checkpoint = checkpoint_quantization(source.hf_config)
     quantization = resolve_quantization(parse_quantization(config.quantization), checkpoint)
+    gguf_layout = platform.gguf_weights_layout(
+        config.gguf_weights, options, get_tensor_model_parallel_world_size()
+    )
+    if gguf_layout == "mixed" and quantization is not None:
+        gguf_layout = "dequantized"  # -q int8 quantizes float weights at load
     return ResolvedModelConfig(
         dtype=dtype,
         dtype_reason=reason,
         kv_cache_dtype=config.kv_cache_dtype,
         kv_cache_scales=_kv_cache_scales(config, get_tensor_model_parallel_world_size()),
         quantization=quantization,
-        gguf_layout=platform.gguf_weights_layout(
-            config.gguf_weights, options, get_tensor_model_parallel_world_size()
-        ),
+        gguf_layout=gguf_layout,
         attention_backend=config.attention_backend or platform.default_attention_backend,
         max_model_len=config.max_model_len or source.context_length,
         max_model_len_given=config.max_model_len is not None,
