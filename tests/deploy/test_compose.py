@@ -224,3 +224,42 @@ def test_monitoring_profile_scrapes_both_services_and_mounts_the_charts_dashboar
     assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (ROOT / "helm" / "wick" / "dashboards" / Path(home).name).is_file()
+
+
+def test_rag_profile_adds_embedding_and_reranking_servers_and_microservices() -> None:
+    config = compose_config(ROOT / "compose" / "cpu.env", COMPOSE_PROFILES="cpu,rag")
+    services = config["services"]
+    rag = {"embedding-model-server", "reranking-model-server", "embedding-microservice",
+           "reranking-microservice"}  # fmt: skip
+    assert set(services) == {"model-server-cpu", USVC} | rag
+    embed, rerank = services["embedding-model-server"], services["reranking-model-server"]
+    # OPEA ChatQnA's models by default; each server on its own host port, alias and model.
+    assert embed["environment"]["LLM_MODEL"] == "BAAI/bge-base-en-v1.5"
+    assert rerank["environment"]["LLM_MODEL"] == "BAAI/bge-reranker-base"
+    assert published(embed) == {8008: 8009} and published(rerank) == {8008: 8010}
+    assert embed["networks"]["default"]["aliases"] == ["embedding-model-server"]
+    assert healthcheck_url(embed) == "http://127.0.0.1:8008/health"
+    usvc_embed, usvc_rerank = services["embedding-microservice"], services["reranking-microservice"]
+    assert usvc_embed["entrypoint"] == ["python3", "-m", "microservice.embedding"]
+    assert usvc_rerank["entrypoint"] == ["python3", "-m", "microservice.reranking"]
+    env = usvc_embed["environment"]
+    assert env["EMBEDDING_MODEL_SERVER_ENDPOINT"] == "http://embedding-model-server:8008"
+    assert usvc_rerank["environment"]["RERANKING_MODEL_SERVER_ENDPOINT"] == (
+        "http://reranking-model-server:8008"
+    )
+    assert published(usvc_embed) == {6000: 6000} and published(usvc_rerank) == {8000: 8000}
+    assert healthcheck_url(usvc_rerank) == "http://127.0.0.1:8000/v1/health_check"
+    # Each microservice reads exactly the settings of its own class (host aside: fixed).
+    from microservice.pooling_settings import EmbeddingSettings, RerankingSettings
+
+    for service, cls in [(usvc_embed, EmbeddingSettings), (usvc_rerank, RerankingSettings)]:
+        own = {n for n in settings_env_names(cls) if not n.startswith(("LLM_", "TEI_"))}
+        assert own - {n for n in own if n.endswith("_HOST")} <= set(service["environment"])
+    # Chosen models and ports reach them.
+    custom = compose_config(
+        ROOT / "compose" / "cpu.env", COMPOSE_PROFILES="cpu,rag",
+        LLM_EMBEDDING_MODEL="/data/minilm", EMBEDDING_USVC_PORT="16000",
+    )  # fmt: skip
+    custom_embed = custom["services"]["embedding-model-server"]
+    assert custom_embed["environment"]["LLM_MODEL"] == "/data/minilm"
+    assert published(custom["services"]["embedding-microservice"]) == {6000: 16000}

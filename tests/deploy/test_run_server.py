@@ -308,3 +308,15 @@ def test_native_stack_on_cpu(tmp_path: Path) -> None:
     logs = {p.name for p in Path(env["WICK_LOG_DIR"]).iterdir()}
     assert logs == {"model-server.log", "microservice.log"}
     assert os.path.getsize(Path(env["WICK_LOG_DIR"]) / "model-server.log") > 0
+
+
+def test_compose_mode_adds_the_rag_profile_for_a_rag_model(
+    tmp_path: Path, fake_docker: dict[str, str]
+) -> None:
+    env = {**fake_docker, "LLM_EMBEDDING_MODEL": "BAAI/bge-small-en-v1.5"}
+    Path(env["WICK_ENV_FILE"]).write_text("LLM_DEVICE=cpu\n")
+    rc, _, err = run_script("-d", env=env)
+    assert rc == 0, err
+    record = json.loads((tmp_path / "docker.json").read_text())
+    assert record["argv"][-6:] == ["--profile", "cpu", "--profile", "rag", "up", "-d"]
+    assert record["profiles"] == "cpu,rag"

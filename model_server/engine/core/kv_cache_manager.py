@@ -38,6 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from model_server.engine.core.kv_events import KVEventRecorder
 from model_server.engine.core.request import Request
 
 
@@ -248,6 +249,8 @@ class KVCacheManager:
         # Prefix-cache metrics, in tokens, counted once per scheduling of a request from waiting.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Told of every entry registered and evicted when KV events are on (--kv-events-config).
+        self.kv_events: KVEventRecorder | None = None
 
     # ----------------------------------------------------------------------------------- stats
 
@@ -420,6 +423,10 @@ class KVCacheManager:
                 self._next_cache_id += 1
                 self._hash_to_block[block_hash] = block
                 cursor.parent_cache_id = block.cache_id
+                if self.kv_events is not None:
+                    self.kv_events.block_stored(
+                        block.cache_id, block.parent_cache_id, request.all_token_ids, i
+                    )
             elif entry.token_ids == token_ids and entry.parent_cache_id == cursor.parent_cache_id:
                 cursor.parent_cache_id = entry.cache_id
             else:
@@ -516,6 +523,8 @@ class KVCacheManager:
             block_id, _ = self._free_cached.popitem(last=False)
             block = self.blocks[block_id]
             del self._hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.block_removed(block.cache_id)  # type: ignore[arg-type]
             block.clear_cache_entry()
         self.blocks[block_id].ref_cnt = 1
         return block_id
