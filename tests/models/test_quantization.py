@@ -109,7 +109,8 @@ def test_platforms_without_an_int8_kernel_refuse_it() -> None:
 
 @pytest.fixture(scope="module")
 def models() -> tuple[LLM, LLM]:
-    opts = {"dtype": "float32", "kv_cache_memory": 64 * 1024**2}
+    # The float model's weights (auto would keep some GGUF blocks beside them).
+    opts = {"dtype": "float32", "kv_cache_memory": 64 * 1024**2, "gguf_weights": "dequantized"}
     return LLM(**opts), LLM(quantization="int8", **opts)
 
 
