@@ -271,7 +271,7 @@ def _check_tp(value: int) -> None:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {value}")
 
 
-GGUF_WEIGHTS_MODES = ("auto", "quantized", "dequantized")
+GGUF_WEIGHTS_MODES = ("auto", "quantized", "dequantized", "mixed")
 
 
 def _check_gguf_weights(value: str) -> None:
@@ -707,11 +707,14 @@ SETTINGS: tuple[Setting, ...] = (
         "to Q8_0 and Q2_K to Q6_K, decoded by the matmul as it reads them, with activations "
         "rounded to int8 per 32 values where that times faster (--gguf-int8-dot): weight "
         "memory about the file's size, faster batch-1 decode, slower batches of 8 and more; cpu "
-        "only), dequantized (float weights in --dtype), or auto (on cpu with linear tuning on "
-        "and one rank: float weights, and the blocks kept beside those whose blocks time faster "
-        "at few rows, which then run them there on their float kernel, no int8 rounding; the "
-        "extra memory is logged; elsewhere dequantized; README's GGUF section has the figures). "
-        "--dtype stays the activation dtype either way; other checkpoint formats ignore it.",
+        "only), dequantized (float weights in --dtype), mixed (float weights, and the blocks "
+        "kept beside those whose blocks time faster at few rows, which then run them there on "
+        "their float kernel without int8 rounding; the extra memory is logged; cpu, linear "
+        "tuning on, one rank: in bfloat16 a request's tokens then depend a little on how many "
+        "rows its steps had, as the blocks hold the weights unrounded), or auto (mixed under "
+        "--dtype float32, where both hold the same values, else dequantized; README's GGUF "
+        "section has the figures). --dtype stays the activation dtype either way; other "
+        "checkpoint formats ignore it.",
         "engine",
         choices=GGUF_WEIGHTS_MODES,
         check=_check_gguf_weights,
@@ -819,9 +822,10 @@ SETTINGS: tuple[Setting, ...] = (
         "max_num_batched_tokens",
         int,
         None,
-        "Token budget of one step, shared by decodes and prefill chunks.",
+        "Token budget of one step, shared by decodes and prefill chunks (pooling models: padded "
+        "input tokens per step).",
         "engine",
-        default_text="512 on CPU, 2048 on accelerators",
+        default_text="512 on CPU, 2048 on accelerators; 8192 for pooling models",
     ),
     Setting("block_size", int, 16, "Tokens per KV cache block.", "engine"),
     Setting(

@@ -193,20 +193,30 @@ class CpuPlatform(Platform):
             logger.info("cpu linear %s", line)
         return LinearPlan(planned_weights(plans, kernels, dtype), tuple(report.lines))
 
-    def gguf_weights_layout(self, mode: str, options: KernelOptions, tp_size: int) -> str:
-        """`auto` mixes where the plan can time blocks against floats (linear tuning on, the
-        native kernels built) on one rank: the blocks on their float kernel win at few rows on
-        some shapes (the Gemma 3 270M Q4_K_M file's LM head: 4.3 against 7.6 ms per decode
-        token on a Zen 5), the float weights from a few rows on (README, GGUF section). Under
-        tensor parallelism a rank's blocks may not split (`models/gguf_weights.py`): float."""
-        layout = super().gguf_weights_layout(mode, options, tp_size)
-        if (
-            mode != "auto"
-            or tp_size > 1
-            or not (options.linear_tuning and self.keeps_gguf_quantized)
-        ):
-            return layout
-        return "mixed" if native.load_kernels() is not None else layout
+    def gguf_weights_layout(
+        self, mode: str, options: KernelOptions, tp_size: int, dtype: torch.dtype
+    ) -> str:
+        """`mixed` where the plan can time blocks against floats (linear tuning on, the native
+        kernels built) on one rank: the blocks on their float kernel win at few rows on some
+        shapes (the Gemma 3 270M Q4_K_M file's LM head: 4.3 against 7.6 ms per decode token on
+        a Zen 5), the float weights from a few rows on (README, GGUF section). Under tensor
+        parallelism a rank's blocks may not split (`models/gguf_weights.py`). `auto` mixes in
+        float32 only: there the twins hold the blocks' values exactly, while bf16 twins round
+        them, so which rows ran on which would change a request's tokens with its batch."""
+        if mode not in ("auto", "mixed") or not self.keeps_gguf_quantized:
+            return super().gguf_weights_layout(mode, options, tp_size, dtype)
+        why = None
+        if tp_size > 1:
+            why = "tensor parallelism (each rank's blocks would be split)"
+        elif not options.linear_tuning:
+            why = "--no-cpu-linear-tuning (nothing times the blocks against the floats)"
+        elif native.load_kernels() is None:
+            why = "the native kernels could not be built"
+        if mode == "mixed":
+            if why is not None:
+                raise ValueError(f"--gguf-weights mixed is not supported with {why}")
+            return "mixed"
+        return "mixed" if why is None and dtype == torch.float32 else "dequantized"
 
     def native_decoder_step(
         self,

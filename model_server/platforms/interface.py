@@ -301,17 +301,22 @@ class Platform(ABC):
                 f"quantization {method} is not supported on {self.name} (supported: {have})"
             )
 
-    def gguf_weights_layout(self, mode: str, options: KernelOptions, tp_size: int) -> str:
+    def gguf_weights_layout(
+        self, mode: str, options: KernelOptions, tp_size: int, dtype: torch.dtype
+    ) -> str:
         """How a GGUF's quantized matrices load for `--gguf-weights mode` (auto | quantized |
-        dequantized): "quantized" (kept in their blocks), "dequantized" (float weights) or
-        "mixed" (kept, each beside its float twin: `plan_linears` runs the faster of the two per
-        row count); ValueError for `quantized` where no kernel runs blocks. Here `auto`
-        dequantizes; a platform whose plan times blocks against floats may mix."""
-        if mode == "quantized" and not self.keeps_gguf_quantized:
+        dequantized | mixed) under activations in `dtype`: "quantized" (kept in their blocks),
+        "dequantized" (float weights) or "mixed" (kept, each beside its float twin:
+        `plan_linears` runs the faster of the two per row count); ValueError for a mode that
+        keeps blocks where no kernel runs them. Here `auto` dequantizes; a platform whose plan
+        times blocks against floats may mix."""
+        if mode in ("quantized", "mixed") and not self.keeps_gguf_quantized:
             raise ValueError(
-                f"--gguf-weights quantized is not supported on {self.name} (cpu only); use "
+                f"--gguf-weights {mode} is not supported on {self.name} (cpu only); use "
                 "auto or dequantized to load the GGUF as float weights"
             )
+        if mode == "mixed":
+            raise ValueError(f"--gguf-weights mixed is not supported on {self.name}")
         return "quantized" if mode == "quantized" else "dequantized"
 
     def check_kv_cache_dtype(self, kv_dtype: KVCacheDtype) -> None:

@@ -153,15 +153,23 @@ def test_platforms_without_a_kernel_dequantize_or_refuse() -> None:
         keeps_gguf_quantized = False
 
     tuned, untuned = KernelOptions.resolve(), replace(KernelOptions.resolve(), linear_tuning=False)
-    cpu = CpuPlatform()
-    assert cpu.gguf_weights_layout("auto", tuned, 1) == "mixed"  # README, GGUF section
-    assert cpu.gguf_weights_layout("auto", tuned, 2) == "dequantized"  # ranks split blocks
-    assert cpu.gguf_weights_layout("auto", untuned, 1) == "dequantized"  # nothing timed
-    assert cpu.gguf_weights_layout("quantized", untuned, 2) == "quantized"
-    assert cpu.gguf_weights_layout("dequantized", tuned, 1) == "dequantized"
-    assert NoKernels().gguf_weights_layout("auto", tuned, 1) == "dequantized"
-    with pytest.raises(ValueError, match="--gguf-weights quantized is not supported on nokernels"):
-        NoKernels().gguf_weights_layout("quantized", tuned, 1)
+    cpu, fp32, bf16 = CpuPlatform(), torch.float32, torch.bfloat16
+    assert cpu.gguf_weights_layout("auto", tuned, 1, fp32) == "mixed"  # README, GGUF section
+    # bf16 twins round the blocks' values: auto keeps the float weights alone.
+    assert cpu.gguf_weights_layout("auto", tuned, 1, bf16) == "dequantized"
+    assert cpu.gguf_weights_layout("mixed", tuned, 1, bf16) == "mixed"
+    assert cpu.gguf_weights_layout("auto", tuned, 2, fp32) == "dequantized"  # ranks split blocks
+    assert cpu.gguf_weights_layout("auto", untuned, 1, fp32) == "dequantized"  # nothing timed
+    with pytest.raises(ValueError, match="mixed is not supported with --no-cpu-linear-tuning"):
+        cpu.gguf_weights_layout("mixed", untuned, 1, fp32)
+    with pytest.raises(ValueError, match="mixed is not supported with tensor parallelism"):
+        cpu.gguf_weights_layout("mixed", tuned, 2, fp32)
+    assert cpu.gguf_weights_layout("quantized", untuned, 2, bf16) == "quantized"
+    assert cpu.gguf_weights_layout("dequantized", tuned, 1, fp32) == "dequantized"
+    assert NoKernels().gguf_weights_layout("auto", tuned, 1, fp32) == "dequantized"
+    for mode in ("quantized", "mixed"):
+        with pytest.raises(ValueError, match=f"--gguf-weights {mode} is not supported on nokern"):
+            NoKernels().gguf_weights_layout(mode, tuned, 1, fp32)
 
 
 def test_tensor_parallel_splits_whole_blocks() -> None:

@@ -142,9 +142,11 @@ def _resolve_here(
     checkpoint = checkpoint_quantization(source.hf_config)
     quantization = resolve_quantization(parse_quantization(config.quantization), checkpoint)
     gguf_layout = platform.gguf_weights_layout(
-        config.gguf_weights, options, get_tensor_model_parallel_world_size()
+        config.gguf_weights, options, get_tensor_model_parallel_world_size(), dtype
     )
     if gguf_layout == "mixed" and quantization is not None:
+        if config.gguf_weights == "mixed":
+            raise ValueError("--gguf-weights mixed keeps GGUF blocks: -q int8 takes float weights")
         gguf_layout = "dequantized"  # -q int8 quantizes float weights at load
     return ResolvedModelConfig(
         dtype=dtype,
