@@ -14,6 +14,8 @@
 # Otherwise it runs natively: scripts/setup.sh prepares .venv on first use, the model server and
 # the microservice start in the background (logs in WICK_LOG_DIR), and once /health and
 # /v1/health_check answer 200 it prints the URLs and a curl to try. Ctrl-C or SIGTERM stops both.
+# LLM_EMBEDDING_MODEL / LLM_RERANK_MODEL add the RAG pipeline's embedding / reranking model server
+# and OPEA microservice (compose: the `rag` profile; natively: two more processes per model).
 #
 # Errors (unsupported LLM_DEVICE, a missing device runtime, a busy port, ...) are one line on
 # stderr and a non-zero exit status.
@@ -148,10 +150,16 @@ if [[ "$MODE" == compose ]]; then
   check_port LLM_USVC_PORT "$USVC_PORT"
   args=(-f "$ROOT/compose/docker-compose.yaml" --env-file "$DEVICE_ENV_FILE")
   [[ -f "$ENV_FILE" ]] && args+=(--env-file "$ENV_FILE")
+  profiles=(--profile "$LLM_DEVICE")
   export COMPOSE_PROFILES="$LLM_DEVICE" LLM_MODEL_SERVER_PORT="$MS_PORT" LLM_USVC_PORT="$USVC_PORT"
+  # Either RAG model turns on the `rag` profile (the other one takes compose's default).
+  if [[ -n "${LLM_EMBEDDING_MODEL:-}${LLM_RERANK_MODEL:-}" ]]; then
+    profiles+=(--profile rag)
+    COMPOSE_PROFILES="$LLM_DEVICE,rag"
+  fi
   log "starting the $LLM_DEVICE stack with ${COMPOSE[*]} (model server :$MS_PORT, microservice :$USVC_PORT)"
   log "once it is up, chat in a browser at http://localhost:$MS_PORT/"
-  exec "${COMPOSE[@]}" "${args[@]}" --profile "$LLM_DEVICE" up "${EXTRA[@]}"
+  exec "${COMPOSE[@]}" "${args[@]}" "${profiles[@]}" up "${EXTRA[@]}"
 fi
 
 # ---------------------------------------------------------------- native mode
@@ -172,6 +180,19 @@ case "$LLM_DEVICE" in
 esac
 check_port LLM_MODEL_SERVER_PORT "$MS_PORT"
 check_port LLM_USVC_PORT "$USVC_PORT"
+# The RAG pipeline's models, each with its model server and OPEA microservice:
+# "kind model model-server-port microservice-port" (see spawn_rag below).
+RAG_SPECS=()
+if [[ -n "${LLM_EMBEDDING_MODEL:-}" ]]; then
+  RAG_SPECS+=("embedding $LLM_EMBEDDING_MODEL ${LLM_EMBEDDING_MODEL_SERVER_PORT:-8009} ${EMBEDDING_USVC_PORT:-6000}")
+  check_port LLM_EMBEDDING_MODEL_SERVER_PORT "${LLM_EMBEDDING_MODEL_SERVER_PORT:-8009}"
+  check_port EMBEDDING_USVC_PORT "${EMBEDDING_USVC_PORT:-6000}"
+fi
+if [[ -n "${LLM_RERANK_MODEL:-}" ]]; then
+  RAG_SPECS+=("reranking $LLM_RERANK_MODEL ${LLM_RERANK_MODEL_SERVER_PORT:-8010} ${RERANKING_USVC_PORT:-8000}")
+  check_port LLM_RERANK_MODEL_SERVER_PORT "${LLM_RERANK_MODEL_SERVER_PORT:-8010}"
+  check_port RERANKING_USVC_PORT "${RERANKING_USVC_PORT:-8000}"
+fi
 
 [[ -n "$NATIVE_NOTE" ]] && log "$NATIVE_NOTE"
 "$ROOT/scripts/setup.sh" "model-server,microservice" ||
@@ -193,15 +214,19 @@ export LLM_MODEL_SERVER_ENDPOINT="${LLM_MODEL_SERVER_ENDPOINT:-http://127.0.0.1:
 
 MS_PID=""
 USVC_PID=""
+RAG_PIDS=()  # the RAG model servers' and microservices' pids
+RAG_NAMES=() # "embedding model server", ... (parallel to RAG_PIDS)
+RAG_LOGS=()
+RAG_URLS=() # each one's readiness URL
 alive() { [[ -n "$1" ]] && kill -0 "$1" 2>/dev/null; }
 
 # SIGTERM both, give them the model server's drain time (+ margin), then SIGKILL what is left.
 stop_all() {
   local pid deadline=$((SECONDS + ${LLM_DRAIN_TIMEOUT%.*} + 15))
-  for pid in $USVC_PID $MS_PID; do
+  for pid in $USVC_PID $MS_PID ${RAG_PIDS[@]+"${RAG_PIDS[@]}"}; do
     alive "$pid" && kill -TERM "$pid" 2>/dev/null
   done
-  for pid in $USVC_PID $MS_PID; do
+  for pid in $USVC_PID $MS_PID ${RAG_PIDS[@]+"${RAG_PIDS[@]}"}; do
     while alive "$pid" && ((SECONDS < deadline)); do sleep 0.2; done
     if alive "$pid"; then
       log "process $pid did not stop in time: killing it"
@@ -211,6 +236,7 @@ stop_all() {
   done
   MS_PID=""
   USVC_PID=""
+  RAG_PIDS=()
 }
 on_signal() {
   trap - INT TERM
@@ -241,6 +267,36 @@ MS_PID=$!
 spawn "$USVC_LOG" "$PY" -m microservice
 USVC_PID=$!
 
+# A RAG model's server runs without the LLM's settings (its model, limits, KV cache, CPU kernel
+# tuning: what a pooling server refuses or would misread); the device, key, log settings and
+# HF_* stay.
+RAG_UNSET=()
+for name in $(compgen -e); do
+  case "$name" in
+    LLM_DEVICE | LLM_API_KEY | LLM_LOG_LEVEL | LLM_ACCESS_LOG) ;;
+    LLM_* | VLLM_* | WICK_CPU_* | WICK_GGUF_* | WICK_NO_GGUF_CACHE) RAG_UNSET+=(-u "$name") ;;
+  esac
+done
+spawn_rag() { # kind model model-server-port microservice-port
+  local kind="$1" model="$2" ms_port="$3" usvc_port="$4" upper="${1^^}"
+  spawn "$LOG_DIR/$kind-model-server.log" env ${RAG_UNSET[@]+"${RAG_UNSET[@]}"} \
+    "$PY" -m model_server serve --model "$model" --port "$ms_port"
+  RAG_PIDS+=("$!")
+  RAG_NAMES+=("$kind model server")
+  RAG_LOGS+=("$LOG_DIR/$kind-model-server.log")
+  RAG_URLS+=("http://127.0.0.1:$ms_port/health")
+  spawn "$LOG_DIR/$kind-microservice.log" env "${upper}_USVC_PORT=$usvc_port" \
+    "${upper}_MODEL_SERVER_ENDPOINT=http://127.0.0.1:$ms_port" "$PY" -m "microservice.$kind"
+  RAG_PIDS+=("$!")
+  RAG_NAMES+=("$kind microservice")
+  RAG_LOGS+=("$LOG_DIR/$kind-microservice.log")
+  RAG_URLS+=("http://127.0.0.1:$usvc_port/v1/health_check")
+}
+for spec in ${RAG_SPECS[@]+"${RAG_SPECS[@]}"}; do
+  # shellcheck disable=SC2086  # "kind model port port": word-split on purpose
+  spawn_rag $spec
+done
+
 http_ok() { # url
   "$PY" - "$1" <<'PY' 2>/dev/null
 import sys, urllib.request
@@ -254,7 +310,10 @@ PY
 exited() { # name pid logfile
   local code=0
   wait "$2" 2>/dev/null || code=$?
-  [[ "$1" == "model server" ]] && MS_PID="" || USVC_PID=""
+  case "$1" in
+    "model server") MS_PID="" ;;
+    microservice) USVC_PID="" ;;
+  esac
   printf 'error: the %s exited with status %s before it was ready; its log (%s) ends with:\n' \
     "$1" "$code" "$3" >&2
   tail -n 15 "$3" | sed 's/^/  | /' >&2
@@ -264,9 +323,16 @@ exited() { # name pid logfile
 MS_URL="http://localhost:$MS_PORT"
 USVC_URL="http://localhost:$USVC_PORT"
 deadline=$((SECONDS + READY_TIMEOUT))
-until http_ok "http://127.0.0.1:$MS_PORT/health" && http_ok "http://127.0.0.1:$USVC_PORT/v1/health_check"; do
+rag_ready() {
+  local url
+  for url in ${RAG_URLS[@]+"${RAG_URLS[@]}"}; do http_ok "$url" || return 1; done
+}
+until http_ok "http://127.0.0.1:$MS_PORT/health" && http_ok "http://127.0.0.1:$USVC_PORT/v1/health_check" && rag_ready; do
   alive "$MS_PID" || exited "model server" "$MS_PID" "$MS_LOG"
   alive "$USVC_PID" || exited "microservice" "$USVC_PID" "$USVC_LOG"
+  for i in "${!RAG_PIDS[@]}"; do
+    alive "${RAG_PIDS[$i]}" || exited "${RAG_NAMES[$i]}" "${RAG_PIDS[$i]}" "${RAG_LOGS[$i]}"
+  done
   ((SECONDS < deadline)) ||
     die "not ready after ${READY_TIMEOUT}s (WICK_READY_TIMEOUT); see $MS_LOG and $USVC_LOG"
   sleep 1
@@ -285,16 +351,25 @@ Try:
     -d '{"messages": {"system": "You are a helpful assistant.", "user": "What is Deep Learning?"}, "max_new_tokens": 32, "streaming": false}'
 Press Ctrl-C to stop both.
 EOF
+for spec in ${RAG_SPECS[@]+"${RAG_SPECS[@]}"}; do
+  read -r kind model ms_port usvc_port <<<"$spec"
+  path=embeddings
+  [[ "$kind" == reranking ]] && path=reranking
+  printf '  %s: model server http://localhost:%s (%s), microservice http://localhost:%s/v1/%s\n' \
+    "$kind" "$ms_port" "$model" "$usvc_port" "$path"
+done
 
 # Serve until a signal (on_signal) or until one of the two exits on its own.
 set +e
-wait -n "$MS_PID" "$USVC_PID"
+wait -n "$MS_PID" "$USVC_PID" ${RAG_PIDS[@]+"${RAG_PIDS[@]}"}
 code=$?
 set -e
+name="microservice" logfile="$USVC_LOG"
 if ! alive "$MS_PID"; then
   name="model server" logfile="$MS_LOG"
-else
-  name="microservice" logfile="$USVC_LOG"
 fi
+for i in "${!RAG_PIDS[@]}"; do
+  alive "${RAG_PIDS[$i]}" || { name="${RAG_NAMES[$i]}" logfile="${RAG_LOGS[$i]}"; }
+done
 printf 'error: the %s exited with status %s; stopping the stack (log: %s)\n' "$name" "$code" "$logfile" >&2
 exit 1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from microservice.pooling_settings import EmbeddingSettings, RerankingSettings
 from microservice.settings import MicroserviceSettings
 from model_server.config import EngineConfig
 from model_server.entrypoints.cli import build_parser
@@ -173,7 +174,9 @@ def env_example() -> dict[str, str]:
 def test_env_example_names_only_real_variables_with_the_declared_defaults() -> None:
     example = env_example()
     server = {n: s for s in SETTINGS for n in s.env_names}
-    fields = MicroserviceSettings.model_fields.values()
+    # The LLM microservice's, and its embedding and reranking siblings'.
+    services = (MicroserviceSettings, EmbeddingSettings, RerankingSettings)
+    fields = [f for cls in services for f in cls.model_fields.values()]
     usvc = {str(c) for f in fields for c in f.validation_alias.choices}
     compose = (ROOT / "compose" / "docker-compose.yaml").read_text()
     read_elsewhere = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", compose))

@@ -13,7 +13,11 @@ from model_server.loader.source import ModelLoadError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[A-Za-z0-9][\w.\-]*$")
 
-CONFIG_PATTERNS = ["config.json", "generation_config.json"]
+# modules.json and sentence_bert_config.json: sentence-transformers' pooling setup
+# (engine/pooling/config.py); its Pooling module's folder is fetched on its own (POOLING_PATTERNS).
+CONFIG_PATTERNS = ["config.json", "generation_config.json", "modules.json",
+                   "sentence_bert_config.json"]  # fmt: skip
+POOLING_PATTERNS = ["1_Pooling/config.json"]
 TOKENIZER_PATTERNS = [
     "tokenizer.json",
     "tokenizer_config.json",
@@ -21,6 +25,8 @@ TOKENIZER_PATTERNS = [
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",
+    "vocab.txt",  # BERT's WordPiece
+    "sentencepiece.bpe.model",  # XLM-RoBERTa's
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
@@ -58,16 +64,21 @@ def download(repo_id: str, revision: str | None = None, *, weights: bool = True)
     offline = _offline()
     patterns = CONFIG_PATTERNS + TOKENIZER_PATTERNS + (WEIGHT_PATTERNS if weights else [])
     where = f"{repo_id!r} is not a local file or folder, so it was taken as a Hugging Face hub id"
+    common = {
+        "revision": revision,
+        "cache_dir": _cache_dir(),
+        "token": os.environ.get("HF_TOKEN") or None,
+        "local_files_only": offline,
+    }
     try:
-        return huggingface_hub.snapshot_download(
-            repo_id,
-            revision=revision,
-            cache_dir=_cache_dir(),
-            allow_patterns=patterns,
-            ignore_patterns=IGNORE_PATTERNS,
-            token=os.environ.get("HF_TOKEN") or None,
-            local_files_only=offline,
+        folder = huggingface_hub.snapshot_download(
+            repo_id, allow_patterns=patterns, ignore_patterns=IGNORE_PATTERNS, **common
         )
+        if os.path.isfile(os.path.join(folder, "modules.json")):
+            # A sentence-transformers model: its pooling config sits in a subfolder, which
+            # IGNORE_PATTERNS leaves out.
+            huggingface_hub.snapshot_download(repo_id, allow_patterns=POOLING_PATTERNS, **common)
+        return folder
     except errors.GatedRepoError as exc:
         reason = f"the repo is gated: accept its license and set HF_TOKEN ({_first_line(exc)})"
     except errors.RepositoryNotFoundError:

@@ -47,6 +47,7 @@ TOGGLES: dict[str, dict[str, Any]] = {
     "dashboard": {
         "grafanaDashboard": {"enabled": True, "folder": "LLM", "namespace": "monitoring"}
     },
+    "rag": {"rag": {"enabled": True}, "secrets": {"apiKey": "k1"}},
 }
 
 
@@ -477,3 +478,43 @@ def test_grafana_dashboard_configmap_is_off_by_default_and_carries_the_sidecar_l
     (config_map,) = [c for c in find(custom, "ConfigMap") if "dashboard" in c["metadata"]["name"]]
     assert config_map["metadata"]["labels"]["dash"] == "y"
     assert "namespace" not in config_map["metadata"]
+
+
+def test_rag_adds_embedding_and_reranking_servers_and_microservices(
+    chart: helm_python.Chart,
+) -> None:
+    assert not [d for d in render(chart, {}) if "embedding" in d["metadata"]["name"]]  # off
+    docs = render(chart, merge(overlay("cuda"), TOGGLES["rag"]))
+    for kind, model, port in (("embedding", "BAAI/bge-base-en-v1.5", 6000),
+                              ("reranking", "BAAI/bge-reranker-base", 8000)):  # fmt: skip
+        server = one(docs, "Deployment", f"wick-{kind}-model-server")
+        c = container(server)
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        # The CPU image whatever the LLM's device; the LLM's settings do not reach it.
+        assert c["image"].startswith("wick/model-server-cpu:")
+        assert (env["LLM_DEVICE"], env["LLM_MODEL"]) == ("cpu", model)
+        assert "LLM_API_KEY" in env_refs(c) and "resources" in c
+        assert "envFrom" not in c
+        usvc = container(one(docs, "Deployment", f"wick-{kind}-microservice"))
+        assert usvc["command"] == ["python3", "-m", f"microservice.{kind}"]
+        uenv = {e["name"]: e.get("value") for e in usvc["env"]}
+        upper = kind.upper()
+        assert uenv[f"{upper}_MODEL_SERVER_ENDPOINT"] == f"http://wick-{kind}-model-server:8008"
+        assert uenv[f"{upper}_USVC_PORT"] == str(port)
+        assert usvc["readinessProbe"]["httpGet"]["path"] == "/v1/health_check"
+        for pod_owner in (server, one(docs, "Deployment", f"wick-{kind}-microservice")):
+            pod = pod_owner["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert pod["automountServiceAccountToken"] is False
+            assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+            name = pod_owner["metadata"]["name"]
+            selector = one(docs, "Service", name)["spec"]["selector"]
+            labels = pod_owner["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= labels.items()
+            others = [
+                d["spec"]["template"]["metadata"]["labels"]
+                for d in find(docs, "Deployment")
+                if d["metadata"]["name"] != name
+            ]
+            assert not any(selector.items() <= o.items() for o in others)
+        assert one(docs, "Service", f"wick-{kind}-microservice")["spec"]["ports"][0]["port"] == port

@@ -320,3 +320,47 @@ def test_compose_mode_adds_the_rag_profile_for_a_rag_model(
     record = json.loads((tmp_path / "docker.json").read_text())
     assert record["argv"][-6:] == ["--profile", "cpu", "--profile", "rag", "up", "-d"]
     assert record["profiles"] == "cpu,rag"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_native_stack_with_the_rag_models(tmp_path: Path) -> None:
+    """LLM_EMBEDDING_MODEL and LLM_RERANK_MODEL: two more model servers and the OPEA embedding
+    and reranking microservices, ready before the banner, stopped with the rest."""
+    from tests.engine.pooling.conftest import minilm_path, write_tiny_cross_encoder
+
+    reranker = write_tiny_cross_encoder(tmp_path / "reranker")
+    ports = {
+        name: str(free_port())
+        for name in ("LLM_EMBEDDING_MODEL_SERVER_PORT", "EMBEDDING_USVC_PORT",
+                     "LLM_RERANK_MODEL_SERVER_PORT", "RERANKING_USVC_PORT")
+    }  # fmt: skip
+    env = base_env(
+        tmp_path, LLM_KV_CACHE_MEMORY="128MiB", LLM_MAX_MODEL_LEN="1024",
+        LLM_EMBEDDING_MODEL=minilm_path(), LLM_RERANK_MODEL=str(reranker), **ports,
+    )  # fmt: skip
+    stack = Stack(env)
+    try:
+        stack.wait_ready()
+        banner = "".join(stack.out)
+        embed_url = f"http://127.0.0.1:{ports['EMBEDDING_USVC_PORT']}"
+        rerank_url = f"http://127.0.0.1:{ports['RERANKING_USVC_PORT']}"
+        assert f"localhost:{ports['EMBEDDING_USVC_PORT']}/v1/embeddings" in banner
+        doc = httpx.post(f"{embed_url}/v1/embeddings", json={"text": "hi"}, timeout=60).json()
+        assert len(doc["embedding"]) == 384
+        body = {"input": "q", "retrieved_docs": ["a", "b"], "top_n": 2}
+        reranked = httpx.post(f"{rerank_url}/v1/reranking", json=body, timeout=60).json()
+        assert sorted(d["text"] for d in reranked["reranked_docs"]) == ["a", "b"]
+        # The RAG model servers did not take the LLM's settings (LLM_MAX_MODEL_LEN=1024 would
+        # be refused by MiniLM, whose maximum is 256).
+        models = httpx.get(f"http://127.0.0.1:{ports['LLM_EMBEDDING_MODEL_SERVER_PORT']}/v1/models")
+        assert models.json()["data"][0]["max_model_len"] == 256
+    except BaseException:
+        stack.stop()
+        raise
+    code = stack.stop()
+    assert code == 0, stack.logs()
+    for port in ports.values():
+        assert port_free(int(port)), f"port {port} still in use"
+    logs = {p.name for p in Path(env["WICK_LOG_DIR"]).iterdir()}
+    assert {"embedding-model-server.log", "reranking-microservice.log"} <= logs

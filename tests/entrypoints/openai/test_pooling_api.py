@@ -1,0 +1,224 @@
+"""The pooling endpoints over real HTTP (uvicorn on loopback ports): an embedding server on the
+real all-MiniLM-L6-v2 and a reranking server on a tiny random cross-encoder, driven by the
+`openai` client and httpx; bad input answered 400 naming the field; and the generative server
+refusing pooling routes."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from model_server.engine.pooling.async_engine import AsyncPoolingEngine
+from model_server.entrypoints.openai.pooling_protocol import MAX_INPUTS
+from model_server.entrypoints.openai.pooling_server import build_pooling_app
+from model_server.settings import ServerSettings
+from tests.engine.pooling.conftest import (  # noqa: F401  (fixtures)
+    minilm_path,
+    tiny_cross_encoder,
+)
+from tests.entrypoints.conftest import api, tiny_config  # noqa: F401  (fixtures)
+from tests.loopback import serve_asgi
+
+EMBED_NAME = "minilm"
+RERANK_NAME = "tiny-reranker"
+
+
+def _serve(model: str, name: str) -> Iterator[str]:
+    settings = ServerSettings(model=model, served_model_name=name, dtype="float32", drain_timeout=5)
+    app = build_pooling_app(AsyncPoolingEngine(settings.engine_config()), settings)
+    with serve_asgi(app) as url:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline, httpx.get(f"{url}/health").text
+            time.sleep(0.05)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def embed_url() -> Iterator[str]:
+    yield from _serve(minilm_path(), EMBED_NAME)
+
+
+@pytest.fixture(scope="module")
+def rerank_url(tiny_cross_encoder: Path) -> Iterator[str]:  # noqa: F811
+    yield from _serve(str(tiny_cross_encoder), RERANK_NAME)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_path(), device="cpu")
+
+
+def _error(response: httpx.Response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error["message"]
+
+
+def test_openai_client_embeddings_match_sentence_transformers(embed_url: str, reference) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{embed_url}/v1", api_key="unused")
+    texts = ["What is paged attention?", "Blocks of sixteen tokens hold the KV cache.", "hi"]
+    result = client.embeddings.create(model=EMBED_NAME, input=texts)
+    got = torch.tensor([d.embedding for d in result.data])
+    expected = reference.encode(texts, convert_to_tensor=True)
+    assert torch.nn.functional.cosine_similarity(got, expected).min() >= 0.9999
+    assert [d.index for d in result.data] == [0, 1, 2]
+    n_tokens = sum(len(ids) for ids in reference.tokenizer(texts).input_ids)
+    assert result.usage.prompt_tokens == result.usage.total_tokens == n_tokens
+    # The openai client asks for base64 by default when numpy is there; ask both explicitly.
+    raw = httpx.post(
+        f"{embed_url}/v1/embeddings",
+        json={"input": texts[0], "encoding_format": "base64", "dimensions": 128},
+    ).json()
+    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert vector.shape == (128,)
+    np.testing.assert_allclose(np.linalg.norm(vector), 1.0, rtol=1e-5)  # normalized again
+    full = torch.tensor(got[0, :128].tolist())
+    np.testing.assert_allclose(vector, torch.nn.functional.normalize(full, dim=0), atol=1e-5)
+
+
+def test_token_id_input_and_tei_embed(embed_url: str, reference) -> None:
+    ids = reference.tokenizer("a cat sat on the mat").input_ids
+    by_ids = httpx.post(f"{embed_url}/v1/embeddings", json={"input": [ids, ids[:3]]}).json()
+    by_text = httpx.post(f"{embed_url}/embed", json={"inputs": "a cat sat on the mat"}).json()
+    assert len(by_ids["data"]) == 2 and len(by_text) == 1
+    np.testing.assert_allclose(by_ids["data"][0]["embedding"], by_text[0], atol=1e-6)
+    assert by_ids["usage"]["prompt_tokens"] == len(ids) + 3
+    unnormalized = httpx.post(
+        f"{embed_url}/embed", json={"inputs": ["a cat sat on the mat"], "normalize": False}
+    ).json()
+    assert abs(np.linalg.norm(unnormalized[0]) - 1.0) > 1e-3
+
+
+def test_bad_embedding_input_is_a_400_naming_the_field(embed_url: str) -> None:
+    url = f"{embed_url}/v1/embeddings"
+    assert "empty" in _error(httpx.post(url, json={"input": []}), "input")
+    too_many = ["x"] * (MAX_INPUTS + 1)
+    assert str(MAX_INPUTS) in _error(httpx.post(url, json={"input": too_many}), "input")
+    long_text = "word " * 400
+    assert "maximum input length of 256" in _error(
+        httpx.post(url, json={"input": long_text}), "input"
+    )
+    truncated = httpx.post(url, json={"input": long_text, "truncate_prompt_tokens": -1}).json()
+    assert truncated["usage"]["prompt_tokens"] == 256
+    assert "maximum input length" in _error(
+        httpx.post(f"{embed_url}/embed", json={"inputs": [long_text]}), "inputs"
+    )
+    tei = httpx.post(f"{embed_url}/embed", json={"inputs": [long_text], "truncate": True})
+    assert tei.status_code == 200
+    _error(httpx.post(url, json={"input": "x", "encoding_format": "int8"}), "encoding_format")
+    assert "384" in _error(httpx.post(url, json={"input": "x", "dimensions": 1000}), "dimensions")
+    _error(httpx.post(url, json={"input": "x", "temperature": 0.5}), "temperature")
+    assert "out of range" in httpx.post(url, json={"input": [[99999999]]}).text
+
+
+def test_models_capabilities_and_wrong_task_routes(embed_url: str, rerank_url: str) -> None:
+    card = httpx.get(f"{embed_url}/v1/models").json()["data"][0]
+    assert (card["id"], card["capabilities"], card["max_model_len"]) == (EMBED_NAME, ["embed"], 256)
+    card = httpx.get(f"{rerank_url}/v1/models").json()["data"][0]
+    assert card["capabilities"] == ["score", "rerank"]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    message = _error(httpx.post(f"{embed_url}/v1/chat/completions", json=chat), "model")
+    assert "generates no text" in message
+    assert "it is an embedding model" in _error(
+        httpx.post(f"{embed_url}/rerank", json={"query": "q", "texts": ["a"]}), "model"
+    )
+    assert "it is a cross-encoder" in _error(
+        httpx.post(f"{rerank_url}/v1/embeddings", json={"input": "a"}), "model"
+    )
+
+
+def _reference_scores(folder: Path, query: str, docs: list[str]) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    batch = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return model(**batch).logits[:, 0]
+
+
+DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Seine flows through it."]
+
+
+def test_tei_rerank_as_chatqna_sends_it(rerank_url: str, tiny_cross_encoder: Path) -> None:  # noqa: F811
+    logits = _reference_scores(tiny_cross_encoder, "capital of France?", DOCS)
+    body = {"query": "capital of France?", "texts": DOCS}
+    ranked = httpx.post(f"{rerank_url}/rerank", json=body).json()
+    assert [r["index"] for r in ranked] == torch.argsort(logits, descending=True).tolist()
+    for r in ranked:
+        assert r["score"] == pytest.approx(torch.sigmoid(logits[r["index"]]).item(), abs=1e-5)
+    raw = httpx.post(f"{rerank_url}/rerank", json={**body, "raw_scores": True, "return_text": True})
+    top = raw.json()[0]
+    assert top["score"] == pytest.approx(logits.max().item(), abs=1e-5)
+    assert top["text"] == DOCS[top["index"]]
+
+
+def test_v1_rerank_and_score(rerank_url: str, tiny_cross_encoder: Path) -> None:  # noqa: F811
+    logits = _reference_scores(tiny_cross_encoder, "capital of France?", DOCS)
+    body = {"model": RERANK_NAME, "query": "capital of France?", "documents": DOCS, "top_n": 2}
+    result = httpx.post(f"{rerank_url}/v1/rerank", json=body).json()
+    order = torch.argsort(logits, descending=True).tolist()
+    assert [r["index"] for r in result["results"]] == order[:2]
+    assert result["results"][0]["document"] == {"text": DOCS[order[0]]}
+    assert result["usage"]["total_tokens"] > 0 and result["model"] == RERANK_NAME
+    plain = httpx.post(f"{rerank_url}/v1/rerank", json={**body, "return_documents": False})
+    assert "document" not in plain.json()["results"][0]
+    scores = httpx.post(
+        f"{rerank_url}/v1/score", json={"text_1": "capital of France?", "text_2": DOCS}
+    ).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(
+        torch.sigmoid(logits).tolist(), abs=1e-5
+    )
+    _error(httpx.post(f"{rerank_url}/v1/rerank", json={"query": "q", "documents": []}), "documents")
+    _error(
+        httpx.post(f"{rerank_url}/v1/score", json={"text_1": ["a", "b"], "text_2": DOCS}), "text_2"
+    )
+    _error(httpx.post(f"{rerank_url}/v1/rerank", json={**body, "top_n": 0}), "top_n")
+    missing = httpx.post(f"{rerank_url}/v1/rerank", json={**body, "model": "nope"})
+    assert missing.status_code == 404
+
+
+def test_generative_server_refuses_pooling_routes(api) -> None:  # noqa: F811
+    assert api.get("/v1/models").json()["data"][0]["capabilities"] == ["generate"]
+    for path, body in [("/v1/embeddings", {"input": "x"}), ("/rerank", {"query": "q"})]:
+        response = api.post(path, json=body)
+        assert response.status_code == 400
+        assert "generative model" in response.json()["error"]["message"]
+
+
+def test_a_pooling_engine_that_cannot_start_reports_why(tiny_cross_encoder: Path) -> None:  # noqa: F811
+    settings = ServerSettings(model=str(tiny_cross_encoder), quantization="int8", drain_timeout=1)
+    app = build_pooling_app(AsyncPoolingEngine(settings.engine_config()), settings)
+    with serve_asgi(app) as url:
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{url}/health").json())["phase"] != "error":
+            assert time.monotonic() < deadline, health
+            time.sleep(0.05)
+        assert "--quantization is not supported for pooling models" in health["message"]
+        response = httpx.post(f"{url}/v1/score", json={"text_1": "a", "text_2": "b"})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead"
+
+
+def test_generation_settings_are_refused_for_a_pooling_model() -> None:
+    from model_server.entrypoints.openai.pooling_server import check_pooling_settings
+
+    check_pooling_settings(ServerSettings(model=minilm_path()))  # defaults: fine
+    with pytest.raises(ValueError, match="--temperature is a text-generation setting"):
+        check_pooling_settings(ServerSettings(model=minilm_path(), temperature=0.5))
+    from model_server.engine.pooling.engine import PoolingEngine
+
+    with pytest.raises(ValueError, match="--block-size is not supported for pooling models"):
+        PoolingEngine(ServerSettings(model=minilm_path(), block_size=32).engine_config())
