@@ -23,7 +23,8 @@ BUDGET = 256 * 1024**2  # SERVE_ARGS' --kv-cache-memory
 def test_int8_kv_cache_server(tmp_path: Path) -> None:
     import openai
 
-    server = launch(tmp_path, "--kv-cache-dtype", "int8")
+    # Float weights alone (fp32's auto would keep some GGUF blocks beside them: "gguf").
+    server = launch(tmp_path, "--kv-cache-dtype", "int8", "--gguf-weights", "dequantized")
     try:
         server.wait_ready()
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
