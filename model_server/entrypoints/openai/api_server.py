@@ -70,6 +70,31 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/version"})
 
 
+def engine_app(engine: Any, settings: ServerSettings, title: str, description: str) -> CORSApp:
+    """A FastAPI app whose lifespan starts `engine` (an EngineClient, or the pooling engine:
+    anything with start, shutdown and wait_until_failed) and stops it, draining for
+    `settings.drain_timeout`; a failed engine stops the server (`_watch_engine`). Set
+    `app.state.on_engine_failed` to a callable(message) to hear about an engine crash. CORS is
+    applied around everything the caller adds (see cors.py)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        watchdog = asyncio.ensure_future(_watch_engine(app, engine))
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+            await engine.shutdown(settings.drain_timeout)
+
+    app = CORSApp(title=title, version=__version__, description=description, lifespan=lifespan)
+    app.state.engine_client = engine
+    app.state.settings = settings
+    app.state.on_engine_failed = None
+    app.cors = CORSPolicy.from_settings(settings)
+    return app
+
+
 def build_app(
     engine_client: EngineClient,
     settings: ServerSettings,
@@ -80,26 +105,9 @@ def build_app(
     `sampling_defaults`: what requests' unset sampling fields take; None: the server's flags
     only (run_server resolves the generation config too)."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine_client.start()
-        watchdog = asyncio.ensure_future(_watch_engine(app, engine_client))
-        try:
-            yield
-        finally:
-            watchdog.cancel()
-            await engine_client.shutdown(settings.drain_timeout)
-
-    app = CORSApp(
-        title="Wick model server",
-        version=__version__,
-        description="OpenAI-compatible API over the Wick engine.",
-        lifespan=lifespan,
+    app = engine_app(
+        engine_client, settings, "Wick model server", "OpenAI-compatible API over the Wick engine."
     )
-    app.state.engine_client = engine_client
-    app.state.settings = settings
-    app.state.on_engine_failed = None
-    app.cors = CORSPolicy.from_settings(settings)  # around everything below: see cors.py
     engine_client.max_waiting_requests = resolve_max_waiting_requests(
         settings.max_waiting_requests, settings.max_num_seqs
     )

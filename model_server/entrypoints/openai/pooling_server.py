@@ -8,11 +8,9 @@ saying what this model serves (and the generative server does the same for these
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -27,10 +25,9 @@ from model_server.entrypoints.openai.api_server import (
     APIKeyMiddleware,
     _add_error_handlers,
     _GracefulServer,
-    _watch_engine,
+    engine_app,
     model_root,
 )
-from model_server.entrypoints.openai.cors import CORSApp, CORSPolicy
 from model_server.entrypoints.openai.pooling_protocol import (
     EmbeddingRequest,
     RerankRequest,
@@ -118,26 +115,12 @@ def check_pooling_settings(settings: ServerSettings) -> None:
 
 
 def build_pooling_app(engine: AsyncPoolingEngine, settings: ServerSettings) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
-        watchdog = asyncio.ensure_future(_watch_engine(app, engine))
-        try:
-            yield
-        finally:
-            watchdog.cancel()
-            await engine.shutdown(settings.drain_timeout)
-
-    app = CORSApp(
-        title="Wick model server (pooling)",
-        version=__version__,
-        description="Embeddings, reranking and scores over the Wick pooling engine.",
-        lifespan=lifespan,
+    app = engine_app(
+        engine,
+        settings,
+        "Wick model server (pooling)",
+        "Embeddings, reranking and scores over the Wick pooling engine.",
     )
-    app.state.engine_client = engine
-    app.state.settings = settings
-    app.state.on_engine_failed = None
-    app.cors = CORSPolicy.from_settings(settings)
     served = OpenAIServingModels(settings.model_names, settings.accept_any_model_name)
     serving = OpenAIServingPooling(engine, served)
     metrics = PoolingMetrics(served.model_name)
