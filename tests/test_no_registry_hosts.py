@@ -11,11 +11,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # Package registries and their download hosts (pip, PyTorch's wheel index, Debian/Ubuntu apt,
-# npm, conda). Written as patterns so that this file does not name them itself.
+# npm, conda), and the Kubernetes SIG project sites that serve manifests and charts. Written as
+# patterns so that this file does not name them itself.
 REGISTRY_HOSTS = re.compile(
     r"pypi\.org|pypi\.python\.org|pythonhost(?:ed)\.org|download\.pytorch\.org"
     r"|deb\.debian\.org|security\.debian\.org|ftp\.debian\.org|archive\.ubuntu\.com"
-    r"|registry\.npmjs\.org|registry\.yarnpkg\.com|conda\.anaconda\.org|repo\.anaconda\.com",
+    r"|registry\.npmjs\.org|registry\.yarnpkg\.com|conda\.anaconda\.org|repo\.anaconda\.com"
+    r"|[a-z0-9-]+\.sigs\.k8s\.io",
     re.IGNORECASE,
 )
 
