@@ -75,7 +75,7 @@ def engine_app(engine: Any, settings: ServerSettings, title: str, description: s
     anything with start, shutdown and wait_until_failed) and stops it, draining for
     `settings.drain_timeout`; a failed engine stops the server (`_watch_engine`). Set
     `app.state.on_engine_failed` to a callable(message) to hear about an engine crash. CORS is
-    applied around everything the caller adds (see cors.py)."""
+    applied around everything the caller adds (see cors.py). Serves /health and /version."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +92,23 @@ def engine_app(engine: Any, settings: ServerSettings, title: str, description: s
     app.state.settings = settings
     app.state.on_engine_failed = None
     app.cors = CORSPolicy.from_settings(settings)
+
+    @app.get("/health", response_model=None)
+    async def health() -> Response:
+        """200 once the model is loaded and warmed up; 503 with the phase before (and when
+        draining or failed)."""
+        phase = engine.phase
+        if phase is EnginePhase.READY:
+            return json_response({"status": "ok", "phase": phase.value})
+        body: dict[str, Any] = {"status": "unavailable", "phase": phase.value}
+        if engine.error_message:
+            body["message"] = engine.error_message
+        return json_response(body, 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     return app
 
 
@@ -176,22 +193,6 @@ def _add_routes(
     tokenization = OpenAIServingTokenization(engine_client, served, limits)
     responses = OpenAIServingResponses(chat)
     completion.sampling_defaults = chat.sampling_defaults = sampling_defaults
-
-    @app.get("/health", response_model=None)
-    async def health() -> Response:
-        """200 once the model is loaded and warmed up; 503 with the phase before (and when
-        draining or failed)."""
-        phase = engine_client.phase
-        if phase is EnginePhase.READY:
-            return json_response({"status": "ok", "phase": phase.value})
-        body: dict[str, Any] = {"status": "unavailable", "phase": phase.value}
-        if engine_client.error_message:
-            body["message"] = engine_client.error_message
-        return json_response(body, 503)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models() -> ModelList:

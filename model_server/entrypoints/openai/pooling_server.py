@@ -17,8 +17,6 @@ import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from model_server import __version__
-from model_server.engine.async_engine import EnginePhase
 from model_server.engine.pooling.async_engine import AsyncPoolingEngine
 from model_server.engine.pooling.config import PoolingTask
 from model_server.entrypoints.openai.api_server import (
@@ -127,20 +125,6 @@ def build_pooling_app(engine: AsyncPoolingEngine, settings: ServerSettings) -> F
     engine.step_listeners.append(metrics.on_step)
     app.state.metrics = metrics
     root = model_root(settings)
-
-    @app.get("/health", response_model=None)
-    async def health() -> Response:
-        phase = engine.phase
-        if phase is EnginePhase.READY:
-            return json_response({"status": "ok", "phase": phase.value})
-        body: dict[str, Any] = {"status": "unavailable", "phase": phase.value}
-        if engine.error_message:
-            body["message"] = engine.error_message
-        return json_response(body, 503)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
 
     @app.get("/metrics", response_model=None)
     async def prometheus() -> Response:

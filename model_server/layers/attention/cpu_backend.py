@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from functools import cache
-from typing import Any
 
 import torch
 
@@ -78,9 +77,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_scales: torch.Tensor | None = None,
         kv_fixed_scale: float | None = None,
     ) -> torch.Tensor:
-        scales: dict[str, Any] = {"k_scales": k_scales, "v_scales": v_scales}
-        if kv_fixed_scale is not None:
-            scales["kv_fixed_scale"] = kv_fixed_scale
+        scales = {"k_scales": k_scales, "v_scales": v_scales, "kv_fixed_scale": kv_fixed_scale}
         if self.kernels is None:
             reason = "the kernels could not be built (see the warning above)"
         else:

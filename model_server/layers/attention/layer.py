@@ -61,9 +61,16 @@ class Attention(nn.Module):
         md = attn_metadata.for_group(self.kv_group)
         if isinstance(kv_cache, QuantizedKVCache):
             data, scales = kv_cache.data, kv_cache.scales
-            fixed = {} if kv_cache.fixed_scale is None else {"kv_fixed_scale": kv_cache.fixed_scale}
             out = self.impl.forward(
-                q, k, v, data[0], data[1], md, k_scales=scales[0], v_scales=scales[1], **fixed
+                q,
+                k,
+                v,
+                data[0],
+                data[1],
+                md,
+                k_scales=scales[0],
+                v_scales=scales[1],
+                kv_fixed_scale=kv_cache.fixed_scale,
             )
         else:
             out = self.impl.forward(q, k, v, kv_cache[0], kv_cache[1], md)
