@@ -273,6 +273,7 @@ def fused_op_calls(
     from model_server.kernels.activation import silu_and_mul
     from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from model_server.kernels.rotary import rotary_embedding
     from model_server.kernels.wna16_linear import wna16_linear
 
     t, hidden, eps = num_tokens, shape.hidden_size, 1e-6
@@ -289,6 +290,16 @@ def fused_op_calls(
         yield "q/k norm (head views)", lambda: rms_norm(q, head_weight, eps)
     gate_up = torch.randn(t, 2 * shape.intermediate_size, dtype=dtype)
     yield "silu_and_mul", lambda: silu_and_mul(gate_up)
+    # Rotary on q/k views of the fused qkv projection (MLA models rotate their own slices).
+    if not shape.kv_lora_rank:
+        heads = shape.num_heads + 2 * shape.num_kv_heads
+        qkv = torch.randn(t, heads * shape.head_dim, dtype=dtype)
+        q_rot = qkv[:, : shape.num_heads * shape.head_dim].view(t, shape.num_heads, -1)
+        k_rot = qkv[:, shape.num_heads * shape.head_dim :][:, : shape.num_kv_heads * shape.head_dim]
+        k_rot = k_rot.view(t, shape.num_kv_heads, -1)
+        cos_sin = torch.randn(64, shape.head_dim, dtype=dtype)
+        positions = torch.arange(t)
+        yield "rotary", lambda: rotary_embedding(positions, q_rot, k_rot, cos_sin)
     # --quantization int8: a decode-sized and a prefill-sized step (N only matters through its
     # divisibility, so a slice of the layer's outputs stands in for all of them).
     qweight = torch.zeros(256, hidden, dtype=torch.int8)

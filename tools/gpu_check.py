@@ -5,10 +5,11 @@ Stages, each step a subprocess under its own timeout, with its status and time r
   B  the compiled kernel tests against their torch references (`pytest -m gpu`, JUnit XML)
   C  end-to-end parity on a random-weight Qwen3-0.6B written by transformers in the run: HF vs
      Wick eager vs Wick with CUDA graphs (tools/gpu_parity.py)
-  E  Llama-3.1-8B shape, dummy weights: batch-1 decode as a share of the HBM bound
+  E  Llama-3.1-8B shape, dummy weights: batch-1 decode as a share of the HBM bound, then where
+     its step's time goes (tools/gpu_profile.py: kernel time against the wall, top kernels)
   D  `bench latency` of the 0.6B shape at batch 1 and 64, graphs on and off, and offline
      throughput on nano-vllm's workload shape (64 requests) against HF in the same run
-E runs before D: it is one step, and D's five fill whatever time is left.
+E (two steps) runs before D: its bound and profile, then D's five fill whatever time is left.
 
 Budget guard: no step starts after `--budget-s` (420 s), and a step's timeout is cut so that it
 ends by `--deadline-s` (560 s): one 10-minute device call holds the whole run. Results go to
@@ -166,6 +167,13 @@ def plan(
             150,
             run=not dry_run,
             parse="latency",
+        ),
+        Step(
+            "E2",
+            "Llama-3.1-8B batch-1 decode profile (kernel time vs wall)",
+            (py, "-m", "tools.gpu_profile", "--model", "llama-3.1-8b", "--device", device),
+            60,
+            run=not dry_run,
         ),
         Step(
             "D1",

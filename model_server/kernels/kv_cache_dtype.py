@@ -87,7 +87,10 @@ def quantize_kv(
     if fixed_scale is not None:
         scales = torch.full(xf.shape[:-1], fixed_scale, dtype=torch.float32, device=xf.device)
     else:
-        scales = xf.abs().amax(dim=-1) / kv.qmax
+        amax = xf.abs().amax(dim=-1)
+        # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal,
+        # which can differ from the correctly rounded quotient every other backend stores.
+        scales = amax / torch.full_like(amax, kv.qmax)
     # An all-zero row divides by 1 instead of 0: its codes are 0 either way.
     y = xf / torch.where(scales > 0, scales, 1.0)[..., None]
     y = y.clamp(-kv.qmax, kv.qmax)

@@ -67,8 +67,9 @@ def paged_attention_reference(
         if sliding_window is not None:
             first = max(0, seq_len - query_len - sliding_window + 1)
         table = block_tables[i]
-        keys = torch.zeros((seq_len, *key_cache.shape[2:]))  # [L, Hkv, D], 0 before `first`
-        values = torch.zeros((seq_len, *value_cache.shape[2:]))
+        # [L, Hkv, D] in fp32 on the query's device, 0 before `first`
+        keys = torch.zeros((seq_len, *key_cache.shape[2:]), device=query.device)
+        values = torch.zeros((seq_len, *value_cache.shape[2:]), device=query.device)
         keys[first:] = gather_context(key_cache, table, seq_len)[first:].float()
         values[first:] = gather_context(value_cache, table, seq_len)[first:].float()
         for j in range(query_len):

@@ -99,9 +99,9 @@ TORCH_KERNELS = KernelTable()
 
 
 def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
-    """`base` with the one-pass Triton RMSNorm (+ residual add) and SiluAndMul (kernels/
-    rms_norm.py, activation.py), the w8a16 int8 matmul (kernels/int8_linear.py), the GPTQ/AWQ
-    w4a16/w8a16 matmul (kernels/wna16_linear.py) and the
+    """`base` with the one-pass Triton RMSNorm (+ residual add), SiluAndMul and neox rotary
+    (kernels/rms_norm.py, activation.py, rotary.py), the w8a16 int8 matmul (kernels/
+    int8_linear.py), the GPTQ/AWQ w4a16/w8a16 matmul (kernels/wna16_linear.py) and the
     grouped-GEMM fused MoE (kernels/fused_moe.py).
 
     Imports triton: call it where compiled Triton supports the model's device (CUDA) or under
@@ -112,6 +112,7 @@ def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
     from model_server.kernels.fused_moe import fused_experts_triton
     from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from model_server.kernels.rotary import rotary_embedding
     from model_server.kernels.wna16_linear import wna16_linear
 
     return replace(
@@ -121,5 +122,6 @@ def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
         rms_norm=rms_norm,
         fused_add_rms_norm=fused_add_rms_norm,
         silu_and_mul=silu_and_mul,
+        rotary_embedding=rotary_embedding,
         fused_experts=fused_experts_triton,
     )

@@ -28,9 +28,11 @@ from model_server.kernels import portable
 from model_server.kernels.activation import silu_and_mul
 from model_server.kernels.int8_linear import int8_linear
 from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from model_server.kernels.rotary import rotary_embedding
 from model_server.kernels.table import TORCH_KERNELS, KernelTable, triton_kernels
 from model_server.layers.activation import SiluAndMul, get_act_and_mul_fn
 from model_server.layers.norm import RMSNorm
+from model_server.layers.rotary import RotaryEmbedding
 from model_server.platforms.cuda import CudaPlatform
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, tiny_llm, use_kernels
@@ -144,6 +146,51 @@ def test_rms_norm_qk_norm_views(num_heads, num_kv_heads, head_dim, dtype, device
         assert out.is_contiguous()
         _assert_matches(out, norm(view))
     assert torch.equal(qkv, qkv_before)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "tokens"),
+    [(4, 1, 32, 1), (3, 2, 96, 5), (32, 8, 128, 3)],  # 96: a half of 48, not a power of two
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_matches_the_portable_one(num_heads, num_kv_heads, head_dim, tokens, dtype, device):
+    """Neox rotary of the fused qkv projection's q/k views at scattered positions: PyTorch's
+    bits (every product and sum rounded to the dtype; no FMA), bf16 within its tolerance under
+    the interpreter (which truncates bf16 casts); the inputs are not written."""
+    qkv = _randn(
+        tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device, seed=11
+    )
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.view(-1, num_heads, head_dim)
+    k = k.view(-1, num_kv_heads, head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+    cache = rope.cos_sin_cache.to(device=device, dtype=dtype)
+    positions = torch.tensor([4095, 0, 17, 1000, 3][:tokens], device=device)
+    qkv_before = qkv.clone()
+    got_q, got_k = rotary_embedding(positions, q, k, cache)
+    want_q, want_k = portable.rotary_embedding_torch(positions, q, k, cache)
+    assert torch.equal(qkv, qkv_before)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        if dtype == torch.bfloat16 and INTERPRETED:
+            _assert_matches(got, want)
+        else:
+            assert torch.equal(got, want)
+
+
+def test_rotary_refuses_mismatched_inputs(device) -> None:
+    q = torch.zeros(2, 4, 32, device=device)
+    k = torch.zeros(2, 2, 32, device=device)
+    positions = torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="even head_dim"):
+        rotary_embedding(positions, q, k, torch.zeros(8, 16, device=device))
+    with pytest.raises(ValueError, match="share a dtype"):
+        rotary_embedding(positions, q, k, torch.zeros(8, 32, device=device, dtype=torch.float16))
+    empty_q, empty_k = rotary_embedding(
+        positions[:0], q[:0], k[:0], torch.zeros(8, 32, device=device)
+    )
+    assert empty_q.shape == (0, 4, 32) and empty_k.shape == (0, 2, 32)
 
 
 def test_rms_norm_strided_rows_and_mixed_layouts(device) -> None:

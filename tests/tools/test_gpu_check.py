@@ -82,7 +82,7 @@ def test_dry_run_on_the_cpu(tmp_path: Path, wheel_dir: Path) -> None:
         "A": "passed",
         "B": "passed",
         "C": "passed",
-        **{k: "planned" for k in ("E", "D1", "D2", "D3", "D4", "D5")},
+        **{k: "planned" for k in ("E", "E2", "D1", "D2", "D3", "D4", "D5")},
     }
     steps = {s["key"]: s for s in summary["steps"]}
     assert steps["A"]["result"]["device"] == "cpu" and steps["A"]["result"]["copy_gbs"] > 0
@@ -130,7 +130,7 @@ def test_pip_refuses_what_the_names_allow(tmp_path: Path, wheel_dir: Path) -> No
 
 def test_the_gpu_plan_parses_and_fits(tmp_path: Path) -> None:
     steps = plan(sys.executable, tmp_path, tmp_path, dry_run=False, other_gpu_tests=[])
-    assert [s.key for s in steps] == ["A", "B", "C", "E", "D1", "D2", "D3", "D4", "D5"]
+    assert [s.key for s in steps] == ["A", "B", "C", "E", "E2", "D1", "D2", "D3", "D4", "D5"]
     assert all(s.run for s in steps)
     assert check_plan(steps, out_files=3) == []
     tests = steps[1].argv
