@@ -38,6 +38,13 @@ class _Job:
     outputs: dict[str, PoolingOutput] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Abort:
+    """The inputs of an HTTP request whose caller left: dropped from the queue unrun."""
+
+    request_ids: list[str]
+
+
 class AsyncPoolingEngine:
     def __init__(
         self,
@@ -50,7 +57,7 @@ class AsyncPoolingEngine:
         self._phase = EnginePhase.LOADING
         self._accepting = True
         self._error: str | None = None
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | _Abort | None] = queue.SimpleQueue()
         self._pending = 0  # HTTP requests not answered yet (loop thread only)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -124,7 +131,9 @@ class AsyncPoolingEngine:
 
     async def encode(self, requests: list[PoolingRequest]) -> list[PoolingOutput]:
         """The outputs of `requests`, in order. Raises ValueError for a request the engine
-        refuses (too long, wrong task), EngineNotReadyError / EngineDeadError otherwise."""
+        refuses (too long, wrong task), EngineNotReadyError / EngineDeadError otherwise.
+        Cancelled (the client left), the inputs not yet run are dropped: none of them is run
+        after the engine thread sees the abort, which it does before its next step."""
         self.check_ready()
         assert self._loop is not None
         job = _Job(requests, self._loop.create_future())
@@ -132,8 +141,16 @@ class AsyncPoolingEngine:
         try:
             self._jobs.put(job)
             return await job.future
+        except asyncio.CancelledError:
+            self._jobs.put(_Abort([r.request_id for r in requests]))
+            raise
         finally:
             self._pending -= 1
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Inputs queued in the engine and not run yet (the scheduler's queue)."""
+        return self.engine.scheduler.num_waiting if self.engine is not None else 0
 
     # --------------------------------------------------------------------- engine thread
 
@@ -166,7 +183,7 @@ class AsyncPoolingEngine:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if job is not None:
+                if isinstance(job, _Job):
                     self._resolve(job, EngineDeadError(self._error))
 
     def _serve(self, engine: PoolingEngine) -> None:
@@ -183,6 +200,11 @@ class AsyncPoolingEngine:
             for job in jobs:
                 if job is None:
                     return
+                if isinstance(job, _Abort):
+                    engine.abort_requests(job.request_ids)
+                    for request_id in job.request_ids:
+                        owners.pop(request_id, None)
+                    continue
                 self._add(engine, job, owners)
             if not engine.has_unfinished_requests():
                 continue
@@ -192,7 +214,7 @@ class AsyncPoolingEngine:
             for listener in self.step_listeners:
                 listener(len(outputs), sum(o.num_prompt_tokens for o in outputs), seconds)
             for output in outputs:
-                job = owners.pop(output.request_id)
+                job = owners.pop(output.request_id)  # a step runs before any abort of it
                 job.outputs[output.request_id] = output
                 if len(job.outputs) == len(job.requests):
                     self._resolve(job, [job.outputs[r.request_id] for r in job.requests])

@@ -42,13 +42,14 @@ from model_server.entrypoints.openai.serving_pooling import (
     GENERATION_PATHS,
     OpenAIServingPooling,
 )
+from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
 from model_server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
 # What /v1/models says each kind of model serves.
 CAPABILITIES = {
-    PoolingTask.EMBED: ["embed"],
+    PoolingTask.EMBED: ["embed", "score", "rerank"],  # scores: cosine similarity
     PoolingTask.SCORE: ["score", "rerank"],
 }
 
@@ -58,7 +59,7 @@ class PoolingMetrics:
     vLLM has one)."""
 
     def __init__(self, model_name: str) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
@@ -78,6 +79,10 @@ class PoolingMetrics:
             "wick:pooling_requests", "HTTP requests answered by the pooling endpoints.",
             ["model_name", "endpoint", "status"], registry=self.registry,
         )  # fmt: skip
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Inputs queued in the pooling engine, not run yet.",
+            list(labels), registry=self.registry,
+        ).labels(**labels)  # fmt: skip
         self.model_name = model_name
 
     def on_step(self, num_inputs: int, num_tokens: int, seconds: float) -> None:
@@ -123,6 +128,7 @@ def build_pooling_app(engine: AsyncPoolingEngine, settings: ServerSettings) -> F
     serving = OpenAIServingPooling(engine, served)
     metrics = PoolingMetrics(served.model_name)
     engine.step_listeners.append(metrics.on_step)
+    metrics.waiting.set_function(lambda: engine.num_waiting_requests)
     app.state.metrics = metrics
     root = model_root(settings)
 
@@ -149,34 +155,39 @@ def build_pooling_app(engine: AsyncPoolingEngine, settings: ServerSettings) -> F
         ]
         return json_response({"object": "list", "data": cards})
 
-    async def answer(endpoint: str, work: Any) -> Response:
+    async def answer(endpoint: str, work: Any, raw_request: Request) -> Response:
+        """`work`'s body as JSON; a client that leaves first cancels it (its inputs still
+        queued are dropped) and is logged as nginx's 499."""
         try:
-            body = await work
+            body = await cancel_on_disconnect(work, raw_request)
         except APIError as exc:
             metrics.requests.labels(metrics.model_name, endpoint, str(exc.status_code)).inc()
+            raise
+        except ClientDisconnected:
+            metrics.requests.labels(metrics.model_name, endpoint, "499").inc()
             raise
         metrics.requests.labels(metrics.model_name, endpoint, "200").inc()
         return json_response(body)  # type: ignore[arg-type]
 
     @app.post("/v1/embeddings", response_model=None)
-    async def embeddings(request: EmbeddingRequest) -> Response:
-        return await answer("/v1/embeddings", serving.create_embedding(request))
+    async def embeddings(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await answer("/v1/embeddings", serving.create_embedding(request), raw_request)
 
     @app.post("/embed", response_model=None)
-    async def tei_embed(request: TEIEmbedRequest) -> Response:
-        return await answer("/embed", serving.tei_embed(request))
+    async def tei_embed(request: TEIEmbedRequest, raw_request: Request) -> Response:
+        return await answer("/embed", serving.tei_embed(request), raw_request)
 
     @app.post("/rerank", response_model=None)
-    async def tei_rerank(request: TEIRerankRequest) -> Response:
-        return await answer("/rerank", serving.tei_rerank(request))
+    async def tei_rerank(request: TEIRerankRequest, raw_request: Request) -> Response:
+        return await answer("/rerank", serving.tei_rerank(request), raw_request)
 
     @app.post("/v1/rerank", response_model=None)
-    async def rerank(request: RerankRequest) -> Response:
-        return await answer("/v1/rerank", serving.rerank(request))
+    async def rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return await answer("/v1/rerank", serving.rerank(request), raw_request)
 
     @app.post("/v1/score", response_model=None)
-    async def score(request: ScoreRequest) -> Response:
-        return await answer("/v1/score", serving.score(request))
+    async def score(request: ScoreRequest, raw_request: Request) -> Response:
+        return await answer("/v1/score", serving.score(request), raw_request)
 
     async def refuse_generation(request: Request) -> Response:
         raise APIError(

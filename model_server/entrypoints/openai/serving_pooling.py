@@ -1,5 +1,5 @@
 """The pooling endpoints: OpenAI `/v1/embeddings`, TEI's `/embed` and `/rerank`, Jina/Cohere's
-`/v1/rerank`, vLLM's `/v1/score`.
+`/v1/rerank`, vLLM's `/v1/score` (the last two also on embedding models: cosine similarity).
 
 Each turns its body into engine `PoolingRequest`s (tokenized here, on the event loop: fast
 tokenizers take microseconds per sentence), awaits them from the `AsyncPoolingEngine` and shapes
@@ -63,12 +63,13 @@ class OpenAIServingPooling:
         assert pooler is not None  # check_ready ran
         return pooler.task
 
-    def _require(self, task: PoolingTask, path: str) -> None:
+    def _require(self, task: PoolingTask | None, path: str) -> None:
+        """The engine is ready and serves `task` (None: either)."""
         try:
             self.engine.check_ready()  # loading / draining: 503; failed: 500
         except Exception as exc:
             raise to_api_error(exc) from None
-        if self.task is task:
+        if task is None or self.task is task:
             return
         if self.task is PoolingTask.EMBED:
             hint = "it is an embedding model: use /v1/embeddings or /embed"
@@ -161,6 +162,30 @@ class OpenAIServingPooling:
         outputs = await self._run(encoded, PoolingParams(task=PoolingTask.SCORE))
         return [o.score for o in outputs], sum(o.num_prompt_tokens for o in outputs)  # type: ignore[misc]
 
+    async def _relevance(
+        self, param: str, pairs: list[tuple[str, str]], truncate: int | bool | None
+    ) -> tuple[list[float], int]:
+        """Each (query, document) pair's relevance and the tokens it took: a cross-encoder's
+        logit through a sigmoid, or, for an embedding model, the cosine similarity of the two
+        texts' embeddings (as vLLM scores with embedding models; each distinct text is
+        embedded once)."""
+        if self.task is PoolingTask.SCORE:
+            logits, tokens = await self._scores(param, pairs, truncate)
+            return [_sigmoid(x) for x in logits], tokens
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        encoded = self._texts(param, texts, self._limit(param, truncate))
+        outputs = await self._run(encoded, PoolingParams(PoolingTask.EMBED))
+        vectors = {
+            t: np.asarray(o.embedding, dtype=np.float64)
+            for t, o in zip(texts, outputs, strict=True)
+        }
+        scores = []
+        for a, b in pairs:
+            va, vb = vectors[a], vectors[b]
+            norm = float(np.linalg.norm(va) * np.linalg.norm(vb))
+            scores.append(float(va @ vb) / norm if norm > 0 else 0.0)
+        return scores, sum(o.num_prompt_tokens for o in outputs)
+
     # ----------------------------------------------------------------- endpoints
 
     async def create_embedding(self, request: EmbeddingRequest) -> dict[str, Any]:
@@ -239,17 +264,17 @@ class OpenAIServingPooling:
         return sorted(results, key=lambda r: -r["score"])
 
     async def rerank(self, request: RerankRequest) -> dict[str, Any]:
-        self._require(PoolingTask.SCORE, "/v1/rerank")
+        self._require(None, "/v1/rerank")
         self.served.check_model(request.model)
         self._count("documents", len(request.documents))
         pairs = [(request.query, d) for d in request.documents]
-        logits, tokens = await self._scores("documents", pairs, request.truncate_prompt_tokens)
-        order = sorted(range(len(logits)), key=lambda i: -logits[i])
+        scores, tokens = await self._relevance("documents", pairs, request.truncate_prompt_tokens)
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if request.top_n is not None:
             order = order[: request.top_n]
         results = []
         for i in order:
-            item: dict[str, Any] = {"index": i, "relevance_score": _sigmoid(logits[i])}
+            item: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
             if request.return_documents:
                 item["document"] = {"text": request.documents[i]}
             results.append(item)
@@ -261,7 +286,7 @@ class OpenAIServingPooling:
         }
 
     async def score(self, request: ScoreRequest) -> dict[str, Any]:
-        self._require(PoolingTask.SCORE, "/v1/score")
+        self._require(None, "/v1/score")
         self.served.check_model(request.model)
         t1 = [request.text_1] if isinstance(request.text_1, str) else request.text_1
         t2 = [request.text_2] if isinstance(request.text_2, str) else request.text_2
@@ -277,14 +302,12 @@ class OpenAIServingPooling:
                 param="text_2",
             )
         pairs = list(zip(t1, t2, strict=True))
-        logits, tokens = await self._scores("text_2", pairs, request.truncate_prompt_tokens)
+        scores, tokens = await self._relevance("text_2", pairs, request.truncate_prompt_tokens)
         return {
             "id": f"score-{uuid.uuid4().hex}",
             "object": "list",
             "created": int(time.time()),
             "model": self.served.model_name,
-            "data": [
-                {"index": i, "object": "score", "score": _sigmoid(s)} for i, s in enumerate(logits)
-            ],
+            "data": [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores)],
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }

@@ -126,7 +126,8 @@ def test_bad_embedding_input_is_a_400_naming_the_field(embed_url: str) -> None:
 
 def test_models_capabilities_and_wrong_task_routes(embed_url: str, rerank_url: str) -> None:
     card = httpx.get(f"{embed_url}/v1/models").json()["data"][0]
-    assert (card["id"], card["capabilities"], card["max_model_len"]) == (EMBED_NAME, ["embed"], 256)
+    assert card["id"] == EMBED_NAME and card["max_model_len"] == 256
+    assert card["capabilities"] == ["embed", "score", "rerank"]
     card = httpx.get(f"{rerank_url}/v1/models").json()["data"][0]
     assert card["capabilities"] == ["score", "rerank"]
     chat = {"messages": [{"role": "user", "content": "hi"}]}
@@ -189,6 +190,46 @@ def test_v1_rerank_and_score(rerank_url: str, tiny_cross_encoder: Path) -> None:
     _error(httpx.post(f"{rerank_url}/v1/rerank", json={**body, "top_n": 0}), "top_n")
     missing = httpx.post(f"{rerank_url}/v1/rerank", json={**body, "model": "nope"})
     assert missing.status_code == 404
+
+
+def test_embedding_model_scores_are_cosine_similarities(embed_url: str, reference) -> None:
+    """/v1/score and /v1/rerank on an embedding model: sentence-transformers' cosine
+    similarities (as vLLM scores with embedding models)."""
+    query = "What is the capital of France?"
+    want = torch.nn.functional.cosine_similarity(
+        reference.encode([query], convert_to_tensor=True),
+        reference.encode(DOCS, convert_to_tensor=True),
+    )
+    scores = httpx.post(f"{embed_url}/v1/score", json={"text_1": query, "text_2": DOCS}).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(want.tolist(), abs=1e-4)
+    assert scores["usage"]["prompt_tokens"] > 0
+    body = {"model": EMBED_NAME, "query": query, "documents": DOCS}
+    ranked = httpx.post(f"{embed_url}/v1/rerank", json=body).json()["results"]
+    assert [r["index"] for r in ranked] == torch.argsort(want, descending=True).tolist()
+    assert ranked[0]["relevance_score"] == pytest.approx(want.max().item(), abs=1e-4)
+    pairs = {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}
+    _error(httpx.post(f"{embed_url}/v1/score", json=pairs), "text_2")
+
+
+def test_a_client_that_leaves_drops_its_queued_inputs(embed_url: str) -> None:
+    """A client gone mid-request: its inputs not yet run are dropped (the queue empties within
+    a step, far fewer than all were pooled), the server logs a 499 and answers the next."""
+    from tests.e2e.conftest import metric
+
+    pooled = metric(embed_url, "wick:pooling_inputs_total")
+    long_text = " ".join(["paged attention keeps the KV cache in fixed-size blocks"] * 25)
+    body = {"input": [f"{i} {long_text}" for i in range(MAX_INPUTS)], "truncate_prompt_tokens": -1}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{embed_url}/v1/embeddings", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 20
+    while metric(embed_url, "vllm:num_requests_waiting") > 0 or (
+        metric(embed_url, "wick:pooling_requests_total", 'status="499"') < 1
+    ):
+        assert time.monotonic() < deadline, "the abandoned inputs still wait"
+        time.sleep(0.05)
+    ran = metric(embed_url, "wick:pooling_inputs_total") - pooled
+    assert ran < MAX_INPUTS / 2, f"{ran} of {MAX_INPUTS} inputs ran for a client that left"
+    assert httpx.post(f"{embed_url}/embed", json={"inputs": "still here"}).status_code == 200
 
 
 def test_generative_server_refuses_pooling_routes(api) -> None:  # noqa: F811
