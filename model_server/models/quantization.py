@@ -17,18 +17,24 @@ from model_server.layers.embedding import ParallelLMHead
 from model_server.layers.fused_moe import FusedMoE
 from model_server.layers.linear import LinearBase
 from model_server.layers.quantization import QuantizedWeight, quantize_int8
+from model_server.layers.quantization.int8 import quantize_int8_wna16
 
 
-def quantize_model(model: nn.Module, method: str) -> None:
-    """Quantize every linear layer and the LM head of a loaded model in place. The float weights
-    are released (a tied embedding keeps its own)."""
+def quantize_model(model: nn.Module, method: str, layout: str = "int8") -> None:
+    """Quantize every linear layer and the LM head of a loaded model in place, held in `layout`
+    ("int8": `Int8Weight`; "wna16": the same weights as 8-bit wNa16 codes, see
+    layers/quantization/int8.py). The float weights are released (a tied embedding keeps its
+    own)."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization method {method!r}")
+    if layout not in ("int8", "wna16"):
+        raise ValueError(f"unknown int8 weight layout {layout!r}")
+    quantize = quantize_int8 if layout == "int8" else quantize_int8_wna16
     for module in list(model.modules()):
         if isinstance(module, LinearBase | ParallelLMHead) and isinstance(
             module.weight, torch.Tensor
         ):
-            quantized = quantize_int8(module.weight)
+            quantized = quantize(module.weight)
             del module.weight  # this module's reference only: a tied embedding keeps the table
             module.weight = quantized
 

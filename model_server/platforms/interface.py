@@ -271,6 +271,11 @@ class Platform(ABC):
         None planned by default: every weight runs the table's slot."""
         return LinearPlan()
 
+    def int8_weights_layout(self, options: KernelOptions) -> str:
+        """How `-q int8` weights are held: "int8" (`Int8Weight`, the table's `int8_linear`)
+        or "wna16" (the same values as 8-bit wNa16 codes, for native wNa16 kernels)."""
+        return "int8"
+
     def native_decoder_step(
         self,
         layers: Sequence[StackLayer] | str,

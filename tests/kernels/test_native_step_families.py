@@ -305,6 +305,39 @@ def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
     assert native == modules
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_step_runs_int8_weights_with_the_modules_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dtype: str
+) -> None:
+    """`-q int8` on the CPU holds its weights as 8-bit per-channel wNa16 codes
+    (`int8_weights_layout`): every projection on the native wNa16 kernel, in the native step as
+    in the modules."""
+    from model_server.kernels.cpu.linear_tuning import WNA16_NATIVE
+
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force(monkeypatch, WNA16_NATIVE)
+    folder = _folder(tmp_path / "model", NATIVE["qwen3"])
+    llm = LLM(
+        str(folder),
+        quantization="int8",
+        dtype=dtype,
+        device="cpu",
+        attention_backend="cpu",
+        block_size=8,
+        kv_cache_memory=4 * 1024**2,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+        seed=3,
+    )
+    runner = llm.engine.core.model_runner
+    assert runner.prepared.resolved.int8_layout == "wna16"
+    assert runner.prepared.quantization_description == "int8"
+    assert runner.native_step is not None, runner.prepared.native_reason
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
+    assert native == modules
+
+
 @pytest.mark.slow
 def test_a_resolution_error_on_rank_0_reaches_every_rank(tmp_path: Path) -> None:
     """The config is resolved on rank 0 and broadcast: an error there (a float checkpoint asked

@@ -11,12 +11,14 @@ from model_server.benchmarks.bandwidth import weight_bytes_per_step
 from model_server.config import parse_quantization
 from model_server.engine.llm import LLM
 from model_server.kernels.cpu import linear as cpu_linear
+from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear import _INT8_KERNEL_MAX_ROWS, int8_linear
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import LinearBase, dense
 from model_server.layers.quantization import Int8Weight, quantize_int8
-from model_server.layers.quantization.wna16 import WNA16Config, resolve_quantization
+from model_server.layers.quantization.int8 import quantize_int8_wna16
+from model_server.layers.quantization.wna16 import WNA16Config, WNA16Weight, resolve_quantization
 from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from model_server.settings import ServerSettings
@@ -38,6 +40,19 @@ def test_codes_scales_and_error_bound() -> None:
     assert torch.count_nonzero(q.qweight[5]) == 0 and torch.count_nonzero(q.dequantize()[5]) == 0
     # Each row uses most of the code range (a scale far too large would not).
     assert (q.qweight.abs().amax(1)[torch.arange(64) != 5] >= 126).all()
+
+
+def test_the_wna16_layout_holds_the_same_weights() -> None:
+    """`-q int8` as 8-bit wNa16 codes (the CPU's layout): codes Q + 128, offsets -128 s, and
+    every dequantized weight s * Q bit for bit."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0
+    q, codes = quantize_int8(w), quantize_int8_wna16(w)
+    assert (codes.method, codes.bits, codes.group_size) == ("int8", 8, 96)
+    assert codes.codes.dtype == torch.uint8
+    assert torch.equal(codes.codes.to(torch.int16) - 128, q.qweight.to(torch.int16))
+    assert torch.equal(codes.dequantize(), q.dequantize())
 
 
 @pytest.mark.parametrize("rows", [1, 3, _INT8_KERNEL_MAX_ROWS, _INT8_KERNEL_MAX_ROWS + 1, 40])
@@ -116,14 +131,18 @@ def models() -> tuple[LLM, LLM]:
 
 def test_every_matrix_is_quantized_and_weights_shrink(models) -> None:
     fp32, int8 = (m.engine.core.model_runner.model for m in models)
+    layout = models[1].engine.core.model_runner.prepared.resolved.int8_layout
     linears = [m for m in int8.modules() if isinstance(m, LinearBase | ParallelLMHead)]
     assert len(linears) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the LM head
-    # Int8 codes, in planned weights (the kernels tuned per machine) or as they are with
-    # WICK_CPU_LINEAR_TUNING=0; every layer was built with the CPU's one kernel table.
-    assert all(
-        isinstance(held(m.weight), Int8Weight) or isinstance(m.weight.source, Int8Weight)
-        for m in linears
-    )
+    # Int8 codes (as 8-bit wNa16 codes where the native kernels built), in planned weights (the
+    # kernels tuned per machine) or as they are with WICK_CPU_LINEAR_TUNING=0; every layer was
+    # built with the CPU's one kernel table.
+    holder = Int8Weight if layout == "int8" else WNA16Weight
+    assert layout == ("wna16" if default_kernels() is not None else "int8")
+    for m in linears:
+        weight = held(m.weight)
+        weight = weight if isinstance(weight, holder) else m.weight.source
+        assert isinstance(weight, holder) and weight.method == "int8", m.weight
     tables = {id(m.kernels): m.kernels for m in linears}
     assert len(tables) == 1
     assert next(iter(tables.values())) is CpuPlatform().kernel_table()

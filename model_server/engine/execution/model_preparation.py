@@ -79,6 +79,9 @@ class ResolvedModelConfig:
     # GGUF matrices: "quantized" (kept in their blocks), "dequantized" or "mixed" (kept, each
     # beside its float twin; the plan runs the faster per row count): gguf_weights_layout.
     gguf_layout: str
+    # How -q int8 weights are held: "int8" (Int8Weight) or "wna16" (8-bit wNa16 codes, for a
+    # platform whose native wNa16 kernels and decoder step run them): int8_weights_layout.
+    int8_layout: str
     attention_backend: str
     max_model_len: int
     max_model_len_given: bool
@@ -155,6 +158,7 @@ def _resolve_here(
         kv_cache_scales=_kv_cache_scales(config, get_tensor_model_parallel_world_size()),
         quantization=quantization,
         gguf_layout=gguf_layout,
+        int8_layout=platform.int8_weights_layout(options),
         attention_backend=config.attention_backend or platform.default_attention_backend,
         max_model_len=config.max_model_len or source.context_length,
         max_model_len_given=config.max_model_len is not None,
@@ -373,7 +377,7 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
         model.load_weights(_with_progress(source.weights(), source.num_weights))
     process_weights_after_loading(model)
     if resolved.quantization is not None:
-        quantize_model(model, resolved.quantization)
+        quantize_model(model, resolved.quantization, resolved.int8_layout)
     model.eval()
     description = model_quantization(model)
     if kv_dtype.quantized and hasattr(model, "kv_cache_shape"):

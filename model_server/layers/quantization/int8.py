@@ -16,6 +16,11 @@ implementation (`kernels.portable.int8_linear_dequant`) dequantizes the whole ma
 call: correct, but slower than the float model; gcu and hpu, which have no int8 kernel, run it
 for the memory (`Platform.quantization_methods` lists what each platform accepts).
 `models.quantization.quantize_model` swaps the weights in.
+
+Layouts (`Platform.int8_weights_layout`): "int8" holds `Int8Weight` (the `int8_linear` slot);
+"wna16" holds the same weights as an 8-bit per-channel `WNA16Weight` (`quantize_int8_wna16`:
+unsigned codes Q + 128 with offsets -128 s, every weight the same value s * Q exactly), so that
+a platform with native wNa16 kernels runs `-q int8` on them, its native decoder step included.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import nn
 from model_server.kernels.portable import dequantize_int8
 from model_server.kernels.table import Int8LinearFn, KernelTable
 from model_server.layers.quantization.base import QuantizedWeight
+from model_server.layers.quantization.wna16 import WNA16Weight
 
 
 class Int8Weight(QuantizedWeight):
@@ -79,6 +85,18 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scale = _round_up_to_bf16(scale)  # float32 holding bf16 values: the cast below is exact
     qweight = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return Int8Weight(qweight, scale)
+
+
+def quantize_int8_wna16(weight: torch.Tensor) -> WNA16Weight:
+    """weight [N, K] float -> `quantize_int8`'s weights in the wNa16 layout (kernels/
+    portable.py): codes [N, K] uint8 = Q + 128 (Q's bits with the sign bit flipped), scales
+    [N, 1] float32 = s and offsets -128 s, so scales * codes + offsets is s * Q exactly (s has
+    a bf16 mantissa and Q + 128 eight bits: the product and the sum are exact in float32)."""
+    q = quantize_int8(weight)
+    codes = (q.qweight.view(torch.uint8) ^ 0x80).contiguous()
+    scales = q.scale.float().reshape(-1, 1).contiguous()
+    k = int(codes.shape[1])
+    return WNA16Weight("int8", 8, k, codes, scales, (-128.0 * scales).contiguous(), None)
 
 
 def int8_dense(
