@@ -11,6 +11,11 @@ Each case runs once to warm up, then `--num-iters` times (median). Output, one l
     batch 32:  ...
 
 sentence-transformers runs in float32 (its default) unless `--baseline-dtype` says otherwise.
+
+With `--base-url URL` the same sentences go instead to a running server's OpenAI
+`/v1/embeddings` (a batch is one request of that many inputs, the first model /v1/models lists),
+nothing loads here: run it against `wick serve` and against another server (vLLM's pooling
+runner) in turn, one server at a time, to compare them through the same client.
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
         help="What to compare with, in this process.",
     )
     parser.add_argument(
+        "--base-url",
+        default=None,
+        help="Time a running server's /v1/embeddings (root URL, no /v1) instead of the engine "
+        "in this process; no baseline.",
+    )
+    parser.add_argument(
         "--baseline-dtype",
         choices=["float32", "bfloat16"],
         default="float32",
@@ -70,8 +81,37 @@ def _rate(run: Callable[[list[str]], object], texts: list[str], batch: int, iter
     return statistics.median(once() for _ in range(iters))
 
 
+def run_http_embed_benchmark(args: argparse.Namespace) -> int:
+    """Sentences per second through a server's /v1/embeddings, one request per batch."""
+    import httpx
+
+    base = args.base_url.rstrip("/")
+    with httpx.Client(base_url=base, timeout=600) as client:
+        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+
+        def post(batch: list[str]) -> object:
+            # Longer sentences are cut to the model's maximum, as the in-process run does.
+            body = {"model": model, "input": batch, "truncate_prompt_tokens": -1}
+            response = client.post("/v1/embeddings", json=body)
+            response.raise_for_status()
+            data = response.json()["data"]
+            if len(data) != len(batch):
+                raise RuntimeError(f"{len(data)} embeddings for {len(batch)} inputs")
+            return data
+
+        texts = sentences(args.num_sentences, args.workload_seed)
+        print(f"embed: {base}/v1/embeddings, model {model}, {len(texts)} sentences", flush=True)
+        for batch in args.batch_sizes:
+            rate = _rate(post, texts, batch, args.num_iters)
+            print(f"batch {batch}: {base} {rate:.1f} sent/s", flush=True)
+    return 0
+
+
 def run_embed_benchmark(args: argparse.Namespace, config: EngineConfig) -> int:
     import dataclasses
+
+    if args.base_url:
+        return run_http_embed_benchmark(args)
 
     import torch
 
