@@ -71,6 +71,12 @@ class NativeDecoderStep(Protocol):
         """Whether a step of `num_tokens` rows over `kv_caches` runs natively."""
         ...
 
+    def row_coverage(self, max_rows: int) -> str:
+        """For people (the plan): which step sizes up to `max_rows` run natively, as far as
+        the matmuls decide ("one native call per step at 1-32 rows; module by module at
+        33-512 rows")."""
+        ...
+
     def __call__(
         self,
         positions: torch.Tensor,

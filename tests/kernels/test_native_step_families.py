@@ -191,8 +191,21 @@ def test_the_plan_names_every_planned_weight(monkeypatch: pytest.MonkeyPatch, tm
     try:
         prepared = llm.engine.core.model_runner.prepared
         text = prepared.describe()
-        assert "decoder layers: one native call per step" in text
+        assert "decoder layers: one native call per step at 1-24 rows\n" in text
         assert "dtype: float32 (given)" in text
+        # Row buckets whose matmuls lack a native kernel run module by module: the plan says
+        # which (here the buckets past 4 rows, as if their kernels were PyTorch's).
+        step = prepared.native_step
+        own = decoder_stack.CpuDecoderStack._linear
+        monkeypatch.setattr(
+            decoder_stack.CpuDecoderStack,
+            "_linear",
+            lambda self, module, key, dtype: None if key > 2 else own(self, module, key, dtype),
+        )
+        assert step.row_coverage(24) == (
+            "one native call per step at 1-4 rows; module by module at 5-24 rows"
+        )
+        assert step.row_coverage(1) == "one native call per step at 1 row"
         names = set(prepared.linear_plan.weights)
         layer_parts = {
             "self_attn.qkv_proj",

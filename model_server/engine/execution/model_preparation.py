@@ -276,7 +276,11 @@ class PreparedModel:
             f"kernel settings: {r.kernel_options.describe()}",
             f"max model len: {r.max_model_len}",
             "decoder layers: "
-            + ("one native call per step" if self.native_step is not None else "module by module")
+            + (
+                "module by module"
+                if self.native_step is None
+                else self.native_step.row_coverage(self.config.max_num_batched_tokens or 1)
+            )
             + (f" ({self.native_reason})" if self.native_reason else ""),
             f"linear kernels by shape ({len(self.linear_plan.lines)}):",
             *(f"  {line}" for line in self.linear_plan.lines),

@@ -316,6 +316,31 @@ class CpuDecoderStack:
             s.num_slots = data.shape[1] * data.shape[2]  # [2, blocks, block_size, Hkv, D]
         return structs
 
+    def row_coverage(self, max_rows: int) -> str:
+        """Which row buckets up to `max_rows` have a native kernel for every matmul of every
+        layer (what `takes` finds there, the caches aside), as runs: "1-32 rows; module by
+        module from 33"."""
+        native_keys = []
+        for key in range((max(max_rows, 1) - 1).bit_length() + 1):
+            ok = all(
+                self._linear(module, key, self.geometry.dtype) is not None
+                for layer in self.layers
+                for module in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
+            native_keys.append(ok)
+        parts = []
+        for key, ok in enumerate(native_keys):
+            low, high = (1 << key >> 1) + 1 if key else 1, min(1 << key, max_rows)
+            label = "one native call per step" if ok else "module by module"
+            if parts and parts[-1][0] == label:
+                parts[-1][2] = high
+            else:
+                parts.append([label, low, high])
+        return "; ".join(
+            f"{label} at {low}-{high} rows" if low != high else f"{label} at {low} row"
+            for label, low, high in parts
+        )
+
     # ---- a step ---------------------------------------------------------------------------
 
     def takes(self, num_tokens: int, kv_caches: Sequence[Any]) -> bool:
