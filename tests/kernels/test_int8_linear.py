@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from model_server.kernels.int8_linear import int8_linear
 from model_server.kernels.portable import int8_linear_dequant
 from model_server.layers.quantization import Int8Weight, quantize_int8
+from model_server.platforms.cpu import CpuPlatform
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import MIXED_PROMPTS, tiny_llm, use_kernels
 
@@ -57,6 +58,8 @@ def test_tiny_model_greedy_output_with_the_triton_int8_kernel(tmp_path, monkeypa
     exact dequantized matmul (CUDA's table has the kernel; here the CPU platform's is given it,
     under the interpreter)."""
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    # CUDA's layout (the CPU's own holds -q int8 as wNa16 codes where its native kernels built).
+    monkeypatch.setattr(CpuPlatform, "int8_weights_layout", lambda self, options: "int8")
     outputs = []
     for kernel in (int8_linear_dequant, int8_linear):
         use_kernels(monkeypatch, lambda table, kernel=kernel: replace(table, int8_linear=kernel))

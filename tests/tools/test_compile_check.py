@@ -31,6 +31,7 @@ KERNELS = (
     "_paged_prefill_kernel",
     "_rms_norm_kernel",
     "_silu_and_mul_kernel",
+    "_rotary_neox_kernel",
     "_int8_linear_kernel",
     "_wna16_linear_kernel",
     "_grouped_gemm_kernel",  # fused MoE (deepseek-v2-lite: 64 experts, top 6)
