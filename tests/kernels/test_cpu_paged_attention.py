@@ -535,6 +535,7 @@ def test_failed_isa_build_falls_back_to_a_lower_path(tmp_path, monkeypatch, capl
     )
     fake_cc.chmod(0o755)
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("WICK_CPU_ISA", raising=False)  # the automatic choice falls back
     monkeypatch.setattr(native, "_compiler", lambda: str(fake_cc))
     native.clear_cache()
     try:
