@@ -12,14 +12,12 @@ closes the upstream response, so the model server aborts the request.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
@@ -30,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from microservice import __version__, formats
 from microservice.connectors.base import Connector
 from microservice.cors import CORSApp
+from microservice.disconnect import CLIENT_CLOSED, ClientGone, until_disconnected
 from microservice.drain import Drain, DrainMiddleware
 from microservice.errors import ServiceError, UpstreamError, error_body
 from microservice.health import CachedHealth
@@ -43,7 +42,6 @@ from microservice.upstream import Piece, default_limit, is_model_not_found
 
 logger = logging.getLogger("microservice")
 
-T = TypeVar("T")
 
 CHAT_PATH = "/v1/chat/completions"
 SERVICE_TITLE = "opea_service@llm_vllm"
@@ -51,7 +49,6 @@ SERVICE_DESCRIPTION = "Wick LLM microservice: OPEA-compatible chat over the Wick
 # Open without the service's API key: probes and scrapers carry none.
 OPEN_PATHS = frozenset({"/v1/health_check", "/metrics"})
 # Status answered when the client left before the answer (nginx's "client closed request").
-CLIENT_CLOSED = 499
 
 
 # The body is parsed by hand (for clear 400/422 messages), so /docs gets its example here.
@@ -75,10 +72,6 @@ _CHAT_OPENAPI = {
         },
     }
 }
-
-
-class ClientGone(Exception):
-    """The client disconnected while we waited for the model server."""
 
 
 def build_app(
@@ -178,14 +171,14 @@ class _ChatHandler:
         fmt = formats.choose(self.settings, chat, stream)
         model_server = self.connector.model_server
         try:
-            model = await _until_disconnected(model_server.resolve_model(chat.model), request)
+            model = await until_disconnected(model_server.resolve_model(chat.model), request)
             try:
                 return await self._answer(request, chat, model, stream, fmt)
             except UpstreamError as exc:
                 if self.settings.strict_model_name or not is_model_not_found(exc):
                     raise
                 # OPEA serves any name with its one model: ask which, once per name.
-                substitute = await _until_disconnected(model_server.substitute(model), request)
+                substitute = await until_disconnected(model_server.substitute(model), request)
                 if substitute is None:
                     raise
                 return await self._answer(request, chat, substitute, stream, fmt)
@@ -195,11 +188,11 @@ class _ChatHandler:
     async def _answer(
         self, request: Request, chat: ChatRequest, model: str, stream: bool, fmt: formats.Format
     ) -> Response:
-        generation = await _until_disconnected(self._generation(chat, model), request)
+        generation = await until_disconnected(self._generation(chat, model), request)
         request_id = f"chatcmpl-{current_request_id() or uuid.uuid4().hex}"
         if stream:
             return await self._stream(request, generation, request_id, fmt)
-        completion = await _until_disconnected(self.connector.answer(generation), request)
+        completion = await until_disconnected(self.connector.answer(generation), request)
         if fmt == "openai":
             return JSONResponse(formats.chat_completion(request_id, model, completion))
         text = thinking_text(completion.text, completion.reasoning, self.settings.include_reasoning)
@@ -231,7 +224,7 @@ class _ChatHandler:
         # The first piece is awaited before answering, so that failures before any text (model
         # server down, prompt too long, unknown model) get their own status instead of a 200
         # with an error.
-        first = await _until_disconnected(anext(pieces, None), request)
+        first = await until_disconnected(anext(pieces, None), request)
         started = request.scope.get("state", {}).get("started")
         if first is not None and started is not None:
             self.metrics.ttft.observe(time.monotonic() - started)
@@ -282,31 +275,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-async def _until_disconnected(awaitable: Awaitable[T], request: Request) -> T:
-    """Await `awaitable`, cancelling it (and raising ClientGone) if the client disconnects
-    first. Call only after the body was read: it consumes `receive()` messages."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:

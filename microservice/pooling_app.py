@@ -24,6 +24,7 @@ from prometheus_client import (
 from starlette.responses import JSONResponse, Response
 
 from microservice import __version__, safe_json
+from microservice.disconnect import CLIENT_CLOSED, ClientGone, until_disconnected
 from microservice.errors import UPSTREAM_ERROR_KINDS, ServiceError, UpstreamBroken, UpstreamError
 from microservice.health import CachedHealth
 from microservice.metrics import RequestMetricsMiddleware
@@ -168,7 +169,11 @@ def _build(
             body = safe_json.loads(await request.body())
         except ValueError as exc:
             raise ServiceError(f"the body is not valid JSON: {exc}", 400) from None
-        return JSONResponse(await handler(body, server))
+        try:
+            # A client that leaves cancels the model server call (which drops its inputs).
+            return JSONResponse(await until_disconnected(handler(body, server), request))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
 
     @app.get("/v1/health_check", response_model=None)
     async def health_check() -> Response:

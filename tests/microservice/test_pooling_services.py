@@ -34,11 +34,17 @@ def _model_server(model: str, name: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def embedding_service() -> Iterator[str]:
+def embedding_chain() -> Iterator[tuple[str, str]]:
+    """(the embedding service's URL, its model server's)."""
     for model_server in _model_server(minilm_path(), "minilm"):
         settings = EmbeddingSettings(model_server_endpoint=model_server)
         with serve_asgi(build_embedding_app(settings)) as url:
-            yield url
+            yield url, model_server
+
+
+@pytest.fixture(scope="module")
+def embedding_service(embedding_chain: tuple[str, str]) -> str:
+    return embedding_chain[0]
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +167,25 @@ def test_model_server_down_is_a_quick_503() -> None:
         assert httpx.get(f"{url}/v1/health_check").status_code == 503
         metrics = httpx.get(f"{url}/metrics").text
         assert 'reranking_microservice_upstream_errors_total{kind="connect"} 1.0' in metrics
+
+
+def test_a_client_that_leaves_the_service_stops_the_model_server_work(
+    embedding_chain: tuple[str, str],
+) -> None:
+    """The client gives up on a big request: the service cancels its model server call, whose
+    queued inputs are dropped (the model server's queue empties and most inputs never run)."""
+    from tests.e2e.conftest import metric
+
+    service, model_server = embedding_chain
+    pooled = metric(model_server, "wick:pooling_inputs_total")
+    text = " ".join(["the service forwards every input to the model server"] * 20)  # < 256
+    body = {"input": [f"{i} {text}" for i in range(1024)]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{service}/v1/embeddings", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 20
+    while metric(model_server, "vllm:num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, "the model server still works for a client gone"
+        time.sleep(0.05)
+    ran = metric(model_server, "wick:pooling_inputs_total") - pooled
+    assert ran < 512, f"{ran} of 1024 inputs ran for a client that left"
+    assert httpx.post(f"{service}/v1/embeddings", json={"text": "next"}).status_code == 200
