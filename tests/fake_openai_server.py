@@ -27,10 +27,13 @@ class FakeOpenAI:
     fail_every: int = 0  # every k-th generation request answers HTTP 500 (0: never)
     unready_requests: int = 0  # the first k generation requests answer 503 (still starting)
     prefix_cache: bool = False  # serve /metrics with vllm:prefix_cache_{queries,hits}
+    # serve /metrics with vllm:spec_decode_*: each generation adds 2 drafts of 3 tokens, 4 taken
+    spec_decode: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
     _seen_prompts: set[str] = field(default_factory=set)
     _prefix_queries: int = 0
     _prefix_hits: int = 0
+    _generations: int = 0
 
     def app(self) -> Any:
         from starlette.applications import Starlette
@@ -61,6 +64,7 @@ class FakeOpenAI:
             if prompt in self._seen_prompts:
                 self._prefix_hits += len(prompt.split())
             self._seen_prompts.add(prompt)
+            self._generations += 1
             usage = {
                 "prompt_tokens": len(prompt.split()),
                 "completion_tokens": len(pieces),
@@ -84,17 +88,27 @@ class FakeOpenAI:
 
         async def metrics(_: Request) -> Response:
             lines = []
-            for name, value in (
-                ("vllm:prefix_cache_queries", self._prefix_queries),
-                ("vllm:prefix_cache_hits", self._prefix_hits),
-            ):
+            counters = []
+            if self.prefix_cache:
+                counters += [
+                    ("vllm:prefix_cache_queries", self._prefix_queries),
+                    ("vllm:prefix_cache_hits", self._prefix_hits),
+                ]
+            if self.spec_decode:
+                n = self._generations
+                counters += [
+                    ("vllm:spec_decode_num_drafts", 2 * n),
+                    ("vllm:spec_decode_num_draft_tokens", 6 * n),
+                    ("vllm:spec_decode_num_accepted_tokens", 4 * n),
+                ]
+            for name, value in counters:
                 lines += [f"# TYPE {name} counter", f'{name}_total{{model_name="m"}} {value}.0']
             return Response("\n".join(lines) + "\n", media_type="text/plain")
 
         return Starlette(
             routes=[
                 Route("/v1/models", models),
-                *([Route("/metrics", metrics)] if self.prefix_cache else []),
+                *([Route("/metrics", metrics)] if self.prefix_cache or self.spec_decode else []),
                 Route("/v1/completions", generate, methods=["POST"]),
                 Route("/v1/chat/completions", generate, methods=["POST"]),
             ]

@@ -56,6 +56,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         "lists is a folder or file on this machine; else the embedded SmolLM2's when "
         "installed, else none).",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapter names the server serves (vLLM's flag): request i asks for name "
+        "i mod N, so the adapters are mixed evenly (vLLM picks one at random per request).",
+    )
     parser.add_argument("--num-prompts", type=int, default=100, help="Number of requests.")
     parser.add_argument("--random-input-len", type=int, default=128, help="Prompt tokens.")
     parser.add_argument("--random-output-len", type=int, default=128, help="max_tokens.")
@@ -122,9 +129,13 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--dataset-name",
-        choices=("random",),
+        choices=("random", "editing", "rag", "chat"),
         default="random",
-        help="Prompts: random (--random-input-len tokens each); no other dataset is supported.",
+        help="Prompts: random (--random-input-len tokens each), or answers that copy from their "
+        "prompt: editing (rewrite a passage with one word changed: nearly all copy), rag (a "
+        "question over three passages: some), chat (a plain question: none); those ask for "
+        "--random-output-len tokens each (benchmarks/copy_workloads.py) and report the share "
+        "of the answers' word trigrams found in their prompt.",
     )
     g.add_argument(
         "--strict-in-out-len",
@@ -256,14 +267,21 @@ def run_serve_benchmark(args: argparse.Namespace) -> int:
         if args.tokenizer is None:
             where = f"{served_root} is" if served_root else "the server names"
             note = f" (the served model: {where} no folder or file on this machine)"
-    requests = sample_requests(
-        args.num_prompts,
-        args.random_input_len,
-        args.random_output_len,
-        args.random_range_ratio,
-        args.seed,
-        tokenizer,
-    )
+    if args.dataset_name == "random":
+        requests = sample_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            args.seed,
+            tokenizer,
+        )
+    else:
+        from model_server.benchmarks.copy_workloads import workload_requests
+
+        requests = workload_requests(
+            args.dataset_name, args.num_prompts, args.random_output_len, args.seed, tokenizer
+        )
     print(f"tokenizer: {tokenizer_name}{note}", flush=True)
     summary = asyncio.run(benchmark(args, requests, percentiles, tokenizer_name))
     return 0 if summary["completed"] > 0 else 1
@@ -284,6 +302,7 @@ async def benchmark(
         read_prefix_counters,
     )
     from model_server.benchmarks.serve_metrics import calculate_metrics, format_report, result_json
+    from model_server.benchmarks.spec_counters import read_spec_counters, spec_delta
 
     base_url = args.base_url.rstrip("/")
     url = base_url + "/" + args.endpoint.lstrip("/")
@@ -300,9 +319,13 @@ async def benchmark(
         deadline = time.monotonic() + max(0.0, args.ready_check_timeout_sec)
         model = args.model or await _wait_for_model(client, base_url, headers, deadline)
 
+        # --lora-modules: each request's adapter, round robin over the requests.
+        loras = args.lora_modules or []
+        model_of = {id(r): loras[i % len(loras)] for i, r in enumerate(requests)} if loras else {}
+
         def payload(req: SampleRequest) -> dict[str, Any]:
             return build_payload(
-                model=model,
+                model=model_of.get(id(req), model),
                 prompt=req.prompt,
                 max_tokens=req.output_len,
                 chat=chat,
@@ -324,12 +347,14 @@ async def benchmark(
             print("Initial test run completed. Starting main benchmark run...", flush=True)
 
         counters_before = await read_prefix_counters(client, base_url, headers)
+        spec_before = await read_spec_counters(client, base_url, headers)
         start = time.perf_counter()
         results = await _run_all(send, requests, args.request_rate, args.max_concurrency, args)
         duration = time.perf_counter() - start
         prefix_hit_rate = hit_rate(
             counters_before, await read_prefix_counters(client, base_url, headers)
         )
+        spec = spec_delta(spec_before, await read_spec_counters(client, base_url, headers))
 
     metrics = calculate_metrics(results, duration, percentiles)
     failures = [r.error for r in results if not r.success]
@@ -343,6 +368,15 @@ async def benchmark(
             prefix_cache_hit_rate=prefix_hit_rate,
         )
     )
+    if spec is not None:
+        print(spec.describe())
+    if args.dataset_name != "random":
+        from model_server.benchmarks.copy_workloads import copy_share
+
+        done = [(q.prompt, r.generated_text) for q, r in zip(requests, results, strict=True)]
+        share = copy_share([p for p, _ in done], [a for _, a in done])
+        if share is not None:
+            print(f"answers' word trigrams found in their prompt: {share:.1%}")
     warning = hit_rate_warning(prefix_hit_rate, args.seed)
     if warning:
         print(warning, file=sys.stderr)

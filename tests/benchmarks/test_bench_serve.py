@@ -424,3 +424,69 @@ def test_parse_prefix_counters_sums_label_sets() -> None:
     assert parse_prefix_counters(text) == PrefixCounters(queries=15.0, hits=4.0)
     assert parse_prefix_counters("# TYPE other counter\nother_total 1.0\n") is None
     assert parse_prefix_counters("not { prometheus") is None
+
+
+def test_copy_workloads_and_the_copy_share() -> None:
+    from model_server.benchmarks.copy_workloads import copy_share, workload_requests
+
+    editing = workload_requests("editing", 10, 64, seed=0, tokenizer=None)
+    assert len(editing) == 10 and all(r.output_len == 64 for r in editing)
+    assert len({r.prompt for r in editing}) == 8  # every passage, then round robin
+    assert editing == workload_requests("editing", 10, 64, seed=0, tokenizer=None)
+    assert [r.prompt for r in editing] != [
+        r.prompt for r in workload_requests("editing", 10, 64, seed=1, tokenizer=None)
+    ]
+    first = editing[0].prompt
+    assert first.startswith("Rewrite the passage below word for word")
+    assert editing[0].prompt_len == len(first.split())
+    rag = workload_requests("rag", 1, 8, seed=0, tokenizer=None)[0].prompt
+    assert rag.count("Passage ") == 3 and "Question: " in rag
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload_requests("poems", 1, 8, seed=0, tokenizer=None)
+    passage = first.split("\n\n", 1)[1]
+    # The passage copied: every trigram found; an unrelated answer: none; no trigram: None.
+    assert copy_share([first], [passage]) == 1.0
+    assert copy_share([first], ["purple elephants dance quietly tonight"]) == 0.0
+    assert copy_share([first], ["two words"]) is None
+
+
+def test_bench_serve_editing_reports_copy_share_and_acceptance(tmp_path, capsys) -> None:
+    """--dataset-name editing through the chat endpoint of a fake server that echoes the prompt
+    and counts speculative decoding: the copy share and the acceptance the counters give."""
+    fake = FakeOpenAI(spec_decode=True)
+    with serve(fake) as url:
+        args = _args(
+            url,
+            *("--dataset-name", "editing", "--endpoint", "/v1/chat/completions"),
+            *("--num-prompts", "4", "--random-output-len", "32"),
+        )
+        assert run_serve_benchmark(args) == 0
+    out = capsys.readouterr().out
+    assert all("Rewrite the passage below" in r["messages"][0]["content"] for r in fake.requests)
+    # 4 run requests (the initial test request came before the first reading): 8 drafts of
+    # 24 tokens, 16 accepted.
+    assert (
+        "speculative decoding: 8 drafts of 24 tokens, 16 accepted (66.7%); "
+        "mean acceptance length 3.00"
+    ) in out
+    share = float(out.split("answers' word trigrams found in their prompt: ")[1].split("%")[0])
+    assert share > 90.0
+
+
+def test_parse_spec_counters() -> None:
+    from model_server.benchmarks.spec_counters import SpecCounters, parse_spec_counters, spec_delta
+
+    text = (
+        "# TYPE vllm:spec_decode_num_drafts counter\n"
+        'vllm:spec_decode_num_drafts_total{model_name="a"} 10.0\n'
+        "# TYPE vllm:spec_decode_num_draft_tokens counter\n"
+        'vllm:spec_decode_num_draft_tokens_total{model_name="a"} 30.0\n'
+        "# TYPE vllm:spec_decode_num_accepted_tokens counter\n"
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="a"} 12.0\n'
+    )
+    after = parse_spec_counters(text)
+    assert after == SpecCounters(10.0, 30.0, 12.0)
+    assert parse_spec_counters("# TYPE other counter\nother_total 1.0\n") is None
+    before = SpecCounters(4.0, 12.0, 6.0)
+    assert spec_delta(before, after) == SpecCounters(6.0, 18.0, 6.0)
+    assert spec_delta(after, after) is None and spec_delta(None, after) is None
