@@ -219,10 +219,10 @@ class CpuPlatform(Platform):
         return "mixed" if why is None and dtype == torch.float32 else "dequantized"
 
     def int8_weights_layout(self, options: KernelOptions) -> str:
-        """"wna16" where the native kernels built: the 8-bit wNa16 kernel streams the codes as
-        fast as `torch._weight_int8pack_mm` at decode sizes (SmolLM2's and 2048x2048 shapes on
-        the Zen 5 box, within 10 %), keeps fp32 activations unrounded, and lets the native
-        decoder step run the layers; else "int8" (PyTorch's int8 kernel)."""
+        """The wNa16 layout where the native kernels built: the 8-bit wNa16 kernel streams the
+        codes as fast as `torch._weight_int8pack_mm` at decode sizes (SmolLM2's and 2048x2048
+        shapes on the Zen 5 box, within 10 %), keeps fp32 activations unrounded, and lets the
+        native decoder step run the layers; else "int8" (PyTorch's int8 kernel)."""
         return "wna16" if native.load_kernels() is not None else "int8"
 
     def native_decoder_step(
