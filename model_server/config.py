@@ -11,8 +11,10 @@ from model_server.settings_spec import (
     engine_defaults,
     parse_device_ids,
     parse_kv_events_config,
+    parse_lora_modules,
     parse_quantization,
     parse_size,
+    parse_speculative_config,
     resolve_setting,
 )
 
@@ -21,6 +23,7 @@ __all__ = [
     "EngineConfig",
     "KVEventsConfig",
     "KernelOptions",
+    "SpeculativeConfig",
     "parse_device_ids",
     "parse_quantization",
     "parse_size",
@@ -85,6 +88,25 @@ class KVEventsConfig:
 
 
 @dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """vLLM's SpeculativeConfig, n-gram prompt lookup only (`--speculative-config`)."""
+
+    method: str  # "ngram"
+    num_speculative_tokens: int  # k: drafts verified per step and request
+    prompt_lookup_min: int  # the shortest suffix n-gram matched
+    prompt_lookup_max: int  # the longest
+    disable_by_batch_size: int  # speculate only while fewer requests than this run
+
+    @classmethod
+    def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """None when speculation is off; ValueError naming the key for anything unsupported."""
+        values = parse_speculative_config(text)
+        if values is None:
+            return None
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+
+@dataclass(slots=True, frozen=True)
 class EngineConfig:
     """Everything the engine needs to start. Names mirror `vllm serve` flags. Frozen: the engine
     resolves it once (`EngineCore.config`) and nothing changes it after.
@@ -118,11 +140,19 @@ class EngineConfig:
     kv_cache_memory: int | None = _D["kv_cache_memory"]  # bytes
     enable_prefix_caching: bool = _D["enable_prefix_caching"]
     kv_events_config: str | None = _D["kv_events_config"]  # JSON: vLLM's KVEventsConfig
+    speculative_config: str | None = _D["speculative_config"]  # JSON: vLLM's SpeculativeConfig
     enable_chunked_prefill: bool = _D["enable_chunked_prefill"]
     attention_backend: str | None = _D["attention_backend"]  # None: the platform's default
     enforce_eager: bool = _D["enforce_eager"]
     gpu_memory_utilization: float = _D["gpu_memory_utilization"]
     num_threads: int | None = _D["num_threads"]
+    # LoRA adapters (model_server/lora/): off unless enable_lora. lora_modules is the canonical
+    # JSON list of settings_spec.parse_lora_modules; max_cpu_loras None: max_loras.
+    enable_lora: bool = _D["enable_lora"]
+    lora_modules: str | None = _D["lora_modules"]
+    max_loras: int = _D["max_loras"]
+    max_lora_rank: int = _D["max_lora_rank"]
+    max_cpu_loras: int | None = _D["max_cpu_loras"]
     # The CPU kernels' settings: None is "not given": the WICK_* variable decides, else the
     # declared value (settings_spec.resolve_setting). The per-model ones reach the platform as
     # `KernelOptions`; the process ones are exported to their variables (export_process_settings).
@@ -147,6 +177,7 @@ class EngineConfig:
         an error, so a new field cannot be silently left at its default by one entry point."""
         values = {f.name: getattr(source, f.name) for f in fields(cls)}
         values["device_ids"] = parse_device_ids(values["device_ids"])
+        values["lora_modules"] = parse_lora_modules(values["lora_modules"])
         return cls(**values)
 
     def validate(self) -> None:
@@ -179,8 +210,38 @@ class EngineConfig:
                 "--kv-events-config publishes the prefix cache's blocks: it needs prefix "
                 "caching (drop --no-enable-prefix-caching)"
             )
+        if SpeculativeConfig.parse(self.speculative_config) and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--speculative-config is not supported with tensor parallelism yet "
+                "(the ranks' LM-head collectives would need the verification rows)"
+            )
         self.kernel_options()  # a bad kernel setting or WICK_* variable: one error, before loading
+        self._validate_lora()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    def _validate_lora(self) -> None:
+        """The LoRA flags: refused where they would be ignored or cannot be honoured."""
+        if not self.enable_lora:
+            if self.lora_modules is not None:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "--enable-lora runs on one rank for now: drop --tensor-parallel-size "
+                f"{self.tensor_parallel_size}"
+            )
+        if KVEventsConfig.parse(self.kv_events_config):
+            raise ValueError(
+                "--kv-events-config with --enable-lora is not supported yet: the events' block "
+                "hashes would not say which adapter computed a block"
             )

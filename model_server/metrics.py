@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from model_server.engine.stats import CacheConfigInfo, IterationStats, SchedulerStats
+    from model_server.engine.spec_decode.metrics import SpecDecodingStats
+    from model_server.engine.stats import (
+        CacheConfigInfo,
+        IterationStats,
+        LoRAStats,
+        SchedulerStats,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +130,23 @@ class EngineMetrics:
         self.num_preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
+        # Speculative decoding (--speculative-config): a draft is one request's drafts verified
+        # in one step; mean acceptance length = 1 + accepted tokens / drafts.
+        self.spec_decode_num_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            ["model_name", "position"],
+            registry=reg,
+        )
 
         # HTTP answers, by route: prometheus-fastapi-instrumentator's name (as vLLM's server
         # exposes), with exact statuses so that 503s (backpressure, draining) stand out.
@@ -220,11 +243,24 @@ class EngineMetrics:
             registry=reg,
         )  # fmt: skip
 
+        # vLLM's LoRA gauge (--enable-lora): one series whose labels name the adapters of the
+        # running and the waiting requests, valued the time it was set (vLLM's
+        # set_to_current_time). Only the latest label set is kept (vLLM keeps every one seen):
+        # adapter names come and go, and the series must stay bounded.
+        self.lora_requests_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=reg,
+        )
+        self._last_lora_labels: tuple[str, str, str] | None = None
+
         # Last seen running totals of SchedulerStats (turned into counter increments).
         self._lock = threading.Lock()
         self._last_preemptions = 0
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
+        self._last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
 
     # -- StatLogger -------------------------------------------------------------------------
 
@@ -270,6 +306,42 @@ class EngineMetrics:
             self.prefix_cache_queries.inc(d_queries)
         if d_hits:
             self.prefix_cache_hits.inc(d_hits)
+        if stats.spec_decoding is not None:
+            self._record_spec_decoding(stats.spec_decoding)
+        if stats.lora is not None:
+            self._record_lora(stats.lora)
+
+    def _record_lora(self, lora: LoRAStats) -> None:
+        labels = (str(lora.max_lora), ",".join(lora.waiting), ",".join(lora.running))
+        with self._lock:
+            last, self._last_lora_labels = self._last_lora_labels, labels
+        if last is not None and last != labels:
+            self.lora_requests_info.remove(*last)
+        self.lora_requests_info.labels(*labels).set_to_current_time()
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        totals = (
+            spec.num_drafts,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
+            spec.num_accepted_tokens_per_pos,
+        )
+        with self._lock:
+            last = self._last_spec
+            self._last_spec = (totals[0], totals[1], totals[2], list(totals[3]))
+        counters = (
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
+        )
+        for counter, total, previous in zip(counters, totals[:3], last[:3], strict=True):
+            if d := _delta(total, previous):
+                counter.inc(d)
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        for pos, total in enumerate(totals[3]):
+            previous = last[3][pos] if pos < len(last[3]) else 0
+            if d := _delta(total, previous):
+                per_pos.labels(self.model_name, str(pos)).inc(d)
 
     def _record_iteration(self, stats: IterationStats) -> None:
         if stats.num_prompt_tokens:

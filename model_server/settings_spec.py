@@ -237,6 +237,81 @@ def parse_kv_events_config(text: str | dict[str, Any] | None) -> dict[str, Any] 
     return config
 
 
+# vLLM's SpeculativeConfig keys Wick takes (`--speculative-config`). `disable_by_batch_size`:
+# speculation runs in a step only while fewer requests than this are running (vLLM's meaning),
+# so that wide batches, which are compute-bound, keep their throughput.
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+)
+SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor _max is given
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+MAX_SPECULATIVE_TOKENS = 32
+
+
+def parse_speculative_config(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
+    """`--speculative-config` (a JSON object of vLLM's SpeculativeConfig keys) -> every key,
+    checked and defaulted; None when speculation is off. Methods other than ngram, unknown keys
+    and bad numbers are refused, each error naming the key."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    import json
+
+    if isinstance(text, dict):
+        value: Any = text
+    else:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config: method {method!r} is not supported; Wick speculates with "
+            f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup) only, no draft model yet"
+        )
+    unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config: unsupported key(s) {unknown}; Wick takes {list(SPECULATIVE_KEYS)}"
+        )
+
+    def integer(key: str, low: int, high: int | None = None) -> int:
+        v = value[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < low or (high and v > high):
+            bound = f"from {low} to {high}" if high else f"at least {low}"
+            raise ValueError(f"speculative_config: {key} must be an integer {bound}, got {v!r}")
+        return v
+
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    config: dict[str, Any] = {"method": method}
+    config["num_speculative_tokens"] = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    lo = integer("prompt_lookup_min", 1) if value.get("prompt_lookup_min") is not None else None
+    hi = integer("prompt_lookup_max", 1) if value.get("prompt_lookup_max") is not None else None
+    if lo is None and hi is None:
+        lo = hi = DEFAULT_PROMPT_LOOKUP
+    config["prompt_lookup_min"] = lo if lo is not None else hi
+    config["prompt_lookup_max"] = hi if hi is not None else lo
+    if config["prompt_lookup_min"] > config["prompt_lookup_max"]:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min ({config['prompt_lookup_min']}) must not "
+            f"exceed prompt_lookup_max ({config['prompt_lookup_max']})"
+        )
+    config["disable_by_batch_size"] = (
+        integer("disable_by_batch_size", 2)
+        if value.get("disable_by_batch_size") is not None
+        else DEFAULT_DISABLE_BY_BATCH_SIZE
+    )
+    return config
+
+
 # Applied at load (models/quantization.py).
 QUANTIZATION_METHODS = ("int8",)
 # Names of a checkpoint's own format (vLLM-GCU's --quantization gptq|awq|w8a16): checked
@@ -444,6 +519,68 @@ def parse_list(text: str | list[str] | None) -> str | None:
 def split_list(text: str | None) -> list[str]:
     """The items of a list setting's canonical text."""
     return text.split(",") if text else []
+
+
+# --lora-modules: one entry per adapter, as vLLM takes them: `name=path`, or a JSON object
+# {"name", "path", "base_model_name"} (a JSON list of those too).
+LORA_MODULE_FIELDS = ("name", "path", "base_model_name")
+# vLLM's ranks (--max-lora-rank takes one of them).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def parse_lora_modules(text: str | list[str] | None) -> str | None:
+    """`--lora-modules` (`name=path` entries, vLLM's JSON objects or a JSON list of them; the
+    flag's list, spaces between entries) -> its canonical text, a JSON list of objects with
+    `name`, `path` and `base_model_name` (null: the served model); empty -> None. Idempotent:
+    the canonical text parses to itself. ValueError for a malformed entry or a repeated name."""
+    import json
+
+    if text is None:
+        return None
+    parts = text if isinstance(text, list) else [text]
+    entries: list[dict[str, Any]] = []
+
+    def add(obj: object, raw: str) -> None:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError(f"lora_modules: {raw!r} is not name=path nor a JSON object with name")
+        unknown = sorted(set(obj) - set(LORA_MODULE_FIELDS))
+        if unknown:
+            raise ValueError(f"lora_modules: unknown field(s) {unknown} in {raw!r}")
+        name, path = obj["name"].strip(), obj.get("path")
+        if not name or not isinstance(path, str) or not path.strip():
+            raise ValueError(f"lora_modules: {raw!r} needs a non-empty name and path")
+        base = obj.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"lora_modules: base_model_name must be a string in {raw!r}")
+        entries.append({"name": name, "path": path.strip(), "base_model_name": base})
+
+    for part in parts:
+        part = str(part).strip()
+        if part.startswith(("[", "{")):
+            try:
+                value = json.loads(part)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"lora_modules: not valid JSON: {part!r}: {exc}") from None
+            for obj in value if isinstance(value, list) else [value]:
+                add(obj, part)
+            continue
+        for item in part.split():
+            name, sep, path = item.partition("=")
+            if not sep:
+                raise ValueError(f"lora_modules: {item!r} is not name=path")
+            add({"name": name, "path": path}, item)
+    names = [e["name"] for e in entries]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"lora_modules: adapter name(s) {repeated} given more than once")
+    return json.dumps(entries, separators=(",", ":")) if entries else None
+
+
+def _check_max_lora_rank(value: int) -> None:
+    if value not in LORA_RANKS:
+        raise ValueError(
+            f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))} (vLLM's), got {value}"
+        )
 
 
 # scheme://host[:port], what a browser sends as Origin: no path, no trailing slash.
@@ -858,6 +995,22 @@ SETTINGS: tuple[Setting, ...] = (
         check=parse_kv_events_config,
     ),
     Setting(
+        "speculative_config",
+        str,  # the raw JSON; SpeculativeConfig.parse (config.py) reads it
+        None,
+        "Speculative decoding as vLLM's --speculative-config: a JSON object, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\'. Only n-gram prompt lookup (no draft model). Output is the '
+        "same as without speculation, greedy or seeded; requests with penalties, min_tokens "
+        "still due or a grammar decode plainly, and only steps with fewer than "
+        "disable_by_batch_size (default 4) running requests speculate. Not with tensor "
+        "parallelism.",
+        "engine",
+        default_text="off",
+        check=parse_speculative_config,
+        check_flag=True,
+    ),
+    Setting(
         "enable_chunked_prefill",
         bool,
         True,
@@ -897,6 +1050,59 @@ SETTINGS: tuple[Setting, ...] = (
         "engine",
     ),
     Setting("num_threads", int, None, "CPU threads.", "engine", default_text="all available cores"),
+    # --- engine, LoRA adapters (vLLM's flags; model_server/lora/)
+    Setting(
+        "enable_lora",
+        bool,
+        False,
+        "Serve LoRA adapters (PEFT folders) of the base model: a request picks one by its "
+        "`model` name; requests for different adapters and for the base model run in one "
+        "batch. Llama-family and Gemma models, one rank (no tensor parallelism); steps with "
+        "adapter tokens run the model's modules (not the native CPU decoder step) and no CUDA "
+        "graphs; the prefix cache is keyed by adapter.",
+        "engine",
+    ),
+    Setting(
+        "lora_modules",
+        str,  # canonical JSON list (parse_lora_modules)
+        None,
+        "Adapters served from the start, as vLLM's flag: name=path entries (spaces between "
+        "them), or JSON objects with name, path and base_model_name (a JSON list of them too). "
+        "Each path is a PEFT folder (adapter_config.json and adapter_model.safetensors), "
+        "checked when the engine starts. Needs --enable-lora.",
+        "engine",
+        default_text="none",
+        parse=parse_lora_modules,
+        nargs="+",
+    ),
+    Setting(
+        "max_loras",
+        int,
+        1,
+        "Adapters one step may use (the device slots of stacked LoRA weights; further "
+        "adapters' requests wait for a slot).",
+        "engine",
+        check=_at_least("max_loras", 1),
+    ),
+    Setting(
+        "max_lora_rank",
+        int,
+        16,
+        "Highest adapter rank (r) accepted; the slots are this wide. One of vLLM's values: "
+        "1, 8, 16, 32, 64, 128, 256, 320, 512.",
+        "engine",
+        check=_check_max_lora_rank,
+    ),
+    Setting(
+        "max_cpu_loras",
+        int,
+        None,
+        "Adapters kept loaded in host memory (LRU; others are read from their folder again "
+        "when asked for); at least --max-loras.",
+        "engine",
+        default_text="--max-loras",
+        check=_at_least("max_cpu_loras", 1),
+    ),
     # --- engine, CPU kernels: WICK_* variables every command reads (`everywhere`). The first
     # four are per-model decisions: resolved once on rank 0 with the model's config
     # (engine/execution/model_preparation.py) and handed to the platform as values. The last
@@ -1054,6 +1260,16 @@ SETTINGS: tuple[Setting, ...] = (
         "a name, such as candle-vllm's samples (llama7b, llama, mistral7b). Off: vLLM's 404 "
         "model_not_found for a name that is not one of --served-model-name's.",
         "server",
+    ),
+    Setting(
+        "allow_runtime_lora_updating",
+        bool,
+        False,
+        "Serve vLLM's POST /v1/load_lora_adapter (JSON lora_name and lora_path) and "
+        "/v1/unload_lora_adapter (JSON lora_name), which add and remove adapters while the "
+        "server runs (with --enable-lora). Off: both answer 404.",
+        "server",
+        opea=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",),
     ),
     Setting(
         "api_key",

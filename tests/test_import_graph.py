@@ -21,6 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
         "settings_aliases",
         "engine.outputs",
         "structured_output.params",
+        "lora.request",  # which adapter a request runs with
+        "lora.config",
     ),
     ("openmp_env",),  # set by the entry points before torch loads; imports nothing of ours
     ("distributed", "kernels"),
@@ -28,6 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("layers", "structured_output"),  # grammar engine: compiles, matchers, bitmasks
     ("models",),
     ("loader",),
+    ("lora",),  # LoRA adapters: PEFT folders, the wrapped layers, the slots
+    ("engine.spec_decode",),  # draft proposers (token lists only) and their counters
     ("engine.core",),  # pure bookkeeping: requests, scheduler, KV blocks
     ("engine.execution",),  # executors, workers, the model runner
     ("engine",),  # the fronts: EngineCore, LLMEngine, AsyncLLM, LLM, output processing

@@ -74,6 +74,7 @@ def test_every_setting_has_flag_variable_help_and_doc_entry() -> None:
     assert {n for s in SETTINGS for n in s.opea} == {
         "LLM_VLLM_MODEL_NAME", "LLM_VLLM_PORT", "VLLM_DTYPE", "VLLM_MAX_NUM_SEQS",
         "VLLM_TP_SIZE", "VLLM_SKIP_WARMUP", "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     }  # fmt: skip
 
 

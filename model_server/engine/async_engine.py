@@ -30,6 +30,7 @@ from model_server.config import EngineConfig
 from model_server.engine.allocator import HeapTrimmer
 from model_server.engine.outputs import RequestOutput
 from model_server.engine.stats import IterationStats, StatLogger, record_cache_config
+from model_server.lora.request import LoRARequest
 from model_server.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -134,14 +135,27 @@ class EngineClient(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs until one has `finished`.
+        """Stream a request's outputs until one has `finished` (with the LoRA adapter
+        `lora_request`, None: the base model).
 
         Raises before any output: ValueError for a request that can never run (the engine's
         message), EngineNotReadyError, EngineDeadError. When the consumer stops iterating
         (cancelled, closed, client gone), the request is aborted in the engine.
         """
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (ValueError with the reason) so requests may use it."""
+        raise ValueError("this engine serves no LoRA adapters")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the engine's memory; whether it held it."""
+        raise ValueError("this engine serves no LoRA adapters")
 
     @abstractmethod
     def admit(self, request_ids: Sequence[str]) -> Admission:
@@ -241,6 +255,32 @@ class _AddRequest:
     collector: RequestOutputCollector
     # The prompt's tokens when tokenized off the engine thread (None: the engine tokenizes).
     prompt_token_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _Call:
+    """Run `fn` on the engine thread between steps (adapters' loading and unloading); its
+    result or exception goes to `future` on the event loop."""
+
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    def run(self) -> None:
+        try:
+            result, error = self.fn(), None
+        except Exception as exc:  # the caller's to answer (ValueError: a bad adapter)
+            result, error = None, exc
+        self.loop.call_soon_threadsafe(self.resolve, result, error)
+
+    def resolve(self, result: Any, error: BaseException | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
 
 
 @dataclass(slots=True)
@@ -253,7 +293,7 @@ class _Stop:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-_Command = _AddRequest | _AbortRequests | _Stop
+_Command = _AddRequest | _AbortRequests | _Stop | _Call
 
 
 class AsyncLLM(EngineClient):
@@ -402,7 +442,11 @@ class AsyncLLM(EngineClient):
     # ----------------------------------------------------------- EngineClient: requests
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         # Check and register with no await in between: a crash or shutdown that the loop has
         # not heard of yet will still fail this collector (see _fail_all / shutdown).
@@ -432,7 +476,15 @@ class AsyncLLM(EngineClient):
         self._collectors[request_id] = collector
         self._admitted.pop(request_id, None)  # its slot is the collector's now
         self._commands.put(
-            _AddRequest(request_id, prompt, params, time.monotonic(), collector, prompt_token_ids)
+            _AddRequest(
+                request_id,
+                prompt,
+                params,
+                time.monotonic(),
+                collector,
+                prompt_token_ids,
+                lora_request,
+            )
         )
         finished = False
         try:
@@ -461,6 +513,19 @@ class AsyncLLM(EngineClient):
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(_AbortRequests([request_id]))
+
+    async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        self._raise_if_dead()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._commands.put(_Call(fn, loop, future))
+        return await future
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        await self._on_engine_thread(lambda: self._engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._on_engine_thread(lambda: self._engine.remove_lora(lora_int_id))
 
     def admit(self, request_ids: Sequence[str]) -> Admission:
         for request_id in request_ids:
@@ -661,6 +726,9 @@ class AsyncLLM(EngineClient):
                 if isinstance(command, _AbortRequests):
                     aborts.update(dict.fromkeys(command.request_ids))
                     continue
+                if isinstance(command, _Call):
+                    command.run()
+                    continue
                 if command.request_id in aborts:
                     # The id is reused after its abort was queued: that abort goes first.
                     self._abort(aborts, stats)
@@ -707,11 +775,14 @@ class AsyncLLM(EngineClient):
     def _apply(self, command: _AddRequest, stats: IterationStats) -> None:
         engine = self._engine
         try:
+            # Only a LoRA request passes the keyword (engines of tests may not take it).
+            lora = {} if command.lora_request is None else {"lora_request": command.lora_request}
             engine.add_request(
                 command.request_id,
                 command.prompt,
                 command.params,
                 prompt_token_ids=command.prompt_token_ids,
+                **lora,
             )
         except Exception as exc:
             # The caller's problem, not the engine's: answer it and keep serving the others.
@@ -761,5 +832,9 @@ class AsyncLLM(EngineClient):
                 self._shutdown_engine()
                 command.done.set()
                 return
+            if isinstance(command, _Call):
+                error = EngineDeadError(self._error)
+                command.loop.call_soon_threadsafe(command.resolve, None, error)
+                continue
             if isinstance(command, _AddRequest):
                 self._post(self._resolve_added, command.collector, EngineDeadError(self._error))

@@ -17,6 +17,8 @@ from model_server.engine.execution.multiproc_executor import MultiprocExecutor
 from model_server.engine.outputs import EngineCoreOutput
 from model_server.engine.stats import CacheConfigInfo
 from model_server.loader import ModelSource, load_model_source
+from model_server.lora.manager import LoRAModelManager
+from model_server.lora.request import LoRARequest
 from model_server.platforms import get_platform
 
 if TYPE_CHECKING:
@@ -205,6 +207,27 @@ class EngineCore:
             )
         request.sampling_params.check_vocabulary(vocab)
         self.scheduler.add_request(request)
+
+    # ---- LoRA adapters (--enable-lora; the runner's manager, one rank) -----------------------
+
+    def _lora_manager(self) -> LoRAModelManager:
+        manager = self.model_runner.lora_manager
+        if manager is None:
+            raise ValueError("LoRA adapters need --enable-lora")
+        return manager
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter's folder against the model (ValueError with the reason)."""
+        self._lora_manager().add_adapter(lora_request)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError unless requests may use this adapter (LoRA on, the folder readable)."""
+        self._lora_manager().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from host memory and its device slot. Requests still running with
+        it keep it: it is read again from its folder if they need it after this."""
+        return self._lora_manager().remove_adapter(lora_int_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

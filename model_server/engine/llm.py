@@ -12,6 +12,7 @@ from model_server.config import EngineConfig
 from model_server.engine.chat_template import render_chat
 from model_server.engine.llm_engine import LLMEngine
 from model_server.engine.outputs import RequestOutput
+from model_server.lora.request import LoRARequest
 from model_server.sampling_params import RequestOutputKind, SamplingParams
 from model_server.settings_spec import export_process_settings
 
@@ -64,8 +65,11 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the prompts' order."""
+        """Run every prompt to completion; outputs come back in the prompts' order.
+        `lora_request`: one adapter for every prompt, or one (None: the base model) per prompt
+        (needs enable_lora=True)."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -79,12 +83,18 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError("need one SamplingParams per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError("need one lora_request per prompt")
         order: dict[str, int] = {}
-        for prompt, params in zip(prompts, params_list, strict=True):
+        for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
             request_id = str(next(self._ids))
             # Only the last output is kept: it holds everything, and no step copies the lists.
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, lora_request=lora)
             order[request_id] = len(order)
         results: list[RequestOutput | None] = [None] * len(order)
         while self.engine.has_unfinished_requests():

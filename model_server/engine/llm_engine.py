@@ -11,6 +11,7 @@ from model_server.engine.engine_core import EngineCore
 from model_server.engine.output_processor import OutputProcessor
 from model_server.engine.outputs import RequestOutput
 from model_server.engine.stats import CacheConfigInfo
+from model_server.lora.request import LoRARequest
 from model_server.sampling_params import SamplingParams
 from model_server.structured_output.manager import StructuredOutputManager
 
@@ -70,9 +71,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (all `params.n` samples); raises ValueError if it can never run.
-        `prompt_token_ids`: the text `prompt` already tokenized (as `tokenize` does)."""
+        `prompt_token_ids`: the text `prompt` already tokenized (as `tokenize` does);
+        `lora_request`: the adapter it runs with (None: the base model)."""
+        if lora_request is not None:
+            self.core.check_lora(lora_request)
         if prompt_token_ids is None:
             prompt_token_ids = self.tokenize(prompt)
         constraint = params.structured_outputs
@@ -91,6 +96,7 @@ class LLMEngine:
                     eos_token_id=self.core.eos_token_id,
                     parent=first,
                     sample_index=index,
+                    lora_request=lora_request,
                     grammar=(
                         self.structured_output.new_grammar(constraint)
                         if constraint is not None
@@ -104,6 +110,13 @@ class LLMEngine:
             self.core.abort_requests(added)
             self.output_processor.remove_request(request_id)
             raise
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (ValueError with the reason); it then serves requests."""
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Abort any number of requests in one scheduler pass: O(ids + live requests), where

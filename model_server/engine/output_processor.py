@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from model_server.engine.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -104,8 +105,11 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
                 state.prompt_logprobs = [None, *out.prompt_logprobs]
-            if self._apply(state, sample, out):
-                to_stop.append(out.request_id)
+            for piece in _pieces(out, bool(state.params.stop)):
+                if self._apply(state, sample, piece):
+                    to_stop.append(out.request_id)
+                if sample.output.finished:
+                    break  # a stop string: the step's later tokens are not the sample's
             changed[state.request_id] = state
         results = []
         for state in changed.values():
@@ -165,6 +169,25 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             prompt_logprobs=state.prompt_logprobs,
         )
+
+
+def _pieces(out: EngineCoreOutput, has_stop_strings: bool) -> list[EngineCoreOutput]:
+    """`out` token by token when a stop string may end the sample inside it (a step of
+    speculative decoding emits several tokens): the sample then ends at the token that
+    completed the stop string, as without speculation. Else `out` itself."""
+    n = len(out.new_token_ids)
+    if n <= 1 or not has_stop_strings:
+        return [out]
+    return [
+        dataclasses.replace(
+            out,
+            new_token_ids=[token_id],
+            new_logprobs=None if out.new_logprobs is None else out.new_logprobs[i : i + 1],
+            finish_reason=out.finish_reason if i == n - 1 else None,
+            stop_reason=out.stop_reason if i == n - 1 else None,
+        )
+        for i, token_id in enumerate(out.new_token_ids)
+    ]
 
 
 def _hand_out(o: CompletionOutput, cumulative: bool) -> CompletionOutput:

@@ -31,6 +31,12 @@ class ModelRunnerOutput:
     # this step: one entry per prompt token this chunk's rows predict (the token at position
     # chunk start + 1 onwards); None elsewhere.
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    # Speculative decoding, parallel too (None when no request verified drafts). Request i
+    # verified drafts d and the first a were accepted: its step emits t_0..t_a, the target's
+    # token after each accepted prefix (t_j == d_j for j < a); `sampled_token_ids[i]` is t_0
+    # and this holds t_1..t_a with their logprobs ([] for requests without drafts).
+    spec_token_ids: list[list[int]] | None = None
+    spec_logprobs: list[list[TokenLogprobs | None]] | None = None
 
 
 @dataclass(slots=True)

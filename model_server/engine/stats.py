@@ -13,6 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from model_server.engine.spec_decode.metrics import SpecDecodingStats
+
+
+@dataclass(slots=True, frozen=True)
+class LoRAStats:
+    """vLLM's `vllm:lora_requests_info` labels: the adapters' names of the running and the
+    waiting requests (each once, first seen first) and --max-loras."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_lora: int
+
 
 @dataclass(slots=True)
 class SchedulerStats:
@@ -26,6 +38,10 @@ class SchedulerStats:
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Speculative decoding's running totals (None: speculation off).
+    spec_decoding: SpecDecodingStats | None = None
+    # LoRA adapters of the running and waiting requests (None: --enable-lora off).
+    lora: LoRAStats | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 from model_server.engine.core.scheduler import Scheduler
 from model_server.engine.output_processor import RequestOutput, child_request_ids
+from model_server.engine.spec_decode.metrics import SpecDecodingStats
 from model_server.engine.stats import (
     FinishedRequestStats,
     IterationStats,
+    LoRAStats,
     SchedulerStats,
 )
 
@@ -41,15 +43,19 @@ class StatsTracker:
         self._base_preemptions = 0
         self._base_queries = 0
         self._base_hits = 0
+        self._base_spec: SpecDecodingStats | None = None
 
     def reset_baseline(self) -> None:
         s = self._scheduler
         self._base_preemptions = s.num_preemptions_total
         self._base_queries = s.prefix_cache_queries
         self._base_hits = s.prefix_cache_hits
+        spec = s.spec_decoding_stats
+        self._base_spec = None if spec is None else spec.since(None)
 
     def scheduler_stats(self) -> SchedulerStats:
         s = self._scheduler
+        spec = s.spec_decoding_stats
         return SchedulerStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -57,7 +63,17 @@ class StatsTracker:
             num_preemptions_total=s.num_preemptions_total - self._base_preemptions,
             prefix_cache_queries=s.prefix_cache_queries - self._base_queries,
             prefix_cache_hits=s.prefix_cache_hits - self._base_hits,
+            spec_decoding=None if spec is None else spec.since(self._base_spec),
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        s = self._scheduler
+        lora_adapter_names = getattr(s, "lora_adapter_names", None)  # test doubles have none
+        names = None if lora_adapter_names is None else lora_adapter_names()
+        if names is None or s.config.max_loras is None:
+            return None
+        return LoRAStats(running=names[0], waiting=names[1], max_lora=s.config.max_loras)
 
     def num_running(self) -> int:
         return self._scheduler.num_running

@@ -30,7 +30,7 @@ from model_server.layers.sampling.metadata import (
     SamplingRequest,
     build_sampling_metadata,
 )
-from model_server.layers.sampling.ops import random_sample, select_candidates
+from model_server.layers.sampling.ops import advance_seeded_row, random_sample, select_candidates
 from model_server.layers.sampling.penalties import apply_penalties
 
 __all__ = [
@@ -103,6 +103,18 @@ class Sampler:
         return build_sampling_metadata(
             requests, vocab_size, self.device, self._generator_for, grammar_bitmask
         )
+
+    def generator_state(self, request_id: str) -> torch.Tensor | None:
+        """A copy of a seeded request's generator state (None: it has no generator yet)."""
+        generator = self._generators.get(request_id)
+        return None if generator is None else generator.get_state()
+
+    def rewind(self, request_id: str, state: torch.Tensor, num_rows: int, vocab_size: int) -> None:
+        """Put a seeded request's generator back to `state`, then past the draws of `num_rows`
+        sampled rows: where sampling only those rows would have left it."""
+        generator = self._generators[request_id]
+        generator.set_state(state)
+        advance_seeded_row(generator, num_rows, vocab_size, self.device)
 
     def _generator_for(self, request: SamplingRequest) -> torch.Generator:
         generator = self._generators.get(request.request_id)

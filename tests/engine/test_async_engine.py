@@ -57,6 +57,7 @@ class FakeEngine:
             num_preemptions_total=0,
             prefix_cache_queries=0,
             prefix_cache_hits=0,
+            spec_decoding_stats=None,
             requests=self.requests,
         )
         # What AsyncLLM reads of an LLMEngine (and nothing deeper).

@@ -18,7 +18,8 @@ prefix, not only the block. Hashes are only probabilistically unique, so a cache
 its tokens and the id of the cache entry it was computed after (`parent_cache_id`); a lookup accepts
 a block only when its tokens are equal and its parent entry is the block matched just before. By
 induction a hit chain is exactly a chain of blocks computed after the same token prefix, whatever
-the hash function does.
+the hash function does. A LoRA request's blocks also carry its adapter's key (`prefix_key`),
+which a lookup must match: two adapters never share KV blocks (their K/V differ).
 
 KV cache groups (vLLM's hybrid KV cache manager, reduced to two groups): a model whose layers mix
 full attention and a sliding window W (Gemma 2/3), or that slides on every layer (Phi-3), keeps
@@ -192,12 +193,16 @@ class Block:
     token_ids: tuple[int, ...] | None = None
     cache_id: int | None = None
     parent_cache_id: int | None = None
+    # The LoRA adapter the entry's K/V were computed with (Request.prefix_cache_key; None: the
+    # base model): a lookup accepts it only for a request with the same key.
+    prefix_key: tuple[str, int] | None = None
 
     def clear_cache_entry(self) -> None:
         self.block_hash = None
         self.token_ids = None
         self.cache_id = None
         self.parent_cache_id = None
+        self.prefix_key = None
 
 
 @dataclass(slots=True)
@@ -305,11 +310,13 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hit_ids: list[int] = []
         parent_cache_id: int | None = None
+        key = request.prefix_cache_key
         for i in range(max_blocks):
             block = self._hash_to_block.get(request.block_hashes[i])
             if (
                 block is None
                 or block.parent_cache_id != parent_cache_id
+                or block.prefix_key != key
                 or block.token_ids != tuple(tokens[i * bs : (i + 1) * bs])
             ):
                 break
@@ -420,6 +427,7 @@ class KVCacheManager:
                 block.token_ids = token_ids
                 block.cache_id = self._next_cache_id
                 block.parent_cache_id = cursor.parent_cache_id
+                block.prefix_key = request.prefix_cache_key
                 self._next_cache_id += 1
                 self._hash_to_block[block_hash] = block
                 cursor.parent_cache_id = block.cache_id
@@ -427,7 +435,11 @@ class KVCacheManager:
                     self.kv_events.block_stored(
                         block.cache_id, block.parent_cache_id, request.all_token_ids, i
                     )
-            elif entry.token_ids == token_ids and entry.parent_cache_id == cursor.parent_cache_id:
+            elif (
+                entry.token_ids == token_ids
+                and entry.parent_cache_id == cursor.parent_cache_id
+                and entry.prefix_key == request.prefix_cache_key
+            ):
                 cursor.parent_cache_id = entry.cache_id
             else:
                 cursor.broken = True
@@ -456,6 +468,26 @@ class KVCacheManager:
             for block_id in reversed(request.sliding_block_ids):
                 self.sliding.release(block_id)
             request.sliding_block_ids = []
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past the first `num_tokens` tokens (speculative
+        decoding: the slots of rejected drafts). Those blocks were allocated fresh for this
+        step's drafts and hold no token the request keeps, so none is shared or cached; a
+        partly valid block stays, its rejected slots are overwritten by later steps before
+        `cache_blocks` can register it (it registers only blocks full of computed tokens)."""
+        keep = self.num_blocks_for(num_tokens)
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self.blocks[block_id]
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise AssertionError(f"block {block_id} past the accepted tokens is shared")
+            block.ref_cnt = 0
+            self._free_plain.append(block_id)
+        del request.block_ids[keep:]
+        if self.sliding is not None:
+            table = request.sliding_block_ids
+            for block_id in reversed(table[keep:]):
+                self.sliding.release(block_id)
+            del table[keep:]
 
     def fork(self, parent: Request, child: Request) -> int:
         """Share the parent's full prompt blocks with a sibling sample (n > 1), prefix cache or not.
@@ -498,8 +530,11 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        # A LoRA request's chain starts from its adapter's key (the base model's from None),
+        # so adapters' blocks hash apart; lookups check the key too (Block.prefix_key).
+        root = None if request.prefix_cache_key is None else hash(request.prefix_cache_key)
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i > 0 else None
+            parent = hashes[i - 1] if i > 0 else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def _register_sliding(self, request: Request, i: int, full_cache_id: int | None) -> None:

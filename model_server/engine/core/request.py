@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from model_server.engine.outputs import TokenLogprobs
+from model_server.lora.request import LoRARequest
 from model_server.sampling_params import SamplingParams
 
 
@@ -72,6 +73,8 @@ class Request:
     parent: Request | None = None
     # Index of this sample among its siblings (0 for n == 1); added to the seed.
     sample_index: int = 0
+    # The LoRA adapter it runs with (None: the base model); keys its prefix-cache blocks.
+    lora_request: LoRARequest | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -130,6 +133,13 @@ class Request:
             and self.parent is None
             and not self.output_token_ids
         )
+
+    @property
+    def prefix_cache_key(self) -> tuple[str, int] | None:
+        """What its prefix-cache entries are keyed by besides their tokens: the adapter's
+        (name, id), so that two adapters (or an adapter and the base model) never share KV
+        blocks; None for the base model."""
+        return None if self.lora_request is None else self.lora_request.prefix_cache_key
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,12 +1,12 @@
 """Continuous-batching scheduler, vLLM v1 style: one token budget per step, no prefill/decode phase.
 
 Pure policy over `Request` state and the `KVCacheManager`; never touches tensors. Each step
-`schedule()` hands every chosen request a number of tokens to compute: 1 for a decode, a chunk
-for a (chunked) prefill, drawn from the same `max_num_batched_tokens` budget. The engine runs the
-model on exactly those tokens and reports back through `update_from_output()`, which advances
-`num_computed_tokens`, appends sampled tokens, finishes requests and emits the step's
-`EngineCoreOutput`s. Calls must alternate: schedule, update, schedule, ... (a request's state
-only moves in `update_from_output`).
+`schedule()` hands every chosen request a number of tokens to compute: 1 for a decode (1 + its
+drafts with speculative decoding), a chunk for a (chunked) prefill, drawn from the same
+`max_num_batched_tokens` budget. The engine runs the model on exactly those tokens and reports
+back through `update_from_output()`, which advances `num_computed_tokens`, appends sampled
+tokens, finishes requests and emits the step's `EngineCoreOutput`s. Calls must alternate:
+schedule, update, schedule, ... (a request's state only moves in `update_from_output`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from model_server.config import SpeculativeConfig
 from model_server.engine.core.kv_cache_manager import KVCacheManager
 from model_server.engine.core.request import Request, RequestStatus
-from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from model_server.engine.spec_decode.metrics import SpecDecodingStats
+from model_server.engine.spec_decode.ngram_proposer import NgramProposer
+from model_server.engine.spec_decode.policy import batch_speculates, request_speculates
 
 if TYPE_CHECKING:
     from model_server.config import EngineConfig
@@ -41,6 +45,11 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     block_size: int
+    # Speculative decoding (n-gram prompt lookup); None: off.
+    speculative: SpeculativeConfig | None
+    # --max-loras with --enable-lora: distinct adapters among the running requests (None: no
+    # LoRA, no limit). The model runner has that many device slots.
+    max_loras: int | None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
@@ -71,6 +80,8 @@ class SchedulerConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             block_size=config.block_size,
+            speculative=SpeculativeConfig.parse(config.speculative_config),
+            max_loras=config.max_loras if config.enable_lora else None,
         )
 
 
@@ -84,6 +95,11 @@ class SchedulerOutput:
     this step iff `req.num_computed_tokens + n == req.num_tokens`. Its block table already covers
     all those positions. `preempted_requests` lost their blocks this step; `finished_request_ids`
     finished since the previous schedule (the runner drops their per-request state).
+
+    Speculative decoding: a decoding request with drafts `d = scheduled_spec_decode_tokens[id]`
+    computes `n = 1 + len(d)` positions, its last token then the drafts (not in
+    `all_token_ids`), and samples at each of them: the target's token after every prefix
+    (`req.num_computed_tokens + n - len(d) == req.num_tokens`).
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -91,11 +107,14 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_requests: list[Request] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, request: Request, num_tokens: int) -> None:
+    def add(self, request: Request, num_tokens: int, drafts: list[int] | None = None) -> None:
         self.scheduled_requests.append(request)
         self.num_scheduled_tokens.append(num_tokens)
         self.total_num_scheduled_tokens += num_tokens
+        if drafts:
+            self.scheduled_spec_decode_tokens[request.request_id] = drafts
 
 
 class Scheduler:
@@ -121,6 +140,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions_total = 0
         self._finished_since_schedule: list[str] = []
+        spec = config.speculative
+        self.proposer = (
+            None
+            if spec is None
+            else NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        )
+        self.spec_decoding_stats = (
+            None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
+        )
 
     # ----------------------------------------------------------------------------- queries
 
@@ -210,11 +240,22 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
 
+        spec = self.config.speculative
+        speculating = spec is not None and batch_speculates(
+            len(self.running), spec.disable_by_batch_size
+        )
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._propose(request, budget) if speculating and num_new == 1 else []
+            num_new += len(drafts)
             while not kv.allocate_slots(request, num_new):
+                if drafts:
+                    # Blocks for the drafts are not worth a preemption: decode plainly.
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 # `running` is in arrival order and only [0, i) got tokens this step, so the last
                 # one is the most recently arrived and has nothing scheduled to take back.
                 victim = self.running.pop()
@@ -223,7 +264,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.add(request, num_new)
+                out.add(request, num_new, drafts)
                 budget -= num_new
                 i += 1
 
@@ -232,8 +273,21 @@ class Scheduler:
             return out
 
         skipped: list[Request] = []
+        loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_request
+            if (
+                lora is not None
+                and loras is not None
+                and lora.lora_int_id not in loras
+                and len(loras) >= (self.config.max_loras or 0)
+            ):
+                # Its adapter has no slot while the running ones hold them all: it waits
+                # without blocking requests for the running adapters or the base model.
+                self.waiting.popleft()
+                skipped.append(request)
+                continue
             num_new = self._admit(request, budget)
             if num_new is None:
                 break
@@ -243,10 +297,47 @@ class Scheduler:
                 continue
             out.add(request, num_new)
             budget -= num_new
+            if lora is not None and loras is not None:
+                loras.add(lora.lora_int_id)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_time)
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a request with one token left to compute: none unless it is decoding (a
+        prompt's last token samples its first output the plain way, with its prompt logprobs)
+        and may speculate. Bounded so that the step's positions fit the budget and every token
+        it could emit (the drafts and one more) stays within max_tokens and max_model_len."""
+        assert self.proposer is not None
+        if not request.output_token_ids or not request_speculates(
+            request.sampling_params, request.num_output_tokens, request.grammar is not None
+        ):
+            return []
+        limit = min(budget, self.config.max_model_len - request.num_tokens) - 1
+        if request.max_tokens is not None:
+            limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
+        if limit <= 0:
+            return []
+        return self.proposer.propose(request.all_token_ids, limit)
+
+    def lora_adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """The adapters' names of the running and of the waiting requests (each once, in queue
+        order); None without --enable-lora."""
+        if self.config.max_loras is None:
+            return None
+
+        def names(requests: Iterable[Request]) -> tuple[str, ...]:
+            found = (r.lora_request.lora_name for r in requests if r.lora_request is not None)
+            return tuple(dict.fromkeys(found))
+
+        return names(self.running), names(self.waiting)
+
+    def _running_loras(self) -> set[int] | None:
+        """The adapter ids of the running requests (None without --enable-lora)."""
+        if self.config.max_loras is None:
+            return None
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _admit(self, request: Request, budget: int) -> int | None:
         """Try to give a waiting request its first tokens and blocks.
@@ -321,15 +412,32 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         prompt_logprobs = runner_output.prompt_logprobs or [None] * len(scheduled)
-        for request, num_new, token_id, logprobs, chunk_prompt_logprobs in zip(
-            scheduled,
-            scheduler_output.num_scheduled_tokens,
-            sampled_token_ids,
-            runner_output.logprobs,
-            prompt_logprobs,
-            strict=True,
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for i, (request, num_new, token_id, logprobs, chunk_prompt_logprobs) in enumerate(
+            zip(
+                scheduled,
+                scheduler_output.num_scheduled_tokens,
+                sampled_token_ids,
+                runner_output.logprobs,
+                prompt_logprobs,
+                strict=True,
+            )
         ):
             if request.is_finished:
+                continue
+            drafts = spec_tokens.get(request.request_id)
+            if drafts:
+                if token_id is None or runner_output.spec_token_ids is None:
+                    raise ValueError(f"request {request.request_id} verified no drafts")
+                spec_logprobs = runner_output.spec_logprobs
+                output = self._update_speculative(
+                    request,
+                    len(drafts),
+                    [token_id, *runner_output.spec_token_ids[i]],
+                    [logprobs, *spec_logprobs[i]] if spec_logprobs else [],
+                )
+                any_finished |= request.is_finished
+                outputs.append(output)
                 continue
             if chunk_prompt_logprobs is not None:
                 # Entry j is token j + 1's: this chunk's start onwards (a prefill again after
@@ -393,6 +501,52 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _update_speculative(
+        self,
+        request: Request,
+        num_drafts: int,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs | None],
+    ) -> EngineCoreOutput:
+        """A decoding request that verified `num_drafts` drafts and emits `token_ids` (t_0..t_a,
+        the first a drafts accepted; see ModelRunnerOutput). The K/V of its last token and of
+        the accepted drafts is kept, the rejected drafts' blocks are released; tokens are
+        appended one by one, and a stop condition on one drops those after it."""
+        num_accepted = len(token_ids) - 1
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(
+                f"request {request.request_id}: {len(token_ids)} tokens for {num_drafts} drafts"
+            )
+        assert self.spec_decoding_stats is not None
+        self.spec_decoding_stats.observe(num_drafts, num_accepted)
+        kv = self.kv_cache_manager
+        num_computed = request.num_computed_tokens + 1 + num_accepted
+        kv.trim(request, num_computed)
+        status = None
+        new_token_ids: list[int] = []
+        for token_id in token_ids:
+            request.append_output_token(token_id)
+            new_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        # The K/V kept: the last token's and the accepted drafts', i.e. every appended token's
+        # but the last (computed next step), or all of them when a stop cut the drafts short.
+        request.num_computed_tokens = min(num_computed, request.num_tokens)
+        kv.cache_blocks(request, request.num_computed_tokens)
+        if status is not None:
+            request.status = status
+            self._release(request)
+        new_logprobs = logprobs[: len(new_token_ids)]
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs if any(lp is not None for lp in new_logprobs) else None,
+            finish_reason=RequestStatus.finish_reason(request.status),
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """The finished status after appending `token_id`, or None to go on.

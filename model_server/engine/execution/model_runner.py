@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from model_server.engine.execution.memory_profiler import (
 from model_server.engine.execution.model_preparation import PreparedModel
 from model_server.engine.execution.step_input import PromptLogprobsRows, StepInput
 from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from model_server.engine.spec_decode.verify import accept_drafts
 from model_server.kernels.kv_cache_dtype import (
     KVCacheDtype,
     QuantizedKVCache,
@@ -34,6 +36,9 @@ from model_server.kernels.kv_cache_dtype import (
 from model_server.layers.attention import get_attention_backend
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.sampler import PromptLogprobsOutput, Sampler, compute_prompt_logprobs
+from model_server.lora.config import LoRAConfig
+from model_server.lora.manager import LoRAModelManager
+from model_server.lora.request import LoRARequest
 from model_server.platforms import Platform
 from model_server.sampling_params import MAX_LOGPROBS
 from model_server.structured_output.bitmask import fill_grammar_bitmask
@@ -51,6 +56,10 @@ class StepOutput:
     sample_indices: list[int]  # row j of logits belongs to chunk sample_indices[j]
     # Rank 0: chunk index -> its prompt logprobs, piece by piece (see PromptLogprobsRows).
     prompt_logprobs: dict[int, list[PromptLogprobsOutput]] | None = None
+    # Speculative decoding: chunk index -> its drafts. Such a chunk has len(drafts) + 1
+    # consecutive rows in `logits` (sample_indices repeats its index), the target's logits after
+    # its last token and after each draft.
+    drafts: dict[int, list[int]] | None = None
 
 
 class ModelRunner:
@@ -82,6 +91,15 @@ class ModelRunner:
         self.kv_groups: KVCacheGroups = prepared.kv_groups
         # The runner's CPU fast path: the decoder layers in one native call (None: modules).
         self.native_step = prepared.native_step
+        # --enable-lora: the LoRA-able layers wrapped, the --lora-modules adapters read (a bad
+        # one fails the start). Steps with adapter tokens run the modules, never the native
+        # step nor a graph (graphs are off with LoRA).
+        lora_config = LoRAConfig.from_engine_config(self.config)
+        self.lora_manager: LoRAModelManager | None = None
+        if lora_config is not None:
+            self.lora_manager = LoRAModelManager(self.model, lora_config, self.device)
+            for request in lora_config.static_requests():
+                self.lora_manager.add_adapter(request)
         logger.info(
             "loaded %s (%s, %s%s, %s KV cache) in %.2fs with the %s attention backend",
             prepared.source_path,
@@ -249,6 +267,7 @@ class ModelRunner:
             and self.attn_backend.supports_graphs
             and getattr(self.model, "supports_graphs", True)
             and not self.kv_groups.hybrid  # the graphs bind one block table per step
+            and self.lora_manager is None  # the adapters' row groups change every step
         )
 
     @torch.inference_mode()
@@ -290,14 +309,18 @@ class ModelRunner:
         chunks: list[SeqChunk] = []
         sample: list[bool] = []
         prompt_logprobs: list[PromptLogprobsRows | None] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts: list[int] = []
         for r, n in zip(
             scheduler_output.scheduled_requests, scheduler_output.num_scheduled_tokens, strict=True
         ):
             start = r.num_computed_tokens
+            drafts = spec.get(r.request_id, [])
+            n -= len(drafts)  # the drafts follow the request's own tokens
             chunks.append(
                 # The sliding table is copied: the KV manager nulls its entries in place.
                 SeqChunk(
-                    r.all_token_ids[start : start + n],
+                    r.all_token_ids[start : start + n] + drafts,
                     start,
                     r.block_ids,
                     list(r.sliding_block_ids),
@@ -305,20 +328,41 @@ class ModelRunner:
             )
             sample.append(start + n == r.num_tokens)
             prompt_logprobs.append(_prompt_logprobs_rows(r, start, n))
-        return StepInput(chunks, sample, prompt_logprobs if any(prompt_logprobs) else [])
+            num_drafts.append(len(drafts))
+        return StepInput(
+            chunks,
+            sample,
+            prompt_logprobs if any(prompt_logprobs) else [],
+            num_drafts if spec else [],
+            loras=_step_loras(scheduler_output.scheduled_requests),
+        )
 
     def _forward(
-        self, chunks: list[SeqChunk]
+        self, chunks: list[SeqChunk], loras: list[LoRARequest | None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Hidden states [T, hidden], the flat index of each request's last token [B] in batch
         order (None: token i is request i's only one) and the batch order (batch row -> index
-        in `chunks`)."""
+        in `chunks`). `loras`: parallel to chunks, each one's adapter (empty: none)."""
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner else None
         if bucket is not None:
             # Decodes only: one token per request, batch order = chunk order.
             return self.graph_runner.run(chunks, bucket), None, list(range(len(chunks)))
         inputs = build_model_inputs(chunks, self.block_size, self.device)
-        hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if not loras:
+            hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            return hidden, inputs.last_token_indices, inputs.order
+        assert self.lora_manager is not None  # requests carry adapters only with --enable-lora
+        # The adapters' rows in the flat batch: its sequences in batch order.
+        self.lora_manager.prepare_batch(
+            [(loras[idx], len(chunks[idx].token_ids)) for idx in inputs.order]
+        )
+        try:
+            # The modules: the native step has no adapters' products.
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            )
+        finally:
+            self.lora_manager.clear_batch()
         return hidden, inputs.last_token_indices, inputs.order
 
     def _run_model(
@@ -337,12 +381,14 @@ class ModelRunner:
     def execute_step(self, step: StepInput) -> StepOutput:
         """Every rank: the forward pass, and the logits of the sampling rows ([N, vocab] on rank
         0, None elsewhere; the LM head's gather is a collective, so every rank calls it)."""
-        hidden, last_token_indices, order = self._forward(step.chunks)
+        hidden, last_token_indices, order = self._forward(step.chunks, step.loras)
         prompt_logprobs = (
             self._prompt_logprobs(hidden, step, order) if step.prompt_logprobs else None
         )
         # Rows (in batch order) whose step reaches the end of their tokens: those sample.
         sample_rows = [row for row, idx in enumerate(order) if step.sample[idx]]
+        if step.num_drafts and sample_rows:
+            return self._verification_logits(hidden, step, order, sample_rows, prompt_logprobs)
         logits = None
         if last_token_indices is None and len(sample_rows) == len(order):
             logits = self.model.compute_logits(hidden)  # every decode samples: no gather
@@ -353,6 +399,32 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row_index])
         self.platform.mark_step()
         return StepOutput(logits, [order[row] for row in sample_rows], prompt_logprobs)
+
+    def _verification_logits(
+        self,
+        hidden: torch.Tensor,
+        step: StepInput,
+        order: list[int],
+        sample_rows: list[int],
+        prompt_logprobs: dict[int, list[PromptLogprobsOutput]] | None,
+    ) -> StepOutput:
+        """The logits of a step with drafts: a sampling chunk with d drafts gets its last d + 1
+        rows (its flat rows are contiguous, its last token's first), the others their last."""
+        ends = list(itertools.accumulate(len(step.chunks[idx].token_ids) for idx in order))
+        flat: list[int] = []
+        sample_indices: list[int] = []
+        drafts: dict[int, list[int]] = {}
+        for row in sample_rows:
+            idx = order[row]
+            d = step.num_drafts[idx]
+            flat.extend(range(ends[row] - d - 1, ends[row]))
+            sample_indices.extend([idx] * (d + 1))
+            if d:
+                drafts[idx] = list(step.chunks[idx].token_ids[-d:])
+        index = torch.tensor(flat, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        self.platform.mark_step()
+        return StepOutput(logits, sample_indices, prompt_logprobs, drafts)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, step: StepInput, order: list[int]
@@ -398,6 +470,18 @@ class ModelRunner:
         if out.logits is None:
             return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
         sample_reqs = [reqs[idx] for idx in out.sample_indices]
+        drafts = out.drafts or {}
+        # Verification samples every row of a request with drafts as if decoding it one token
+        # at a time (row i: the target's token after draft i - 1, from the request's own next
+        # noise draw), so a draft is accepted iff the target would have produced it: greedy
+        # and sampled output are exactly the non-speculative output. A seeded generator then
+        # keeps only the draws of the emitted tokens (saved here, rewound below).
+        generator_states = {
+            idx: state
+            for idx in drafts
+            if not reqs[idx].sampling_params.greedy
+            and (state := self.sampler.generator_state(reqs[idx].request_id)) is not None
+        }
         grammar_bitmask = fill_grammar_bitmask(sample_reqs, self.vocab_size)
         metadata = self.sampler.build_metadata(sample_reqs, self.vocab_size, grammar_bitmask)
         result = self.sampler(out.logits, metadata)
@@ -409,13 +493,39 @@ class ModelRunner:
                 result.top_logprob_ids.tolist() if result.top_logprob_ids is not None else None
             )
             top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        for j, idx in enumerate(out.sample_indices):
-            sampled[idx] = token_ids[j]
+
+        def row_logprobs(idx: int, j: int) -> TokenLogprobs | None:
             k = reqs[idx].sampling_params.logprobs
-            if want_logprobs and k is not None:
-                top = list(zip(top_ids[j][:k], top_lp[j][:k], strict=True)) if top_ids else []
-                logprobs[idx] = TokenLogprobs(token_ids[j], lp[j], top)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+            if not want_logprobs or k is None:
+                return None
+            top = list(zip(top_ids[j][:k], top_lp[j][:k], strict=True)) if top_ids else []
+            return TokenLogprobs(token_ids[j], lp[j], top)
+
+        spec_token_ids: list[list[int]] | None = [[] for _ in reqs] if drafts else None
+        spec_logprobs: list[list[TokenLogprobs | None]] | None = (
+            [[] for _ in reqs] if drafts else None
+        )
+        j = 0
+        while j < len(out.sample_indices):
+            idx = out.sample_indices[j]
+            sampled[idx] = token_ids[j]
+            logprobs[idx] = row_logprobs(idx, j)
+            if idx not in drafts:
+                j += 1
+                continue
+            # Rows j .. j + d: the target's tokens after the last token and after each draft.
+            d = len(drafts[idx])
+            accepted = accept_drafts(drafts[idx], token_ids[j : j + d + 1])
+            assert spec_token_ids is not None and spec_logprobs is not None
+            spec_token_ids[idx] = token_ids[j + 1 : j + accepted + 1]
+            spec_logprobs[idx] = [row_logprobs(idx, r) for r in range(j + 1, j + accepted + 1)]
+            if idx in generator_states and accepted < d:
+                request_id = reqs[idx].request_id
+                self.sampler.rewind(
+                    request_id, generator_states[idx], accepted + 1, self.vocab_size
+                )
+            j += d + 1
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, spec_token_ids, spec_logprobs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on a single rank: prepare, forward, sample."""
@@ -427,6 +537,12 @@ class ModelRunner:
         if self.sampler is not None:
             for request_id in request_ids:
                 self.sampler.release(request_id)
+
+
+def _step_loras(requests: list[Request]) -> list[LoRARequest | None]:
+    """Each scheduled request's adapter, or [] when none has one."""
+    loras = [r.lora_request for r in requests]
+    return loras if any(lora is not None for lora in loras) else []
 
 
 def _prompt_logprobs_rows(request: Request, start: int, n: int) -> PromptLogprobsRows | None:

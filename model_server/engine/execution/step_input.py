@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model_server.engine.execution.input_batch import SeqChunk
+from model_server.lora.request import LoRARequest
 
 
 @dataclass(slots=True)
@@ -29,6 +30,13 @@ class StepInput:
     sample: list[bool]
     # Parallel to chunks, or empty when no chunk computes prompt logprobs.
     prompt_logprobs: list[PromptLogprobsRows | None] = field(default_factory=list)
+    # Speculative decoding: parallel to chunks, or empty when no chunk verifies drafts. A chunk
+    # with d drafts ends with them and samples at its last d + 1 rows. Rank 0 only: not packed
+    # (speculation is refused under tensor parallelism).
+    num_drafts: list[int] = field(default_factory=list)
+    # Parallel to chunks: each one's LoRA adapter (None: the base model), or empty when no
+    # chunk has one. Not packed: LoRA runs on one rank (EngineConfig refuses it with TP).
+    loras: list[LoRARequest | None] = field(default_factory=list)
 
     def prompt_logprobs_of(self, index: int) -> PromptLogprobsRows | None:
         return self.prompt_logprobs[index] if self.prompt_logprobs else None

@@ -30,6 +30,7 @@ _GENERATIVE_ONLY = (
     "quantization", "kv_cache_dtype", "tensor_parallel_size", "kv_cache_memory", "load_format",
     "block_size", "enable_prefix_caching", "enable_chunked_prefill", "attention_backend",
     "enforce_eager", "gguf_weights", "kv_events_config", "distributed_executor_backend",
+    "speculative_config",
     "cpu_linear_tuning", "cpu_linear_tuning_budget", "cpu_auto_dtype", "cpu_isa", "cpu_flags",
     "gguf_int8_dot", "gguf_weight_cache",
 )  # fmt: skip

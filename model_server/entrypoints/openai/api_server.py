@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from model_server import __version__
@@ -38,10 +38,12 @@ from model_server.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ResponsesRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from model_server.entrypoints.openai.request_id import RequestIdMiddleware
 from model_server.entrypoints.openai.request_limits import BodySizeLimitMiddleware, RequestLimits
@@ -52,7 +54,7 @@ from model_server.entrypoints.openai.sampling_defaults import (
 )
 from model_server.entrypoints.openai.serving_chat import OpenAIServingChat
 from model_server.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from model_server.entrypoints.openai.serving_engine import json_response
+from model_server.entrypoints.openai.serving_engine import json_response, to_api_error
 from model_server.entrypoints.openai.serving_models import OpenAIServingModels
 from model_server.entrypoints.openai.serving_pooling import POOLING_PATHS
 from model_server.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -60,6 +62,7 @@ from model_server.entrypoints.openai.serving_tokenization import OpenAIServingTo
 from model_server.entrypoints.utils import ClientDisconnected, cancel_on_disconnect
 from model_server.loader.embedded import embedded_model_path
 from model_server.loader.source import ModelLoadError
+from model_server.lora.config import LoRAConfig
 from model_server.settings import DEFAULT_MODEL_NAME, ServerSettings
 from model_server.settings_spec import resolve_max_waiting_requests
 
@@ -183,7 +186,14 @@ def _add_routes(
     settings: ServerSettings,
     sampling_defaults: SamplingDefaults,
 ) -> None:
-    served = OpenAIServingModels(settings.model_names, settings.accept_any_model_name)
+    lora_config = LoRAConfig.from_engine_config(settings.engine_config())
+    if settings.allow_runtime_lora_updating and lora_config is None:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+    served = OpenAIServingModels(
+        settings.model_names,
+        settings.accept_any_model_name,
+        lora_config.static_requests() if lora_config is not None else (),
+    )
     root = model_root(settings)
     limits = RequestLimits.from_settings(settings)
     completion = OpenAIServingCompletion(engine_client, served, limits)
@@ -209,7 +219,21 @@ def _add_routes(
             )
             for name in served.served_model_names
         ]
+        # vLLM's adapter cards: root is the adapter's folder, parent the base model's name.
+        cards += [
+            ModelCard(
+                id=lora.lora_name,
+                root=lora.lora_path,
+                parent=lora.base_model_name or served.model_name,
+                max_model_len=engine_client.max_model_len,
+                capabilities=["generate"],
+            )
+            for lora in served.lora_requests.values()
+        ]
         return ModelList(data=cards)
+
+    if settings.allow_runtime_lora_updating:
+        _add_lora_routes(app, engine_client, served)
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -252,6 +276,37 @@ def _add_routes(
 
     for path in POOLING_PATHS:
         app.add_api_route(path, refuse_pooling, methods=["POST"], response_model=None)
+
+
+def _add_lora_routes(
+    app: FastAPI, engine_client: EngineClient, served: OpenAIServingModels
+) -> None:
+    """vLLM's runtime adapter loading (--allow-runtime-lora-updating): 200 with a line of text,
+    400 for a bad adapter (the engine's reason) or a name in use, 404 to unload an unknown
+    name."""
+
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        lora = served.new_lora_request(request.lora_name, request.lora_path)
+        try:
+            await engine_client.add_lora(lora)
+        except ValueError as exc:
+            raise APIError(str(exc), 400, param="lora_path") from None
+        except RuntimeError as exc:  # not ready, draining, dead
+            raise to_api_error(exc) from None
+        served.add_lora_request(lora)
+        logger.info("loaded LoRA adapter %s from %s", lora.lora_name, lora.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        lora = served.remove_lora_request(request.lora_name)
+        try:
+            await engine_client.remove_lora(lora.lora_int_id)
+        except RuntimeError as exc:
+            raise to_api_error(exc) from None
+        logger.info("unloaded LoRA adapter %s", lora.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
 
 def chat_page_url(host: str, port: int) -> str:

@@ -118,6 +118,19 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body: the adapter by name."""
+
+    lora_name: str
+
+
 class StructuredOutputsRequest(OpenAIBaseModel):
     """vLLM's `structured_outputs` request field: one of its constraints."""
 

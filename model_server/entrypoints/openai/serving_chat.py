@@ -127,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         # before any message (the 404's too) quotes the request's text.
         self.limits.check_chat(request)
         check_unicode(request)
-        self.check_model(request.model)
+        lora_request = self.models.resolve(request.model)  # 404 for an unknown name
         try:
             params = request.to_sampling_params(self.sampling_defaults)
         except ValueError as exc:
@@ -163,12 +163,14 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.request_id(raw_request, "chatcmpl", request.request_id)
         created = int(time.time())
         if request.stream:
-            (stream,) = await self.start_generation([prompt_token_ids], params, request_id)
+            (stream,) = await self.start_generation(
+                [prompt_token_ids], params, request_id, lora_request
+            )
             return StreamingResponse(
                 self._stream(request, stream, request_id, created, plan, parser, reasoning),
                 media_type="text/event-stream",
             )
-        (out,) = await self.run_to_completion([prompt_token_ids], params, request_id)
+        (out,) = await self.run_to_completion([prompt_token_ids], params, request_id, lora_request)
         return self._response(request, out, request_id, created, plan, parser, reasoning)
 
     def _response(
@@ -214,7 +216,7 @@ class OpenAIServingChat(OpenAIServing):
             "id": request_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.response_model_name(request.model),
             "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion_tokens),
         }
@@ -245,7 +247,11 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = 0
 
         chunk = ChunkWriter(
-            request_id, "chat.completion.chunk", created, self.model_name, request.include_usage
+            request_id,
+            "chat.completion.chunk",
+            created,
+            self.response_model_name(request.model),
+            request.include_usage,
         )
 
         try:

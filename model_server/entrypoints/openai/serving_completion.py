@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Any:
         prompts = request.prompts()
         self._check_prompts(request, prompts)
-        self.check_model(request.model)
+        lora_request = self.models.resolve(request.model)  # 404 for an unknown name
         try:
             params = request.to_sampling_params(self.sampling_defaults)
         except ValueError as exc:
@@ -45,12 +45,12 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self.request_id(raw_request, "cmpl", request.request_id)
         created = int(time.time())
         if request.stream:
-            streams = await self.start_generation(prompts, params, request_id)
+            streams = await self.start_generation(prompts, params, request_id, lora_request)
             return StreamingResponse(
                 self._stream(request, streams, request_id, created),
                 media_type="text/event-stream",
             )
-        outputs = await self.run_to_completion(prompts, params, request_id)
+        outputs = await self.run_to_completion(prompts, params, request_id, lora_request)
         return self._response(request, outputs, request_id, created)
 
     def _check_prompts(self, request: CompletionRequest, prompts: list[str | list[int]]) -> None:
@@ -122,7 +122,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model_name,
+            "model": self.response_model_name(request.model),
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
         }
@@ -151,7 +151,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
         chunk = ChunkWriter(
-            request_id, "text_completion", created, self.model_name, request.include_usage
+            request_id,
+            "text_completion",
+            created,
+            self.response_model_name(request.model),
+            request.include_usage,
         )
 
         try:

@@ -36,6 +36,7 @@ from model_server.entrypoints.openai.sampling_defaults import SamplingDefaults
 from model_server.entrypoints.openai.serving_models import OpenAIServingModels
 from model_server.entrypoints.openai.unavailable import ServiceUnavailable
 from model_server.entrypoints.utils import prepend
+from model_server.lora.request import LoRARequest
 from model_server.sampling_params import RequestOutputKind, SamplingParams
 from model_server.structured_output.params import StructuredOutputError
 
@@ -180,6 +181,11 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         self.models.check_model(model)
 
+    def response_model_name(self, model: str | None) -> str:
+        """The name a response reports: the adapter's for a LoRA request (as vLLM), else the
+        first served name."""
+        return self.models.response_name(model)
+
     def tokenizer(self) -> Any:
         engine = self.engine_client
         try:
@@ -284,14 +290,18 @@ class OpenAIServing:
     # ------------------------------------------------------------- generation
 
     async def start_generation(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Submit every prompt and wait for each one's first output, so that a rejected request
         answers 4xx before any response byte. Returns iterators that replay those first outputs.
         On any failure, every submitted request is aborted."""
         admission = self._admit(len(prompts), request_id)
         try:
-            gens = self._generators(prompts, params, admission.request_ids)
+            gens = self._generators(prompts, params, admission.request_ids, lora_request)
             try:
                 firsts = await _gather_all(anext(gen) for gen in gens)
             except BaseException:
@@ -303,7 +313,11 @@ class OpenAIServing:
         return [prepend(first, gen) for first, gen in zip(firsts, gens, strict=True)]
 
     async def run_to_completion(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, request_id: str
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Every prompt's final output (cumulative text, token ids, logprobs)."""
 
@@ -316,7 +330,7 @@ class OpenAIServing:
 
         admission = self._admit(len(prompts), request_id)
         try:
-            gens = self._generators(prompts, params, admission.request_ids)
+            gens = self._generators(prompts, params, admission.request_ids, lora_request)
             return await _gather_all(last(gen) for gen in gens)
         finally:
             self.engine_client.release(admission)
@@ -335,12 +349,15 @@ class OpenAIServing:
         prompts: Sequence[str | list[int]],
         params: SamplingParams,
         request_ids: Sequence[str],
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         # One engine request per prompt, each with all n samples. Streams read the deltas and
         # the rest the last output, which holds everything: no step copies the token lists.
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        # Only a LoRA request passes the keyword (engine clients of tests may not take it).
+        lora = {} if lora_request is None else {"lora_request": lora_request}
         return [
-            self.engine_client.generate(prompt, params, engine_request_id)
+            self.engine_client.generate(prompt, params, engine_request_id, **lora)
             for prompt, engine_request_id in zip(prompts, request_ids, strict=True)
         ]
 

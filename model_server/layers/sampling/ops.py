@@ -166,6 +166,16 @@ def exponential_noise(
     return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
+def advance_seeded_row(
+    generator: torch.Generator, num_rows: int, vocab_size: int, device: torch.device
+) -> None:
+    """Advance `generator` as `random_sample` does for `num_rows` rows seeded with it (one
+    [vocab_size] draw each), so that a replay from a saved state lands where those draws would
+    have left it (speculative decoding keeps only the draws of the tokens it emits)."""
+    for _ in range(num_rows):
+        exponential_noise((vocab_size,), device, generator)
+
+
 def random_sample(
     candidates: Candidates, generators: dict[int, torch.Generator], vocab_size: int
 ) -> torch.Tensor:

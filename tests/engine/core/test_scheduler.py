@@ -34,6 +34,8 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         block_size=block_size,
+        speculative=None,
+        max_loras=None,
     )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching))
 
@@ -153,6 +155,8 @@ def test_without_chunked_prefill_a_prefill_waits_for_a_whole_budget() -> None:
             max_model_len=16,
             enable_chunked_prefill=False,
             block_size=4,
+            speculative=None,
+            max_loras=None,
         )
     sched = make_scheduler(
         max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False

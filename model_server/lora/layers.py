@@ -1,0 +1,209 @@
+"""The LoRA-able linear layers of a model and the wrapper that adds the adapters' products.
+
+Wick fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; PEFT trains `q_proj`,
+`k_proj`, ... separately. A PEFT module is a *slice* of a fused layer's output: its B matrix
+writes rows [offset, offset + size) of the fused output. Each wrapped layer keeps, per device
+slot s, the slices' A matrices stacked along the rank and their B matrices side by side:
+
+  lora_a[s]:    [n_slices * R, in]    slice i's A in rows [i R, i R + r)
+  lora_b[:, s]: [out, n_slices * R]   slice i's B (times the adapter's scale) in rows
+                                      [offset_i, offset_i + size_i), columns [i R, i R + r)
+
+so that one shrink (x @ lora_a[s]^T: [T, n R]) and one expand (@ lora_b[s]^T: [T, out]) give
+every slice's `scale * x A_i^T B_i^T` in its place; zeros elsewhere (a rank below R, a slice
+the adapter does not train) add nothing. R is --max-lora-rank.
+
+Per step, `LoRABatch` says which rows of the flat batch use which slot (LoRALinear's forward
+says how they run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model_server.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+# PEFT's module names on the families served (Llama, Qwen, Mistral, Gemma).
+SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(slots=True, frozen=True)
+class LoRATarget:
+    """One fused (or plain) linear layer adapters may train: `module_name` is Wick's
+    (`model.layers.0.self_attn.qkv_proj`), `slices` PEFT's module suffix per output slice with
+    its (offset, size) in the layer's output."""
+
+    module_name: str
+    slices: tuple[tuple[str, int, int], ...]
+    in_features: int
+    out_features: int
+
+    def peft_names(self) -> dict[str, int]:
+        """PEFT module name (`model.layers.0.self_attn.q_proj`) -> slice index."""
+        prefix = self.module_name.rsplit(".", 1)[0]
+        return {f"{prefix}.{suffix}": i for i, (suffix, _, _) in enumerate(self.slices)}
+
+
+def find_targets(model: nn.Module) -> list[LoRATarget]:
+    """The model's LoRA-able layers: every fused q/k/v and gate/up layer and the o_proj /
+    down_proj row-parallel ones of its decoder layers (named as PEFT names HF's modules)."""
+    targets: list[LoRATarget] = []
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear) or ".layers." not in f".{name}":
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, QKVParallelLinear) and leaf == "qkv_proj":
+            slices = tuple((f"{s}_proj", *module.shard_range(s)) for s in ("q", "k", "v"))
+        elif isinstance(module, MergedColumnParallelLinear) and leaf == "gate_up_proj":
+            gate, up = module.local_sizes
+            slices = (("gate_proj", 0, gate), ("up_proj", gate, up))
+        elif isinstance(module, RowParallelLinear) and leaf in ("o_proj", "down_proj"):
+            slices = ((leaf, 0, module.output_size),)
+        else:
+            continue
+        targets.append(LoRATarget(name, slices, module.input_size, module.output_size))
+    return targets
+
+
+# A run of at least this many consecutive rows of one adapter (a prefill chunk) runs as its own
+# shrink/expand on a slice of the batch; shorter runs (decodes) share the masked form.
+MIN_SEGMENT_ROWS = 8
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """This step's adapters, as every wrapped layer reads them (set by the manager per step).
+
+    `segments`: (start, end, slot) runs of rows [start, end) of one adapter, each run alone.
+    `masked`: the rows [lo, hi) holding every shorter run, with `onehot` [hi - lo, S] (float32):
+    1 at (row, its slot) for those runs' rows, zeros elsewhere (base-model rows and rows of
+    segments); `mask(w)` widens it to [hi - lo, S * w], each slot's 1 repeated over its w
+    columns (cached per step). `active`: some row has an adapter."""
+
+    active: bool = False
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+    masked: tuple[int, int] | None = None
+    onehot: torch.Tensor | None = None
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, width: int) -> torch.Tensor:
+        mask = self._masks.get(width)
+        if mask is None:
+            assert self.onehot is not None
+            mask = self._masks[width] = self.onehot.repeat_interleave(width, dim=1)
+        return mask
+
+    def set(self, token_slots: list[int], num_slots: int, device: torch.device | str) -> None:
+        """From each flat row's slot (-1: the base model)."""
+        self.clear()
+        runs: list[tuple[int, int, int]] = []  # (start, end, slot) of consecutive equal slots
+        for row, slot in enumerate(token_slots):
+            if runs and runs[-1][2] == slot and runs[-1][1] == row:
+                runs[-1] = (runs[-1][0], row + 1, slot)
+            else:
+                runs.append((row, row + 1, slot))
+        short: list[tuple[int, int, int]] = []
+        for run in runs:
+            if run[2] < 0:
+                continue
+            (self.segments if run[1] - run[0] >= MIN_SEGMENT_ROWS else short).append(run)
+        if short:
+            lo, hi = short[0][0], short[-1][1]
+            onehot = torch.zeros(hi - lo, num_slots)
+            for start, end, slot in short:
+                onehot[start - lo : end - lo, slot] = 1.0
+            self.masked, self.onehot = (lo, hi), onehot.to(device)
+        self.active = bool(self.segments or short)
+
+    def clear(self) -> None:
+        self.active, self.masked, self.onehot = False, None, None
+        self.segments.clear()
+        self._masks.clear()
+
+
+class LoRALinear(nn.Module):
+    """`base`'s output plus each row's adapter's `(x A^T) B^T` (the scale is in B).
+
+    The stacked weights are written by the LoRA manager between steps; `batch` is the
+    manager's, shared by every wrapped layer, and set per step. A long run of one adapter's rows
+    (a prefill chunk) gets that slot's shrink and expand on its slice; the short runs (decodes)
+    punica's batched form with a zero slot for the base model: the shrink of every slot at once
+    ([rows, S n R]), masked to each row's own slot, then one expand over all slots. Two matmuls
+    whatever the adapters present (the slots are narrow: S n R is a few hundred columns), so a
+    step of mixed decodes costs no more ops than one of a single adapter."""
+
+    def __init__(
+        self,
+        base: LinearBase,
+        target: LoRATarget,
+        batch: LoRABatch,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.target = target
+        self.batch = batch
+        self.max_rank = max_rank
+        self.width = len(target.slices) * max_rank  # n R
+        # lora_a [S, n R, in] and lora_b [out, S, n R]: viewed as [S n R, in] and [out, S n R]
+        # for the batched form. Buffers, not parameters (no checkpoint loads them). float32
+        # whatever the model's dtype: the products are small, and torch's bf16 CPU matmul takes
+        # milliseconds on a few-row [T, 48] x [48, N] (a thousand times the float32 one).
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(max_loras, self.width, target.in_features, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b",
+            torch.zeros(target.out_features, max_loras, self.width, device=device),
+            persistent=False,
+        )
+
+    def set_slot(
+        self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> None:
+        """Write an adapter's slices (slice index -> (A [r, in], B [size, r] scaled)) into
+        `slot`, zeroing the rest; None clears the slot."""
+        self.lora_a[slot].zero_()
+        self.lora_b[:, slot].zero_()
+        for i, (a, b) in (weights or {}).items():
+            _, offset, size = self.target.slices[i]
+            r = a.shape[0]
+            col = i * self.max_rank
+            self.lora_a[slot, col : col + r].copy_(a)
+            self.lora_b[offset : offset + size, slot, col : col + r].copy_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # [T, out]
+        batch = self.batch
+        if not batch.active:
+            return out
+        # `out` is the layer's fresh output: its rows are added to in place.
+        for start, end, slot in batch.segments:
+            # shrink [rows, n R], expand [rows, out]
+            xs = x[start:end].float()
+            delta = (xs @ self.lora_a[slot].t()) @ self.lora_b[:, slot].t()
+            out[start:end] += delta.to(out.dtype)
+        if batch.masked is not None:
+            lo, hi = batch.masked
+            num_slots = self.lora_a.shape[0]
+            a = self.lora_a.view(num_slots * self.width, -1)  # [S n R, in]
+            b = self.lora_b.view(-1, num_slots * self.width)  # [out, S n R]
+            # [rows, S n R] with other slots' columns zeroed, then [rows, out]
+            delta = ((x[lo:hi].float() @ a.t()) * batch.mask(self.width)) @ b.t()
+            out[lo:hi] += delta.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"slices={[s for s, _, _ in self.target.slices]}, max_rank={self.max_rank}"
