@@ -191,8 +191,10 @@ class AsyncPoolingEngine:
         owners: dict[str, _Job] = {}
         while True:
             block = not engine.has_unfinished_requests()
+            # What arrived since the last step (nothing, between the steps of a long job).
+            jobs: list[_Job | _Abort | None] = []
             try:
-                jobs = [self._jobs.get(block=block)]
+                jobs.append(self._jobs.get(block=block))
                 while True:
                     jobs.append(self._jobs.get_nowait())
             except queue.Empty:

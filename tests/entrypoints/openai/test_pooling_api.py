@@ -211,6 +211,36 @@ def test_embedding_model_scores_are_cosine_similarities(embed_url: str, referenc
     _error(httpx.post(f"{embed_url}/v1/score", json=pairs), "text_2")
 
 
+def test_a_request_of_many_steps_runs_each_input_once(embed_url: str, reference) -> None:
+    """Inputs that fill several engine steps (about 32 of MiniLM's longest per step): each runs
+    once, the answer keeps their order, and the server serves on."""
+    from tests.e2e.conftest import metric
+
+    pooled = metric(embed_url, "wick:pooling_inputs_total")
+    words = [
+        "a",
+        "step",
+        "holds",
+        "as",
+        "many",
+        "padded",
+        "tokens",
+        "as",
+        "the",
+        "budget",
+        "allows",
+    ]
+    texts = [" ".join(words[: 1 + i % len(words)] * 20) for i in range(100)]
+    body = {"input": texts, "truncate_prompt_tokens": -1}
+    answer = httpx.post(f"{embed_url}/v1/embeddings", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    got = torch.tensor([d["embedding"] for d in answer.json()["data"]])
+    expected = reference.encode(texts, convert_to_tensor=True)
+    assert torch.nn.functional.cosine_similarity(got, expected).min() >= 0.9999
+    assert metric(embed_url, "wick:pooling_inputs_total") - pooled == len(texts)
+    assert httpx.post(f"{embed_url}/embed", json={"inputs": "again"}).status_code == 200
+
+
 def test_a_client_that_leaves_drops_its_queued_inputs(embed_url: str) -> None:
     """A client gone mid-request: its inputs not yet run are dropped (the queue empties within
     a step, far fewer than all were pooled), the server logs a 499 and answers the next."""
