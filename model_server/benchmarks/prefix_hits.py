@@ -29,9 +29,9 @@ class PrefixCounters:
     hits: float
 
 
-def parse_prefix_counters(text: str) -> PrefixCounters | None:
-    """The two counters in a Prometheus text exposition, summed over label sets (one per model);
-    None when either is missing."""
+def sum_counters(text: str, names: tuple[str, ...]) -> dict[str, float] | None:
+    """Each counter of `names` in a Prometheus text exposition, summed over label sets (one per
+    model); None when one is missing or the text does not parse."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
@@ -39,29 +39,31 @@ def parse_prefix_counters(text: str) -> PrefixCounters | None:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 # A counter's value is its `_total` sample (`_created` is a timestamp).
-                for name in (QUERIES, HITS):
+                for name in names:
                     if sample.name in (name, name + "_total"):
                         totals[name] = totals.get(name, 0.0) + float(sample.value)
     except ValueError:
         return None
-    if QUERIES not in totals or HITS not in totals:
-        return None
-    return PrefixCounters(queries=totals[QUERIES], hits=totals[HITS])
+    return totals if all(name in totals for name in names) else None
 
 
-async def read_prefix_counters(
+def parse_prefix_counters(text: str) -> PrefixCounters | None:
+    """The two counters, summed over label sets; None when either is missing."""
+    totals = sum_counters(text, (QUERIES, HITS))
+    return None if totals is None else PrefixCounters(queries=totals[QUERIES], hits=totals[HITS])
+
+
+async def read_metrics(
     client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None
-) -> PrefixCounters | None:
-    """The server's counters, or None when it has no `/metrics` or not these two."""
+) -> str | None:
+    """The server's /metrics text, or None when it has none."""
     import httpx
 
     try:
         r = await client.get(base_url + "/metrics", headers=headers)
     except httpx.HTTPError:
         return None
-    if r.status_code != 200:
-        return None
-    return parse_prefix_counters(r.text)
+    return r.text if r.status_code == 200 else None
 
 
 def hit_rate(before: PrefixCounters | None, after: PrefixCounters | None) -> float | None:

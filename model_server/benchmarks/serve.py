@@ -299,10 +299,11 @@ async def benchmark(
     from model_server.benchmarks.prefix_hits import (
         hit_rate,
         hit_rate_warning,
-        read_prefix_counters,
+        parse_prefix_counters,
+        read_metrics,
     )
     from model_server.benchmarks.serve_metrics import calculate_metrics, format_report, result_json
-    from model_server.benchmarks.spec_counters import read_spec_counters, spec_delta
+    from model_server.benchmarks.spec_counters import parse_spec_counters, spec_delta
 
     base_url = args.base_url.rstrip("/")
     url = base_url + "/" + args.endpoint.lstrip("/")
@@ -346,15 +347,14 @@ async def benchmark(
                 raise RuntimeError(f"initial test request to {url} failed: {test.error}")
             print("Initial test run completed. Starting main benchmark run...", flush=True)
 
-        counters_before = await read_prefix_counters(client, base_url, headers)
-        spec_before = await read_spec_counters(client, base_url, headers)
+        # One /metrics scrape before and one after: the prefix cache's and the drafts' counters.
+        before = await read_metrics(client, base_url, headers) or ""
         start = time.perf_counter()
         results = await _run_all(send, requests, args.request_rate, args.max_concurrency, args)
         duration = time.perf_counter() - start
-        prefix_hit_rate = hit_rate(
-            counters_before, await read_prefix_counters(client, base_url, headers)
-        )
-        spec = spec_delta(spec_before, await read_spec_counters(client, base_url, headers))
+        after = await read_metrics(client, base_url, headers) or ""
+        prefix_hit_rate = hit_rate(parse_prefix_counters(before), parse_prefix_counters(after))
+        spec = spec_delta(parse_spec_counters(before), parse_spec_counters(after))
 
     metrics = calculate_metrics(results, duration, percentiles)
     failures = [r.error for r in results if not r.success]

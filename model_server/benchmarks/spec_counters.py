@@ -2,17 +2,16 @@
 
 Wick and vLLM export `vllm:spec_decode_num_drafts` (requests' verification rounds),
 `vllm:spec_decode_num_draft_tokens` and `vllm:spec_decode_num_accepted_tokens` at `/metrics`.
-They are read before and after the run; a server without them (or that never speculated)
+They are read before and after the run (from the /metrics text `bench serve` scrapes for
+the prefix counters too); a server without them (or that never speculated)
 reports nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import httpx
+from model_server.benchmarks.prefix_hits import sum_counters
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -38,34 +37,11 @@ class SpecCounters:
 
 
 def parse_spec_counters(text: str) -> SpecCounters | None:
-    """The three counters of a Prometheus text exposition, summed over label sets; None when
-    one is missing."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                for name in _NAMES:
-                    if sample.name in (name, name + "_total"):
-                        totals[name] = totals.get(name, 0.0) + float(sample.value)
-    except ValueError:
-        return None
-    if any(name not in totals for name in _NAMES):
+    """The three counters, summed over label sets; None when one is missing."""
+    totals = sum_counters(text, _NAMES)
+    if totals is None:
         return None
     return SpecCounters(totals[DRAFTS], totals[DRAFT_TOKENS], totals[ACCEPTED])
-
-
-async def read_spec_counters(
-    client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None
-) -> SpecCounters | None:
-    import httpx
-
-    try:
-        r = await client.get(base_url + "/metrics", headers=headers)
-    except httpx.HTTPError:
-        return None
-    return parse_spec_counters(r.text) if r.status_code == 200 else None
 
 
 def spec_delta(before: SpecCounters | None, after: SpecCounters | None) -> SpecCounters | None:
