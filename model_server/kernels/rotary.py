@@ -1,7 +1,7 @@
 """Neox rotary embedding of a step's queries and keys in one launch (the `rotary_embedding` slot
 on CUDA), where PyTorch's ops take fifteen (a gather of cos/sin, four products, a sum and a
 difference and a concatenation for each of q and k): at batch 1 on an H200 those launches cost
-an 8B model about 0.7 ms of its 5.8 ms decode step (tools/gpu_profile.py).
+an 8B model about 0.8 ms of its 5.8 ms decode step (tools/gpu_profile.py).
 
 Grid: (tokens,). A program reads its token's position, that row of the cos/sin cache and every
 query and key head of the token, and writes the rotated rows into new contiguous tensors.

@@ -90,9 +90,10 @@ def _folder(tmp_path: Path, make: Callable[[], transformers.PretrainedConfig]) -
     return tmp_path
 
 
-def _engine(folder: Path, dtype: str) -> LLM:
+def _engine(folder: Path, dtype: str, **extra: Any) -> LLM:
     return LLM(
         str(folder),
+        **extra,
         dtype=dtype,
         device="cpu",
         attention_backend="cpu",
@@ -330,18 +331,7 @@ def test_the_native_step_runs_int8_weights_with_the_modules_bits(
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force(monkeypatch, WNA16_NATIVE)
     folder = _folder(tmp_path / "model", NATIVE["qwen3"])
-    llm = LLM(
-        str(folder),
-        quantization="int8",
-        dtype=dtype,
-        device="cpu",
-        attention_backend="cpu",
-        block_size=8,
-        kv_cache_memory=4 * 1024**2,
-        max_num_batched_tokens=24,
-        enable_prefix_caching=False,
-        seed=3,
-    )
+    llm = _engine(folder, dtype, quantization="int8")
     runner = llm.engine.core.model_runner
     assert runner.prepared.resolved.int8_layout == "wna16"
     assert runner.prepared.quantization_description == "int8"
