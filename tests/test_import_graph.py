@@ -136,6 +136,7 @@ def test_every_kernel_table_slot_is_one_op() -> None:
     one_op_slots = {
         "linear", "int8_linear", "wna16_linear", "gguf_linear", "gguf_dequantize", "rms_norm",
         "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
-        "fused_experts", "argmax",
+        "fused_experts", "argmax", "layer_norm", "fused_add_layer_norm", "gelu",
+        "varlen_attention",
     }  # fmt: skip
     assert {f.name for f in dataclasses.fields(KernelTable)} == one_op_slots

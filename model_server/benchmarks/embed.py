@@ -1,10 +1,11 @@
 """`bench embed`: sentences per second of a pooling model, against sentence-transformers on the
 same model in the same process.
 
-The same sentences (mixed lengths, from one word to past the model's maximum, so that batches
-pad) go through Wick's pooling engine and through `SentenceTransformer.encode`, at each batch
-size: a batch is one `encode` call of that many sentences on either side, tokenization included.
-Each case runs once to warm up, then `--num-iters` times (median). Output, one line per batch:
+The same sentences (mixed lengths, from one word to past the model's maximum: a padded batch
+would waste most of its attention) go through Wick's pooling engine and through
+`SentenceTransformer.encode`, at each batch size: a batch is one `encode` call of that many
+sentences on either side, tokenization included. Each case runs once to warm up, then
+`--num-iters` times (median). Output, one line per batch:
 
     embed: /path/to/all-MiniLM-L6-v2 (BertModel, mean pooling), cpu bfloat16, 256 sentences
     batch 1:   wick 210.3 sent/s, sentence-transformers 95.1 sent/s (fp32): 2.21x

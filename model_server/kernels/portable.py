@@ -43,6 +43,32 @@ def fused_add_rms_norm_torch(
     return rms_norm_torch(x, weight, eps), x
 
 
+def layer_norm_torch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """x [..., N], weight [N], bias [N] or None -> (x - mean) / sqrt(var + eps) * weight + bias
+    over the last dim (torch's layer_norm: fp32 statistics, one rounding to x's dtype)."""
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def fused_add_layer_norm_torch(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (in the inputs' dtype) -> (layer_norm(s), s)."""
+    x = x + residual
+    return layer_norm_torch(x, weight, bias, eps), x
+
+
+def gelu_torch(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x), "none" (erf) or "tanh" approximation, rounded to x's dtype (the plain MLPs of
+    Phi-2 and StarCoder2)."""
+    return F.gelu(x, approximate=approximate)
+
+
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]: silu(gate) * up, each op rounding to x's dtype."""
     gate, up = x.chunk(2, dim=-1)

@@ -5,37 +5,45 @@ kernels/cpu/decoder_stack.py). Models describe their layers with it (models/deco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from model_server.kernels.lora_weights import StackedLoRA
+
 
 @dataclass(slots=True, frozen=True)
 class StackLayer:
-    """One pre-norm decoder layer as the model describes it (`DecoderLayer.stack_layer`):
+    """One pre-norm decoder layer as the model describes it (models/decoder_parts.py's
+    `stack_layer`):
     x -> x + attn_out_norm?(o(attn(rotary(qk_norm?(qkv(norm(x))))))) ->
-         x + mlp_out_norm?(down(act(gate(norm(x))) * up(norm(x)))),
-    norms RMSNorm (Gemma's hold 1 + w), rotary neox over each head's first `rotary_dim` dims
-    (the others pass through; None: the whole head). What the layer cannot be
-    described as, the model says in words instead. The platform decides which described layers
-    its native step runs (the attention backend, the activation, the rank count, ...)."""
+         x + mlp_out_norm?(mlp(norm(x))),
+    mlp gated, down(act(gate(y)) * up(y)), or plain, down(act(fc1(y))) with biases; or, with
+    `parallel_residual`, x -> x + (attn(norm(x)) + mlp(norm(x))) from the one input norm.
+    Norms RMSNorm (Gemma's hold 1 + w) or LayerNorm (`norm`, with biases or not); q/k norms
+    RMSNorm. Rotary neox over each head's first `rotary_dim` dims (the others pass through;
+    None: the whole head). What the layer cannot be described as, the model says in words
+    instead. The platform decides which described layers its native step runs (the attention
+    backend, the activation, the rank count, ...)."""
 
     input_norm: torch.Tensor  # [hidden]
-    post_attention_norm: torch.Tensor  # [hidden]: the norm before the MLP (HF's name)
+    # [hidden]: the norm before the MLP (HF's name); None with `parallel_residual`
+    post_attention_norm: torch.Tensor | None
     eps: float  # every norm's of the layer, the q/k norms' included
     qkv: nn.Module  # [(H + 2 Hkv) D, hidden], optional bias
     o: nn.Module  # [hidden, H D], optional bias
-    gate_up: nn.Module  # [2 inter, hidden], gate rows then up rows, no bias
-    down: nn.Module  # [hidden, inter]
+    # gated: [2 inter, hidden], gate rows then up rows, no bias; plain: fc1 [inter, hidden]
+    gate_up: nn.Module
+    down: nn.Module  # [hidden, inter], optional bias
     num_heads: int  # this rank's
     num_kv_heads: int  # this rank's
     head_dim: int
     scale: float
     cos_sin_cache: torch.Tensor  # [max_position, rotary_dim]: cos | sin (this layer's rope)
-    activation: str  # the gated MLP's: "silu", "gelu_tanh", "gelu"
+    activation: str  # the MLP's: "silu", "gelu_tanh", "gelu" (erf)
     attention_backend: str  # the backend the layer's attention runs ("cpu", "torch", ...)
     tp_size: int = 1
     # Sandwich norms (Gemma 2/3, GLM-4): on the attention output and on the MLP output.
@@ -47,6 +55,14 @@ class StackLayer:
     logits_soft_cap: float | None = None
     kv_group: int = 0  # 1: the sliding-window layers' own KV cache pool
     rotary_dim: int | None = None  # partial rotary (GLM-4): the leading dims that rotate
+    # The LayerNorm families (Phi-2, StableLM, StarCoder2):
+    norm: str = "rms"  # "rms" | "layer": input_norm's and post_attention_norm's kind
+    input_norm_bias: torch.Tensor | None = None  # [hidden] (LayerNorm)
+    post_attention_norm_bias: torch.Tensor | None = None  # [hidden] (LayerNorm)
+    # Attention and MLP both from the input norm, summed with the input (Phi-2; StableLM's
+    # use_parallel_residual): x + (attn + mlp), in that order of the adds.
+    parallel_residual: bool = False
+    mlp: str = "gated"  # "gated" (gate_up -> act-and-mul -> down) | "plain" (fc1 -> act -> fc2)
 
 
 class StepMetadata(Protocol):
@@ -77,10 +93,17 @@ class NativeDecoderStep(Protocol):
         33-512 rows")."""
         ...
 
+    def attach_lora(self, stacks: Mapping[nn.Module, StackedLoRA]) -> str | None:
+        """Run these LoRA slots (a described linear module -> its slots) in the step, the rows
+        chosen per call by `lora_slots`; None, or why not (adapter steps then run the
+        modules)."""
+        ...
+
     def __call__(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         kv_caches: Sequence[Any],
         attn_metadata: StepMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...

@@ -21,14 +21,18 @@ from model_server.kernels.fused_moe_torch import fused_experts_grouped
 from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequant
 from model_server.kernels.portable import (
     argmax_torch,
+    fused_add_layer_norm_torch,
     fused_add_rms_norm_torch,
     gelu_tanh_and_mul_torch,
+    gelu_torch,
     int8_linear_dequant,
+    layer_norm_torch,
     rms_norm_torch,
     rotary_embedding_torch,
     silu_and_mul_torch,
     wna16_linear_dequant,
 )
+from model_server.kernels.varlen_attention import varlen_attention_torch
 
 # (x [M, K], weight [N, K], bias [N] | None) -> [M, N]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -53,12 +57,27 @@ RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 FusedAddRMSNormFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
 ]
+# (x [..., N], weight [N], bias [N] | None, eps) -> layer_norm(x) * weight + bias
+LayerNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
+# (x, residual, weight, bias, eps) -> (layer_norm(x + residual), x + residual)
+FusedAddLayerNormFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float],
+    tuple[torch.Tensor, torch.Tensor],
+]
+# (x, approximate "none" | "tanh") -> gelu(x)
+GeluFn = Callable[[torch.Tensor, str], torch.Tensor]
 # x [..., 2d] -> silu(x[..., :d]) * x[..., d:] [..., d]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 # (positions [T], query [T, H, D], key [T, Hkv, D], cos_sin_cache [max_position, D])
 # -> rotated (query, key), neox layout
 RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
+]
+# (q [T, Hq * D], k [T, Hkv * D], v [T, Hkv * D], cu_seqlens [B + 1] int32 CPU, Hq, Hkv, scale,
+# causal) -> [T, Hq * D]: a pooling step's attention, each packed sequence over its own tokens
+# (kernels/varlen_attention.py)
+VarlenAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float, bool], torch.Tensor
 ]
 
 # logits [B, V] -> [B] int64: greedy sampling (layers/sampler.py), ties to the lowest id
@@ -89,9 +108,15 @@ class KernelTable:
     fused_add_rms_norm: FusedAddRMSNormFn = fused_add_rms_norm_torch
     silu_and_mul: SiluAndMulFn = silu_and_mul_torch
     gelu_tanh_and_mul: SiluAndMulFn = gelu_tanh_and_mul_torch  # GeGLU (Gemma)
+    # LayerNorm families (Phi-2, StableLM, StarCoder2: layers/norm.py's LayerNorm)
+    layer_norm: LayerNormFn = layer_norm_torch
+    fused_add_layer_norm: FusedAddLayerNormFn = fused_add_layer_norm_torch
+    gelu: GeluFn = gelu_torch  # the plain (not gated) MLPs' activation
     rotary_embedding: RotaryFn = rotary_embedding_torch
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
     argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
+    # pooling models' attention over packed sequences (models/bert.py, decoder_embedding.py)
+    varlen_attention: VarlenAttentionFn = varlen_attention_torch
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.

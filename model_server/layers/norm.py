@@ -1,6 +1,7 @@
-"""RMSNorm, with the residual add fused in (vLLM's `norm(x, residual)` convention).
+"""RMSNorm and LayerNorm, with the residual add fused in (vLLM's `norm(x, residual)` convention).
 
-The computation is the `KernelTable` the layer was built with (`rms_norm`, `fused_add_rms_norm`):
+The computation is the `KernelTable` the layer was built with (`rms_norm`, `fused_add_rms_norm`,
+`layer_norm`, `fused_add_layer_norm`):
 PyTorch's by default (kernels/portable.py), the fused Triton kernels on CUDA. Every
 implementation follows the PyTorch ones' numerics and contract: it returns new tensors and never
 writes its inputs.
@@ -44,3 +45,29 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class LayerNorm(nn.LayerNorm):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dim (bias optional), on the
+    table's kernels: torch's nn.LayerNorm (its parameters and checkpoint names) with vLLM's
+    `norm(x, residual)` convention. On the CPU's native table it runs layer_ops.c's kernel, the
+    one the native decoder step runs, so the two paths give the same bits."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        *,
+        kernels: KernelTable = TORCH_KERNELS,
+    ) -> None:
+        super().__init__(hidden_size, eps=eps, bias=bias)
+        self.kernels = kernels
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s)."""
+        if residual is None:
+            return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
+        return self.kernels.fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps)

@@ -2,16 +2,13 @@
 
 Wick fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; PEFT trains `q_proj`,
 `k_proj`, ... separately. A PEFT module is a *slice* of a fused layer's output: its B matrix
-writes rows [offset, offset + size) of the fused output. Each wrapped layer keeps, per device
-slot s, the slices' A matrices stacked along the rank and their B matrices side by side:
+writes columns [offset, offset + size) of the fused output. Each wrapped layer keeps its device
+slots as kernels/lora_weights.py's StackedLoRA (R is --max-lora-rank):
 
-  lora_a[s]:    [n_slices * R, in]    slice i's A in rows [i R, i R + r)
-  lora_b[:, s]: [out, n_slices * R]   slice i's B (times the adapter's scale) in rows
-                                      [offset_i, offset_i + size_i), columns [i R, i R + r)
-
-so that one shrink (x @ lora_a[s]^T: [T, n R]) and one expand (@ lora_b[s]^T: [T, out]) give
-every slice's `scale * x A_i^T B_i^T` in its place; zeros elsewhere (a rank below R, a slice
-the adapter does not train) add nothing. R is --max-lora-rank.
+  lora_a [S, n_slices R, in]  slice i's A in rows [i R, i R + r)
+  lora_b [S, R, out]          slice i's B transposed (times the adapter's scale) in rows
+                              [0, r), its own columns [offset_i, offset_i + size_i)
+  lora_ranks [S, n_slices]    r, or 0 where a slot is empty or its adapter leaves the slice
 
 Per step, `LoRABatch` says which rows of the flat batch use which slot (LoRALinear's forward
 says how they run).
@@ -20,10 +17,13 @@ says how they run).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from model_server.kernels.cpu.lora import lora_add, lora_kernels, lora_struct
+from model_server.kernels.lora_weights import StackedLoRA
 from model_server.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -74,7 +74,8 @@ def find_targets(model: nn.Module) -> list[LoRATarget]:
 
 
 # A run of at least this many consecutive rows of one adapter (a prefill chunk) runs as its own
-# shrink/expand on a slice of the batch; shorter runs (decodes) share the masked form.
+# shrink/expand on a slice of the batch; shorter runs (decodes) share the masked form (PyTorch's
+# path; the native kernel groups rows by slot itself).
 MIN_SEGMENT_ROWS = 8
 
 
@@ -82,6 +83,9 @@ MIN_SEGMENT_ROWS = 8
 class LoRABatch:
     """This step's adapters, as every wrapped layer reads them (set by the manager per step).
 
+    `token_slots`: each flat row's slot (-1: the base model), int32 on the CPU: what the native
+    kernel (kernels/cpu/lora.py) and the native decoder step read. `native`: the layers run that
+    kernel (set once by the manager); otherwise `set` also builds PyTorch's forms:
     `segments`: (start, end, slot) runs of rows [start, end) of one adapter, each run alone.
     `masked`: the rows [lo, hi) holding every shorter run, with `onehot` [hi - lo, S] (float32):
     1 at (row, its slot) for those runs' rows, zeros elsewhere (base-model rows and rows of
@@ -89,6 +93,8 @@ class LoRABatch:
     columns (cached per step). `active`: some row has an adapter."""
 
     active: bool = False
+    native: bool = False
+    token_slots: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)
     masked: tuple[int, int] | None = None
     onehot: torch.Tensor | None = None
@@ -104,6 +110,12 @@ class LoRABatch:
     def set(self, token_slots: list[int], num_slots: int, device: torch.device | str) -> None:
         """From each flat row's slot (-1: the base model)."""
         self.clear()
+        self.active = any(slot >= 0 for slot in token_slots)
+        if not self.active:
+            return
+        self.token_slots = torch.tensor(token_slots, dtype=torch.int32)
+        if self.native:
+            return
         runs: list[tuple[int, int, int]] = []  # (start, end, slot) of consecutive equal slots
         for row, slot in enumerate(token_slots):
             if runs and runs[-1][2] == slot and runs[-1][1] == row:
@@ -121,10 +133,9 @@ class LoRABatch:
             for start, end, slot in short:
                 onehot[start - lo : end - lo, slot] = 1.0
             self.masked, self.onehot = (lo, hi), onehot.to(device)
-        self.active = bool(self.segments or short)
 
     def clear(self) -> None:
-        self.active, self.masked, self.onehot = False, None, None
+        self.active, self.masked, self.onehot, self.token_slots = False, None, None, None
         self.segments.clear()
         self._masks.clear()
 
@@ -132,13 +143,13 @@ class LoRABatch:
 class LoRALinear(nn.Module):
     """`base`'s output plus each row's adapter's `(x A^T) B^T` (the scale is in B).
 
-    The stacked weights are written by the LoRA manager between steps; `batch` is the
-    manager's, shared by every wrapped layer, and set per step. A long run of one adapter's rows
-    (a prefill chunk) gets that slot's shrink and expand on its slice; the short runs (decodes)
-    punica's batched form with a zero slot for the base model: the shrink of every slot at once
-    ([rows, S n R]), masked to each row's own slot, then one expand over all slots. Two matmuls
-    whatever the adapters present (the slots are narrow: S n R is a few hundred columns), so a
-    step of mixed decodes costs no more ops than one of a single adapter."""
+    The slots are written by the LoRA manager between steps; `batch` is the manager's, shared
+    by every wrapped layer, and set per step. On the CPU (float32 / bfloat16) the native kernel
+    runs the step's rows grouped by slot (kernels/cpu/lora.c: the native decoder step calls the
+    same one). Elsewhere PyTorch: a long run of one adapter's rows (a prefill chunk) gets that
+    slot's shrink and expand on its slice; the short runs (decodes) punica's batched form with
+    a zero slot for the base model: the shrink of every slot at once ([rows, S n R]), masked to
+    each row's own slot, then one expand per slice over all slots."""
 
     def __init__(
         self,
@@ -148,27 +159,42 @@ class LoRALinear(nn.Module):
         max_loras: int,
         max_rank: int,
         device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         self.base = base
         self.target = target
         self.batch = batch
         self.max_rank = max_rank
-        self.width = len(target.slices) * max_rank  # n R
-        # lora_a [S, n R, in] and lora_b [out, S, n R]: viewed as [S n R, in] and [out, S n R]
-        # for the batched form. Buffers, not parameters (no checkpoint loads them). float32
-        # whatever the model's dtype: the products are small, and torch's bf16 CPU matmul takes
-        # milliseconds on a few-row [T, 48] x [48, N] (a thousand times the float32 one).
+        n_slices = len(target.slices)
+        self.width = n_slices * max_rank  # n R
+        # Buffers, not parameters (no checkpoint loads them), in `dtype`: the manager's choice,
+        # bfloat16 for a bfloat16 model on the native kernel (half the bytes a step reads;
+        # summed in fp32), else float32 (PyTorch's path: its bf16 CPU matmul takes milliseconds
+        # on a few-row [T, 48] x [48, N], a thousand times the float32 one).
         self.register_buffer(
             "lora_a",
-            torch.zeros(max_loras, self.width, target.in_features, device=device),
+            torch.zeros(max_loras, self.width, target.in_features, device=device, dtype=dtype),
             persistent=False,
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(target.out_features, max_loras, self.width, device=device),
+            torch.zeros(max_loras, max_rank, target.out_features, device=device, dtype=dtype),
             persistent=False,
         )
+        self.register_buffer(
+            "lora_ranks",
+            torch.zeros(max_loras, n_slices, dtype=torch.int32, device=device),
+            persistent=False,
+        )
+        # The native kernel's description of the slots (lora_struct), made on first use.
+        self._native: Any = None
+
+    @property
+    def stacked(self) -> StackedLoRA:
+        """The slots as the batched kernels read them (fixed addresses: filled in place)."""
+        slices = tuple((offset, size) for _, offset, size in self.target.slices)
+        return StackedLoRA(self.lora_a, self.lora_b, self.lora_ranks, slices)
 
     def set_slot(
         self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
@@ -176,13 +202,15 @@ class LoRALinear(nn.Module):
         """Write an adapter's slices (slice index -> (A [r, in], B [size, r] scaled)) into
         `slot`, zeroing the rest; None clears the slot."""
         self.lora_a[slot].zero_()
-        self.lora_b[:, slot].zero_()
+        self.lora_b[slot].zero_()
+        self.lora_ranks[slot].zero_()
         for i, (a, b) in (weights or {}).items():
             _, offset, size = self.target.slices[i]
             r = a.shape[0]
             col = i * self.max_rank
             self.lora_a[slot, col : col + r].copy_(a)
-            self.lora_b[offset : offset + size, slot, col : col + r].copy_(b)
+            self.lora_b[slot, :r, offset : offset + size].copy_(b.t())
+            self.lora_ranks[slot, i] = r
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)  # [T, out]
@@ -190,19 +218,32 @@ class LoRALinear(nn.Module):
         if not batch.active:
             return out
         # `out` is the layer's fresh output: its rows are added to in place.
+        if batch.native:
+            assert batch.token_slots is not None
+            kernels = lora_kernels(x)
+            assert kernels is not None  # the manager sets `native` only where it runs
+            if self._native is None:
+                self._native = lora_struct(self.stacked)
+            rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads unit-stride rows
+            lora_add(kernels, rows, out, batch.token_slots, self._native)
+            return out
+        stacked = self.stacked
         for start, end, slot in batch.segments:
-            # shrink [rows, n R], expand [rows, out]
-            xs = x[start:end].float()
-            delta = (xs @ self.lora_a[slot].t()) @ self.lora_b[:, slot].t()
-            out[start:end] += delta.to(out.dtype)
+            out[start:end] += stacked.delta(x[start:end], slot).to(out.dtype)
         if batch.masked is not None:
             lo, hi = batch.masked
-            num_slots = self.lora_a.shape[0]
-            a = self.lora_a.view(num_slots * self.width, -1)  # [S n R, in]
-            b = self.lora_b.view(-1, num_slots * self.width)  # [out, S n R]
-            # [rows, S n R] with other slots' columns zeroed, then [rows, out]
-            delta = ((x[lo:hi].float() @ a.t()) * batch.mask(self.width)) @ b.t()
-            out[lo:hi] += delta.to(out.dtype)
+            num_slots, r = self.lora_a.shape[0], self.max_rank
+            a = self.lora_a.view(num_slots * self.width, -1).float()  # [S n R, in]
+            # [rows, S, n, R] with other slots' columns zeroed
+            h = ((x[lo:hi].float() @ a.t()) * batch.mask(self.width)).view(
+                hi - lo, num_slots, -1, r
+            )
+            parts = [
+                h[:, :, i].reshape(hi - lo, num_slots * r)
+                @ self.lora_b[:, :, offset : offset + size].reshape(num_slots * r, size).float()
+                for i, (_, offset, size) in enumerate(self.target.slices)
+            ]
+            out[lo:hi] += torch.cat(parts, dim=1).to(out.dtype)
         return out
 
     def extra_repr(self) -> str:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from model_server.kernels.cpu.lora import lora_kernels
+from model_server.kernels.lora_weights import StackedLoRA
 from model_server.lora.config import LoRAConfig
 from model_server.lora.layers import LoRABatch, LoRALinear, LoRATarget, find_targets
 from model_server.lora.peft import LoRAAdapter, load_peft_adapter
@@ -30,7 +32,13 @@ logger = logging.getLogger(__name__)
 class LoRAModelManager:
     """Wraps `model`'s LoRA-able layers (at construction) and keeps their slots filled."""
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: LoRAConfig,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.config = config
         self.device = device
         self.targets: list[LoRATarget] = find_targets(model)
@@ -40,13 +48,23 @@ class LoRAModelManager:
                 "gate/up/down_proj of its decoder layers): serve it without --enable-lora"
             )
         self.batch = LoRABatch()
+        # The wrapped layers run the native batched kernel where it takes the activations;
+        # its slots are then in the model's dtype (bf16 halves what a step reads).
+        self.batch.native = lora_kernels(torch.empty(0, dtype=dtype, device=device)) is not None
+        weight_dtype = dtype if self.batch.native else torch.float32
         self.layers: dict[str, LoRALinear] = {}
         for target in self.targets:
             parent_name, _, leaf = target.module_name.rpartition(".")
             parent = model.get_submodule(parent_name)
             base = getattr(parent, leaf)
             wrapped = LoRALinear(
-                base, target, self.batch, config.max_loras, config.max_lora_rank, device
+                base,
+                target,
+                self.batch,
+                config.max_loras,
+                config.max_lora_rank,
+                device,
+                weight_dtype,
             )
             setattr(parent, leaf, wrapped)
             if leaf == "gate_up_proj" and getattr(parent, "fuse_silu", False):
@@ -58,6 +76,11 @@ class LoRAModelManager:
         # Slot numbers, least recently used first.
         self._slot_lru: OrderedDict[int, None] = OrderedDict.fromkeys(range(config.max_loras))
         self.cpu_cache: OrderedDict[int, LoRAAdapter] = OrderedDict()
+
+    def stacks(self) -> dict[nn.Module, StackedLoRA]:
+        """Each wrapped layer's base module -> its slots (for a native decoder step, which
+        describes the layers by their base modules)."""
+        return {layer.base: layer.stacked for layer in self.layers.values()}
 
     # ---- host memory --------------------------------------------------------------------
 

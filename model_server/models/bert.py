@@ -1,24 +1,33 @@
 """Bidirectional encoders for pooling: BERT and XLM-RoBERTa, as bare encoders (embeddings) and
 with their sequence-classification heads (cross-encoders for scores).
 
-They run on a padded batch, `input_ids [B, L]` with `attention_mask [B, L]` (1 = token, 0 =
-padding), and keep no KV cache: an encoder's attention is bidirectional, so every request is
-computed whole in one step and nothing of it is needed afterwards. Module names follow the HF
-checkpoints' (`embeddings.word_embeddings`, `encoder.layer.N.attention.self.query`, ...), so the
-state dict loads as it is; `load_weights` strips the `bert.` / `roberta.` prefix that the
-`*ForSequenceClassification` checkpoints carry.
+They run on a packed batch (`PackedBatch`: the step's T tokens one sequence after another, no
+padding), keep no KV cache (an encoder's attention is bidirectional, so every request is
+computed whole in one step and nothing of it is needed afterwards) and return hidden states
+[T, H]. Every linear layer multiplies the T real tokens; attention runs per sequence over its own
+tokens (the kernel table's `varlen_attention`: native on the CPU). The linear layers are Wick's
+(`ReplicatedLinear`), so the platform plans their kernels as a decoder's
+(`build_pooling_model`). Query, key and value are one fused [3H, H] projection. Module names
+otherwise follow the HF checkpoints' (`embeddings.word_embeddings`, `encoder.layer.N.output.
+dense`, ...), so the state dict loads as it is; `load_weights` strips the `bert.` / `roberta.`
+prefix that the `*ForSequenceClassification` checkpoints carry and stacks query/key/value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_server.kernels.table import TORCH_KERNELS, KernelTable
+from model_server.layers.linear import ReplicatedLinear
+from model_server.models.pooling_batch import PackedBatch
+
 _PREFIXES = ("bert.", "roberta.", "model.")
+# The checkpoint's attention projections, in their order in the fused `qkv` weight.
+_QKV = ("query", "key", "value")
 
 
 class _Embeddings(nn.Module):
@@ -29,81 +38,48 @@ class _Embeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
         self.token_type_embeddings = nn.Embedding(max(config.type_vocab_size, 1), h)
         self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
-        # RoBERTa numbers positions from padding_idx + 1, padding itself sits at padding_idx.
+        # RoBERTa numbers positions from padding_idx + 1 (padding itself sits at padding_idx).
         self.position_offset = (config.pad_token_id + 1) if roberta else 0
 
-    def forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, token_type_ids: torch.Tensor
-    ) -> torch.Tensor:
-        # Right padding: a row's tokens are 0..len-1; padded rows take the offset's row, unused.
-        positions = (torch.cumsum(mask, dim=1) - 1).clamp(min=0) * mask + self.position_offset
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        x = self.word_embeddings(batch.input_ids) + self.position_embeddings(
+            batch.positions + self.position_offset
+        )
         if self.token_type_embeddings.num_embeddings == 1:
             # XLM-RoBERTa has one segment: a pair's second text is not marked (its tokenizer
             # returns no token_type_ids; a BERT-style tokenizer's 1s must not index past it).
-            token_type_ids = torch.zeros_like(token_type_ids)
-        x = (
-            self.word_embeddings(input_ids)
-            + self.position_embeddings(positions)
-            + self.token_type_embeddings(token_type_ids)
-        )
-        return self.LayerNorm(x)
-
-
-@dataclass(slots=True)
-class _Packing:
-    """Where a step's real tokens sit in its padded `[B, L]` grid. The layers run on the packed
-    `[T, H]` rows (T real tokens: the padding costs no matmul); attention alone scatters q, k, v
-    back into `[B, heads, L, D]` for SDPA. `rows`: the real tokens' flat indices into `B * L`,
-    None when nothing is padded (T = B * L). `bias`: SDPA's additive key-padding mask
-    `[B, 1, 1, L]`, None without padding."""
-
-    batch: int
-    length: int
-    rows: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """`[T, N]` -> `[B, L, N]`, zeros at the padding."""
-        if self.rows is None:
-            return x.view(self.batch, self.length, -1)
-        out = x.new_zeros(self.batch * self.length, x.shape[-1])
-        out[self.rows] = x
-        return out.view(self.batch, self.length, -1)
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """`[B, L, N]` -> `[T, N]`."""
-        flat = x.reshape(self.batch * self.length, -1)
-        return flat if self.rows is None else flat[self.rows]
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(batch.token_type_ids)
+        return self.LayerNorm(x)  # [T, H]
 
 
 class _SelfAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: KernelTable) -> None:
         super().__init__()
         h = config.hidden_size
+        self.hidden_size = h
         self.num_heads = config.num_attention_heads
-        self.query = nn.Linear(h, h)
-        self.key = nn.Linear(h, h)
-        self.value = nn.Linear(h, h)
+        self.scale = (h // self.num_heads) ** -0.5
+        self.kernels = kernels
+        self.qkv = ReplicatedLinear(h, 3 * h, bias=True, kernels=kernels)
 
-    def forward(self, x: torch.Tensor, packing: _Packing) -> torch.Tensor:
-        h = x.shape[-1]
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        h = self.hidden_size
+        qkv = self.qkv(x)  # [T, 3H]: q, k, v read in place (row stride 3H)
+        q, k, v = qkv[:, :h], qkv[:, h : 2 * h], qkv[:, 2 * h :]
         heads = self.num_heads
-
-        def split(t: torch.Tensor) -> torch.Tensor:  # [T, H] -> [B, heads, L, H / heads]
-            return packing.pad(t).view(packing.batch, packing.length, heads, -1).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(
-            split(self.query(x)), split(self.key(x)), split(self.value(x)), attn_mask=packing.bias
+        return self.kernels.varlen_attention(
+            q, k, v, batch.cu_seqlens, heads, heads, self.scale, False
         )
-        return packing.pack(out.transpose(1, 2).reshape(packing.batch, packing.length, h))
 
 
 class _DenseNorm(nn.Module):
     """`LayerNorm(dense(x) + residual)`: the attention output and the FFN output blocks."""
 
-    def __init__(self, in_features: int, config) -> None:
+    def __init__(self, in_features: int, config, kernels: KernelTable) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.dense = ReplicatedLinear(in_features, config.hidden_size, bias=True, kernels=kernels)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -111,21 +87,23 @@ class _DenseNorm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: KernelTable) -> None:
         super().__init__()
-        self.self = _SelfAttention(config)
-        self.output = _DenseNorm(config.hidden_size, config)
+        self.self = _SelfAttention(config, kernels)
+        self.output = _DenseNorm(config.hidden_size, config, kernels)
 
-    def forward(self, x: torch.Tensor, packing: _Packing) -> torch.Tensor:
-        return self.output(self.self(x, packing), x)
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        return self.output(self.self(x, batch), x)
 
 
 class _Intermediate(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: KernelTable) -> None:
         super().__init__()
         if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for an encoder")
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense = ReplicatedLinear(
+            config.hidden_size, config.intermediate_size, bias=True, kernels=kernels
+        )
         self.act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,59 +114,41 @@ class _Intermediate(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: KernelTable) -> None:
         super().__init__()
-        self.attention = _Attention(config)
-        self.intermediate = _Intermediate(config)
-        self.output = _DenseNorm(config.intermediate_size, config)
+        self.attention = _Attention(config, kernels)
+        self.intermediate = _Intermediate(config, kernels)
+        self.output = _DenseNorm(config.intermediate_size, config, kernels)
 
-    def forward(self, x: torch.Tensor, packing: _Packing) -> torch.Tensor:
-        x = self.attention(x, packing)
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        x = self.attention(x, batch)
         return self.output(self.intermediate(x), x)
 
 
 class _Encoder(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: KernelTable) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(_Layer(config, kernels) for _ in range(config.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor, packing: _Packing) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         for layer in self.layer:
-            x = layer(x, packing)
+            x = layer(x, batch)
         return x
 
 
 class BertModel(nn.Module):
-    """The encoder: `forward(input_ids [B, L], attention_mask [B, L]) -> hidden [B, L, H]`."""
+    """The encoder: `forward(batch) -> hidden [T, H]`, the packed tokens' last hidden states."""
 
     roberta = False
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, kernels: KernelTable = TORCH_KERNELS) -> None:
         super().__init__()
         self.config = config
         self.embeddings = _Embeddings(config, roberta=self.roberta)
-        self.encoder = _Encoder(config)
+        self.encoder = _Encoder(config, kernels)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        token_type_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        x = self.embeddings(input_ids, attention_mask, token_type_ids)  # [B, L, H]
-        b, length = input_ids.shape
-        if bool(attention_mask.all()):
-            packing = _Packing(b, length, None, None)  # SDPA's unmasked (fastest) path
-        else:
-            # Padded keys get a -inf-like bias; padded query rows (zeros) still see the real
-            # keys, so no row is all masked (no NaN), and nobody reads them.
-            bias = torch.zeros(attention_mask.shape, dtype=x.dtype, device=x.device)
-            bias.masked_fill_(attention_mask == 0, torch.finfo(x.dtype).min)
-            rows = attention_mask.reshape(-1).nonzero().squeeze(1)
-            packing = _Packing(b, length, rows, bias[:, None, None, :])
-        return packing.pad(self.encoder(packing.pack(x), packing))
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self.encoder(self.embeddings(batch), batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -201,20 +161,44 @@ class BertModel(nn.Module):
             name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace(
                 "LayerNorm.beta", "LayerNorm.bias"
             )
-            param = params.get(name)
+            param, part = _fused_part(params, name)
             if param is None:
                 continue  # the MLM / pooler heads and position_ids buffers are not used
-            if param.shape != tensor.shape:
+            if part.shape != tensor.shape:
                 raise ValueError(
                     f"weight {name}: checkpoint shape {tuple(tensor.shape)}, model "
-                    f"{tuple(param.shape)}"
+                    f"{tuple(part.shape)}"
                 )
             with torch.no_grad():
-                param.copy_(tensor)
+                part.copy_(tensor)
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
+        expected = set()
+        for pname in params:
+            fused = pname.rsplit(".", 2)
+            if len(fused) == 3 and fused[1] == "qkv":  # the checkpoint's three tensors
+                expected.update(f"{fused[0]}.{proj}.{fused[2]}" for proj in _QKV)
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+
+def _fused_part(
+    params: dict[str, nn.Parameter], name: str
+) -> tuple[nn.Parameter | None, torch.Tensor]:
+    """The parameter a checkpoint tensor loads into and the part of it that it fills: the
+    whole parameter, or for `...self.query/key/value.weight/bias` its rows of the fused `qkv`."""
+    prefix, _, leaf = name.rpartition(".")
+    owner, _, proj = prefix.rpartition(".")
+    if proj in _QKV:
+        fused = params.get(f"{owner}.qkv.{leaf}")
+        if fused is not None:
+            rows = fused.shape[0] // len(_QKV)
+            i = _QKV.index(proj)
+            return fused, fused.data[i * rows : (i + 1) * rows]
+    param = params.get(name)
+    return param, param.data if param is not None else torch.empty(0)
 
 
 class XLMRobertaModel(BertModel):
@@ -222,31 +206,31 @@ class XLMRobertaModel(BertModel):
 
 
 class BertForSequenceClassification(BertModel):
-    """BERT cross-encoder: the `[CLS]` row through the pooler (dense + tanh), then the
-    classifier. `forward` returns logits `[B, num_labels]`."""
+    """BERT cross-encoder: each sequence's `[CLS]` row through the pooler (dense + tanh), then
+    the classifier. `forward` returns logits `[B, num_labels]`."""
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
+    def __init__(self, config, kernels: KernelTable = TORCH_KERNELS) -> None:
+        super().__init__(config, kernels)
         self.pooler = nn.Module()
         self.pooler.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        hidden = super().forward(input_ids, attention_mask, token_type_ids)
-        return self.classifier(torch.tanh(self.pooler.dense(hidden[:, 0])))
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        hidden = super().forward(batch)[batch.first_rows()]  # [B, H]
+        return self.classifier(torch.tanh(self.pooler.dense(hidden)))
 
 
 class XLMRobertaForSequenceClassification(XLMRobertaModel):
     """XLM-RoBERTa cross-encoder (bge-reranker): the `<s>` row through `classifier.dense` + tanh
     and `classifier.out_proj`."""
 
-    def __init__(self, config) -> None:
-        super().__init__(config)
+    def __init__(self, config, kernels: KernelTable = TORCH_KERNELS) -> None:
+        super().__init__(config, kernels)
         self.classifier = nn.Module()
         self.classifier.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.classifier.out_proj = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        hidden = super().forward(input_ids, attention_mask, token_type_ids)
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        hidden = super().forward(batch)[batch.first_rows()]  # [B, H]
         head = self.classifier
-        return head.out_proj(torch.tanh(head.dense(hidden[:, 0])))
+        return head.out_proj(torch.tanh(head.dense(hidden)))

@@ -163,10 +163,11 @@ class DbrxForCausalLM(LlamaForCausalLM):
                     clip_qkv=None if clip is None else float(clip),
                 ),
                 DbrxMoE(config, kernels),
+                kernels,
             )
             for _ in range(config.num_hidden_layers)
         ]
-        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=False)
+        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=False, kernels=kernels)
         self.tie_word_embeddings, self.lm_head = make_lm_head(
             config, self.model.embed_tokens, kernels, tie_default=False
         )

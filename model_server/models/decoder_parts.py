@@ -1,10 +1,12 @@
 """The pieces every decoder family builds on, written once: the attention block (fused q/k/v,
 optional per-head q/k norm, rotary, paged attention, output projection), the gated MLP
-(gate_up -> act-and-mul -> down), the pre-norm decoder layer with the residual add fused into
-the norms (optionally with Gemma 2's / GLM-4's norms after attention and MLP), the model body
-that runs them, and the LM head tied or not. models/llama.py, gemma.py, glm4.py, phi.py,
-stablelm.py and moe_decoder.py configure these; module names follow HF's checkpoint names
-(`self_attn.qkv_proj`, `mlp.gate_up_proj`, ...) so `load_weights` maps them with one table.
+(gate_up -> act-and-mul -> down) and the plain GELU one (fc1 -> gelu -> fc2), the pre-norm
+decoder layer with the residual add fused into the norms (optionally with Gemma 2's / GLM-4's
+norms after attention and MLP), the model body that runs them, their description for a native
+decoder step (`stack_layer`, `describe_layer`), and the LM head tied or not. models/llama.py,
+gemma.py, glm4.py, phi.py, stablelm.py, starcoder2.py and moe_decoder.py configure these;
+module names follow HF's checkpoint names (`self_attn.qkv_proj`, `mlp.gate_up_proj`, ...) so
+`load_weights` maps them with one table.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from model_server.layers.attention.backend import AttentionBackend, AttentionMet
 from model_server.layers.attention.layer import Attention
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from model_server.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
 )
-from model_server.layers.norm import RMSNorm
+from model_server.layers.norm import LayerNorm, RMSNorm
 from model_server.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 
 # (our fused param name part, checkpoint name part, shard id)
@@ -83,6 +86,48 @@ class GatedMLP(nn.Module):
             if fused is not None:
                 return self.down_proj(fused)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+# HF `hidden_act` names of the plain MLPs' GELU -> its approximation.
+PLAIN_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
+
+
+class PlainMLP(nn.Module):
+    """[T, hidden] -> `in_name` [T, inter] (bias) -> GELU -> `out_name` [T, hidden] (bias): the
+    non-gated MLP (Phi-2's fc1/fc2, StarCoder2's c_fc/c_proj), the GELU on the table's `gelu`.
+    Under tensor parallelism the input projection splits by columns, the output one by rows."""
+
+    def __init__(
+        self,
+        config: Any,
+        kernels: KernelTable,
+        *,
+        bias: bool,
+        names: tuple[str, str] = ("fc1", "fc2"),
+        family: str = "",
+    ) -> None:
+        super().__init__()
+        act = config.hidden_act
+        if act not in PLAIN_GELU:
+            raise ValueError(
+                f"unsupported hidden_act {act!r} for {family or type(self).__name__}; "
+                f"supported: {', '.join(PLAIN_GELU)}"
+            )
+        self.approximate = PLAIN_GELU[act]
+        self.kernels = kernels
+        self.in_name, self.out_name = names
+        fc_in = ColumnParallelLinear(
+            config.hidden_size, config.intermediate_size, bias=bias, kernels=kernels
+        )
+        fc_out = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias, kernels=kernels
+        )
+        setattr(self, self.in_name, fc_in)
+        setattr(self, self.out_name, fc_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc_in, fc_out = getattr(self, self.in_name), getattr(self, self.out_name)
+        return fc_out(self.kernels.gelu(fc_in(x), self.approximate))
 
 
 class QKVAttention(nn.Module):
@@ -229,11 +274,22 @@ class DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
-def _plain_rms_norm(norm: nn.Module | None) -> bool:
-    return norm is None or type(norm).forward is RMSNorm.forward
+def _norm_kind(norm: nn.Module | None) -> str | None:
+    """ "rms" or "layer" for the norms a native step runs as they are, else None."""
+    if norm is None or type(norm).forward is RMSNorm.forward:
+        return "rms"
+    if type(norm).forward is LayerNorm.forward:
+        return "layer"
+    return None
+
+
+def _eps(norm: nn.Module) -> float:
+    return norm.eps if isinstance(norm, LayerNorm) else norm.variance_epsilon
 
 
 def _activation(mlp: nn.Module) -> str | None:
+    if isinstance(mlp, PlainMLP):
+        return "gelu_tanh" if mlp.approximate == "tanh" else "gelu"
     if isinstance(mlp.act_fn, SiluAndMul):
         return "silu"
     if isinstance(mlp.act_fn, GeluAndMul):
@@ -244,18 +300,52 @@ def _activation(mlp: nn.Module) -> str | None:
 def stack_layer(layer: nn.Module) -> StackLayer | str:
     """`layer` described for a platform's native decoder step (`Platform.native_decoder_step`;
     the CPU's: kernels/cpu/decoder_stack.py), or in words what it is instead: a DecoderLayer
-    (sandwich norms allowed) of RMSNorms, QKVAttention (q/k norm, biases, window, soft cap
-    allowed) with neox rotary over whole heads, and a gated MLP without gate/up bias."""
+    (sandwich norms allowed) of RMSNorms, or a layer that describes itself (`stack_layer()`:
+    models/phi.py's LayerNorm layers, through `describe_layer`)."""
     if type(layer).forward is not DecoderLayer.forward:
+        own = getattr(layer, "stack_layer", None)
+        if own is not None:
+            return own()
         return f"{type(layer).__name__} (not the pre-norm decoder layer)"
     input_name, attn_out_name, pre_mlp_name, mlp_out_name = layer._norm_names
     norms = {name: getattr(layer, name) if name else None for name in layer._norm_names}
-    if not all(_plain_rms_norm(norm) for norm in norms.values()):
-        return "a LayerNorm or another norm (the native step runs RMSNorm)"
-    attn, mlp = layer.self_attn, layer.mlp
+    if not all(type(n).forward is RMSNorm.forward for n in norms.values() if n is not None):
+        return "a LayerNorm or another norm between RMSNorms"
+    return describe_layer(
+        layer.self_attn,
+        layer.mlp,
+        input_norm=norms[input_name],
+        pre_mlp_norm=norms[pre_mlp_name],
+        attn_out_norm=None if not attn_out_name else norms[attn_out_name],
+        mlp_out_norm=None if not mlp_out_name else norms[mlp_out_name],
+    )
+
+
+def describe_layer(
+    attn: nn.Module,
+    mlp: nn.Module,
+    *,
+    input_norm: nn.Module,
+    pre_mlp_norm: nn.Module | None,
+    attn_out_norm: nn.Module | None = None,
+    mlp_out_norm: nn.Module | None = None,
+) -> StackLayer | str:
+    """A pre-norm layer of these parts as a `StackLayer`, or in words what it has instead:
+    RMSNorms or LayerNorms (`pre_mlp_norm` None: attention and MLP in parallel from the input
+    norm, x + (attn + mlp)), QKVAttention (q/k RMSNorm, biases, window, soft cap allowed) with
+    neox rotary over whole heads or their leading dims, a gated MLP without gate/up bias or a
+    plain GELU one."""
+    kind = _norm_kind(input_norm)
+    if kind is None or _norm_kind(pre_mlp_norm) is None:
+        return f"the {type(input_norm).__name__} norm (native: RMSNorm, LayerNorm)"
+    sandwich = [n for n in (attn_out_norm, mlp_out_norm) if n is not None]
+    if pre_mlp_norm is not None and _norm_kind(pre_mlp_norm) != kind:
+        return "an RMSNorm and a LayerNorm in one layer"
+    if any(_norm_kind(n) != "rms" for n in sandwich) or (kind == "layer" and sandwich):
+        return "sandwich norms other than RMSNorms after RMSNorms"
     if type(attn).forward is not QKVAttention.forward:
         return f"{type(attn).__name__} (not the fused q/k/v attention)"
-    if attn.qk_norm and not (_plain_rms_norm(attn.q_norm) and _plain_rms_norm(attn.k_norm)):
+    if attn.qk_norm and not (_norm_kind(attn.q_norm) == _norm_kind(attn.k_norm) == "rms"):
         return "a q/k norm other than RMSNorm"
     rotary, rotary_dim = attn.rotary_emb, None
     if type(rotary) is PartialRotaryEmbedding:  # the leading dims rotate, the rest pass
@@ -264,29 +354,36 @@ def stack_layer(layer: nn.Module) -> StackLayer | str:
         return f"{type(rotary).__name__} (a rotary over {rotary.head_dim} of {attn.head_dim} dims)"
     if type(rotary).forward is not RotaryEmbedding.forward:
         return f"{type(rotary).__name__} (a rotary scaled at runtime)"
-    if type(mlp) is not GatedMLP and type(mlp).forward is not GatedMLP.forward:
-        return f"{type(mlp).__name__} (not the gated MLP)"
+    if type(mlp).forward is PlainMLP.forward:
+        mlp_kind = "plain"
+        gate_up, down = getattr(mlp, mlp.in_name), getattr(mlp, mlp.out_name)
+    elif type(mlp).forward is GatedMLP.forward:
+        mlp_kind = "gated"
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if gate_up.bias is not None:
+            return "a gate/up bias"
+    else:
+        return f"{type(mlp).__name__} (not the gated or plain GELU MLP)"
     activation = _activation(mlp)
     if activation is None:
         return f"the {type(mlp.act_fn).__name__} activation"
-    if mlp.gate_up_proj.bias is not None:
-        return "a gate/up bias"
-    eps = norms[input_name].variance_epsilon
-    every = [n for n in norms.values() if n is not None]
+    eps = _eps(input_norm)
+    every = [n for n in (pre_mlp_norm, *sandwich) if n is not None]
     if attn.qk_norm:
         every += [attn.q_norm, attn.k_norm]
-    if any(n.variance_epsilon != eps for n in every):
+    if any(_eps(n) != eps for n in every):
         return "norms with different eps"
     impl = attn.attn.impl
     backend = impl.name if getattr(impl, "kernels", True) is not None else f"{impl.name} (torch)"
+    layer_norm = kind == "layer"
     return StackLayer(
-        input_norm=norms[input_name].weight,
-        post_attention_norm=norms[pre_mlp_name].weight,
+        input_norm=input_norm.weight,
+        post_attention_norm=None if pre_mlp_norm is None else pre_mlp_norm.weight,
         eps=eps,
         qkv=attn.qkv_proj,
         o=getattr(attn, attn.out_name),
-        gate_up=mlp.gate_up_proj,
-        down=mlp.down_proj,
+        gate_up=gate_up,
+        down=down,
         num_heads=attn.num_heads,
         num_kv_heads=attn.num_kv_heads,
         head_dim=attn.head_dim,
@@ -294,16 +391,32 @@ def stack_layer(layer: nn.Module) -> StackLayer | str:
         cos_sin_cache=rotary.cos_sin_cache,
         activation=activation,
         attention_backend=backend,
-        tp_size=max(attn.qkv_proj.tp_size, mlp.down_proj.tp_size),
-        attn_out_norm=None if not attn_out_name else norms[attn_out_name].weight,
-        mlp_out_norm=None if not mlp_out_name else norms[mlp_out_name].weight,
+        tp_size=max(attn.qkv_proj.tp_size, down.tp_size),
+        attn_out_norm=None if attn_out_norm is None else attn_out_norm.weight,
+        mlp_out_norm=None if mlp_out_norm is None else mlp_out_norm.weight,
         q_norm=attn.q_norm.weight if attn.qk_norm else None,
         k_norm=attn.k_norm.weight if attn.qk_norm else None,
         sliding_window=attn.attn.sliding_window,
         logits_soft_cap=getattr(impl, "logits_soft_cap", None),
         kv_group=attn.attn.kv_group,
         rotary_dim=rotary_dim,
+        norm=kind,
+        input_norm_bias=input_norm.bias if layer_norm else None,
+        post_attention_norm_bias=(
+            pre_mlp_norm.bias if layer_norm and pre_mlp_norm is not None else None
+        ),
+        parallel_residual=pre_mlp_norm is None,
+        mlp=mlp_kind,
     )
+
+
+def describe_layers(layers: Iterable[nn.Module]) -> tuple[StackLayer, ...] | str:
+    """Every layer described (`stack_layer`), or why the first that cannot be is not."""
+    described = [stack_layer(layer) for layer in layers]
+    reasons = [(i, d) for i, d in enumerate(described) if isinstance(d, str)]
+    if reasons:
+        return f"layer {reasons[0][0]}: {reasons[0][1]}"
+    return tuple(d for d in described if not isinstance(d, str))
 
 
 class DecoderModel(nn.Module):
@@ -322,12 +435,7 @@ class DecoderModel(nn.Module):
     def stack_layers(self) -> tuple[StackLayer, ...] | str:
         """The layers described for a native decoder step, or why one of them cannot be."""
         if self._stack is None:
-            described = [stack_layer(layer) for layer in self.layers]
-            reasons = [(i, d) for i, d in enumerate(described) if isinstance(d, str)]
-            if reasons:
-                self._stack = f"layer {reasons[0][0]}: {reasons[0][1]}"
-            else:
-                self._stack = tuple(d for d in described if not isinstance(d, str))
+            self._stack = describe_layers(self.layers)
         return self._stack
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,14 @@
 from one norm (out = attn(ln(x)) + mlp(ln(x)) + x), partial rotary (`partial_rotary_factor`,
 0.4 for Phi-2), q/k/v and `dense` with biases, a GELU (tanh) MLP fc1 -> fc2, an LM head with bias.
 
-StableLM (models/stablelm.py) reuses the layer with its own MLP and residual order.
-`qk_layernorm` checkpoints are refused (no released Phi checkpoint uses it).
+StableLM (models/stablelm.py) reuses the layer with its own MLP and residual order, StarCoder2
+(models/starcoder2.py) its sequential form. `qk_layernorm` checkpoints are refused (no released
+Phi checkpoint uses it).
+
+The layers describe themselves for a native decoder step (`LayerNormDecoderLayer.stack_layer`);
+their LayerNorms (layers/norm.py) and GELU run on the table's kernels, the C ones the CPU's
+step runs, so the step gives these modules' bits. The final norm is `norm` (Phi-2's checkpoint
+`model.final_layernorm`, renamed on load): the runner adds the step's last residual in it.
 
 Tensor parallelism: heads split like Llama's, fc1 by columns, fc2 by rows, the vocabulary split;
 the LM head's bias is whole and added on rank 0 after the gather.
@@ -14,19 +20,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from model_server.kernels.stack_layer import StackLayer
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from model_server.layers.linear import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    default_weight_loader,
-)
+from model_server.layers.linear import default_weight_loader
+from model_server.layers.norm import LayerNorm
 from model_server.layers.rotary import get_rope
-from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head
+from model_server.models.decoder_parts import (
+    PlainMLP,
+    QKVAttention,
+    describe_layer,
+    describe_layers,
+    get_head_dim,
+    make_lm_head,
+)
 from model_server.models.llama import LlamaForCausalLM
 
 
@@ -50,27 +60,17 @@ def _check_no_qk_layernorm(config: Any) -> None:
         raise ValueError(f"{config.model_type} with qk_layernorm=True is not supported")
 
 
-class PhiMLP(nn.Module):
-    def __init__(self, config: Any, kernels: KernelTable) -> None:
-        super().__init__()
-        act = config.hidden_act
-        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu"):
-            raise ValueError(f"unsupported hidden_act {act!r} for phi")
-        self.approximate = "none" if act == "gelu" else "tanh"
-        self.fc1 = ColumnParallelLinear(
-            config.hidden_size, config.intermediate_size, bias=True, kernels=kernels
-        )
-        self.fc2 = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=True, kernels=kernels
-        )
+class PhiMLP(PlainMLP):
+    """fc1 -> GELU (gelu_new: tanh) -> fc2, with biases."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+    def __init__(self, config: Any, kernels: KernelTable) -> None:
+        super().__init__(config, kernels, bias=True, names=("fc1", "fc2"), family="phi")
 
 
 class LayerNormDecoderLayer(nn.Module):
     """input LayerNorm, then either parallel (attn and MLP both from it, summed with the input)
-    or sequential (x + attn, then + MLP of `post_attention_layernorm`)."""
+    or sequential (x + attn, then + MLP of `post_attention_layernorm`). The norms run on the
+    table's kernels (layers/norm.py's LayerNorm)."""
 
     def __init__(
         self,
@@ -78,15 +78,29 @@ class LayerNormDecoderLayer(nn.Module):
         self_attn: nn.Module,
         mlp: nn.Module,
         parallel: bool,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         eps = config.layer_norm_eps
         self.self_attn = self_attn
         self.mlp = mlp
         self.parallel = parallel
-        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+        self.input_layernorm = LayerNorm(config.hidden_size, eps=eps, kernels=kernels)
         if not parallel:
-            self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=eps)
+            self.post_attention_layernorm = LayerNorm(config.hidden_size, eps=eps, kernels=kernels)
+
+    def stack_layer(self) -> StackLayer | str:
+        """This layer described for a native decoder step (models/decoder_parts.py), or why
+        not. Its output there is the DecoderLayer convention's (attn + mlp, or the MLP's, with
+        the residual stream beside it): the next norm adds the two, in this forward's order."""
+        if type(self).forward is not LayerNormDecoderLayer.forward:
+            return f"{type(self).__name__} (its own forward)"
+        return describe_layer(
+            self.self_attn,
+            self.mlp,
+            input_norm=self.input_layernorm,
+            pre_mlp_norm=None if self.parallel else self.post_attention_layernorm,
+        )
 
     def forward(
         self,
@@ -106,26 +120,32 @@ class LayerNormDecoderLayer(nn.Module):
 
 
 class LayerNormModel(nn.Module):
+    """embed_tokens -> LayerNorm layers -> the final LayerNorm `norm` (Phi-2's checkpoint
+    `final_layernorm`: renamed on load). The model runner may run the layers in one native call
+    instead (`stack_layers()`): it then adds the last residual in `norm(hidden, residual)`."""
+
     def __init__(
         self,
         config: Any,
         layers: list[nn.Module],
         rotary_emb: nn.Module,
-        final_norm_name: str,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(layers)
-        self.final_norm_name = final_norm_name
-        setattr(self, final_norm_name, nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps))
+        self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, kernels=kernels)
+        self._stack: tuple[StackLayer, ...] | str | None = None
 
-    def stack_layers(self) -> str:
-        """Why a native decoder step does not describe these layers (models/decoder_parts.py's
-        `stack_layer` describes pre-norm RMSNorm layers)."""
-        layer = self.layers[0]
-        kind = "parallel attention + MLP" if layer.parallel else "sequential attention, MLP"
-        return f"layer 0: LayerNorm with bias, {kind} ({type(layer).__name__})"
+    def stack_layers(self) -> tuple[StackLayer, ...] | str:
+        """The layers described for a native decoder step, or why one of them cannot be."""
+        if self._stack is None:
+            self._stack = describe_layers(self.layers)
+        return self._stack
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [T, hidden]
 
     def forward(
         self,
@@ -137,15 +157,13 @@ class LayerNormModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, attn_metadata)
-        return getattr(self, self.final_norm_name)(hidden)
+        return self.norm(hidden)
 
 
 class LayerNormCausalLM(LlamaForCausalLM):
     """The runner interface and loading of Llama over LayerNorm decoder layers (Phi-2,
-    StableLM): subclasses say which attention, MLP, residual order, final norm name and LM
-    head (`make_attention`, `make_mlp`, `parallel_residual`, FINAL_NORM, `make_head`)."""
-
-    FINAL_NORM = "norm"
+    StableLM): subclasses say which attention, MLP, residual order and LM head
+    (`make_attention`, `make_mlp`, `parallel_residual`, `make_head`)."""
 
     def __init__(
         self,
@@ -167,10 +185,11 @@ class LayerNormCausalLM(LlamaForCausalLM):
                 self.make_attention(config, rotary, attn_backend, kernels),
                 self.make_mlp(config, kernels),
                 parallel=self.parallel_residual(config),
+                kernels=kernels,
             )
             for _ in range(config.num_hidden_layers)
         ]
-        self.model = LayerNormModel(config, layers, rotary, self.FINAL_NORM)
+        self.model = LayerNormModel(config, layers, rotary, kernels)
         self.tie_word_embeddings, self.lm_head = self.make_head(config, kernels)
 
     def make_attention(
@@ -195,7 +214,7 @@ class LayerNormCausalLM(LlamaForCausalLM):
 class PhiForCausalLM(LayerNormCausalLM):
     """Phi-2 (see the module docstring)."""
 
-    FINAL_NORM = "final_layernorm"
+    CHECKPOINT_RENAMES = (("model.final_layernorm.", "model.norm."),)
 
     def make_attention(
         self,

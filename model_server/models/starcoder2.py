@@ -12,20 +12,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.embedding import VocabParallelEmbedding
-from model_server.layers.linear import ColumnParallelLinear, RowParallelLinear
+from model_server.layers.norm import LayerNorm
 from model_server.layers.rotary import get_rope
-from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head
+from model_server.models.decoder_parts import (
+    PlainMLP,
+    QKVAttention,
+    get_head_dim,
+    make_lm_head,
+)
 from model_server.models.llama import LlamaForCausalLM, get_sliding_window, layer_sliding_windows
 from model_server.models.phi import LayerNormDecoderLayer, LayerNormModel
-
-_GELU = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
 
 
 class SequentialLayerNormLayer(LayerNormDecoderLayer):
@@ -33,14 +34,20 @@ class SequentialLayerNormLayer(LayerNormDecoderLayer):
     LayerNorm bias given rather than read from `layer_norm_eps`."""
 
     def __init__(
-        self, hidden_size: int, eps: float, norm_bias: bool, self_attn: nn.Module, mlp: nn.Module
+        self,
+        hidden_size: int,
+        eps: float,
+        norm_bias: bool,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         nn.Module.__init__(self)
         self.self_attn = self_attn
         self.mlp = mlp
         self.parallel = False
-        self.input_layernorm = nn.LayerNorm(hidden_size, eps=eps, bias=norm_bias)
-        self.post_attention_layernorm = nn.LayerNorm(hidden_size, eps=eps, bias=norm_bias)
+        self.input_layernorm = LayerNorm(hidden_size, eps, norm_bias, kernels=kernels)
+        self.post_attention_layernorm = LayerNorm(hidden_size, eps, norm_bias, kernels=kernels)
 
 
 class LayerNormBody(LayerNormModel):
@@ -53,40 +60,21 @@ class LayerNormBody(LayerNormModel):
         rotary_emb: nn.Module,
         eps: float,
         norm_bias: bool,
+        kernels: KernelTable = TORCH_KERNELS,
     ) -> None:
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(layers)
-        self.final_norm_name = "norm"
-        self.norm = nn.LayerNorm(config.hidden_size, eps=eps, bias=norm_bias)
-        self._norm_kind = "LayerNorm" + (" with bias" if norm_bias else " without bias")
-
-    def stack_layers(self) -> str:
-        """Why a native decoder step does not describe these layers (it runs RMSNorm layers)."""
-        return f"layer 0: {self._norm_kind} ({type(self.layers[0]).__name__})"
+        self.norm = LayerNorm(config.hidden_size, eps, norm_bias, kernels=kernels)
+        self._stack = None
 
 
-class Starcoder2MLP(nn.Module):
-    """c_fc -> GELU -> c_proj."""
+class Starcoder2MLP(PlainMLP):
+    """c_fc -> GELU -> c_proj (biases per `use_bias`)."""
 
     def __init__(self, config: Any, bias: bool, kernels: KernelTable) -> None:
-        super().__init__()
-        act = config.hidden_act
-        if act not in _GELU:
-            raise ValueError(
-                f"unsupported hidden_act {act!r} for starcoder2; supported: {', '.join(_GELU)}"
-            )
-        self.approximate = _GELU[act]
-        self.c_fc = ColumnParallelLinear(
-            config.hidden_size, config.intermediate_size, bias=bias, kernels=kernels
-        )
-        self.c_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=bias, kernels=kernels
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+        super().__init__(config, kernels, bias=bias, names=("c_fc", "c_proj"), family="starcoder2")
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
@@ -122,10 +110,11 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
                     sliding_window=window,
                 ),
                 Starcoder2MLP(config, bias, kernels),
+                kernels,
             )
             for window in layer_sliding_windows(config)
         ]
-        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=True)
+        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=True, kernels=kernels)
         self.tie_word_embeddings, self.lm_head = make_lm_head(
             config, self.model.embed_tokens, kernels, tie_default=True
         )

@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -22,6 +22,7 @@ from model_server.kernels.cpu.linear_plan import planned_weights
 from model_server.kernels.cpu.linear_tuning import tune_cpu_linears
 from model_server.kernels.cpu.onednn_cache import bound_onednn_caches
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
+from model_server.kernels.cpu.varlen_attention import varlen_attention as native_varlen_attention
 from model_server.kernels.cpu.wna16 import wna16_linear
 from model_server.kernels.linear_sites import LinearSite
 from model_server.kernels.planned_weight import LinearPlan
@@ -149,6 +150,7 @@ class CpuPlatform(Platform):
         dtype: torch.dtype,
         options: KernelOptions | None = None,
         gguf_beside_float: bool = False,
+        row_invariant_rows: int = 0,
     ) -> LinearPlan:
         """Time the matmul candidates for the model's linear shapes on this CPU (or read the
         timings cached by an earlier start) within `options.tuning_budget_s` and plan each
@@ -166,6 +168,7 @@ class CpuPlatform(Platform):
             int8_dot=options.gguf_int8_dot,
             quantized_kernels=built,
             blocks_beside_float=gguf_beside_float,
+            row_invariant_rows=row_invariant_rows,
         )
         logger.info(
             "cpu linear kernels for %d shapes: %d timed in %.2fs, %d cached%s",
@@ -261,7 +264,12 @@ def _with_layer_ops(
         _warn_no_layer_ops()
         return base
     gguf_linear = fixed_gguf_linear(int8_dot)
-    base = replace(base, gguf_linear=gguf_linear, gguf_dequantize=gguf_dequantize)
+    base = replace(
+        base,
+        gguf_linear=gguf_linear,
+        gguf_dequantize=gguf_dequantize,
+        varlen_attention=partial(native_varlen_attention, kernels=kernels),
+    )
     return native_kernel_table(kernels, base)
 
 

@@ -261,13 +261,16 @@ class Platform(ABC):
         dtype: torch.dtype,
         options: KernelOptions | None = None,
         gguf_beside_float: bool = False,
+        row_invariant_rows: int = 0,
     ) -> LinearPlan:
         """The kernels the loaded model's linear weights (`sites`; activations in `dtype`) run on
         this machine, per row bucket, as planned weights for the model-preparation stage to
         install (kernels/planned_weight.py); `kernels` is the table this platform's
         `kernel_table()` made; `options` the model's kernel settings (tuning on or off, its
         budget, the GGUF int8 mode; None: from the variables); `gguf_beside_float`: GGUF
-        weights get float twins (`gguf_weights_layout` said "mixed"). Changes nothing itself.
+        weights get float twins (`gguf_weights_layout` said "mixed"); `row_invariant_rows`: a
+        row's output must not depend on the row count up to that many rows (speculative
+        verification, engine/spec_decode/row_invariance.py). Changes nothing itself.
         None planned by default: every weight runs the table's slot."""
         return LinearPlan()
 

@@ -54,6 +54,7 @@ def test_the_dashboard_covers_what_an_operator_asked_for() -> None:
         "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
         "llm_microservice_requests_total", "llm_microservice_upstream_errors_total",
         "llm_microservice_requests_in_flight", "llm_microservice_request_latency_seconds_bucket",
+        "vllm:lora_requests_info",
     ):  # fmt: skip
         assert metric in exprs, metric
     ids = [p["id"] for p in dashboard["panels"]]
@@ -69,7 +70,7 @@ def test_the_dashboard_covers_what_an_operator_asked_for() -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Microservice]]:
     log_dir = tmp_path_factory.mktemp("stack")
-    server = launch(log_dir)
+    server = launch(log_dir, "--enable-lora")  # vllm:lora_requests_info is LoRA's alone
     usvc = None
     try:
         server.wait_ready()

@@ -10,6 +10,8 @@ Tolerances, and why:
   - RMSNorm sums its squares in another order and SiLU's exp is not PyTorch's: fp32 within a
     few ulps; bf16 within one bf16 ulp, and at least 99% of the elements bit-identical (checks
     that the normalized value / the silu is rounded before the weight / up multiplies it).
+  - LayerNorm (two passes, one rounding) and the plain GELU (own erfc and tanh): fp32 within a
+    few ulps; bf16 within one bf16 ulp, most elements bit-identical (`_assert_near`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from model_server.kernels.cpu import isa as isa_mod
 from model_server.kernels.cpu import layer_ops, native
 from model_server.kernels.cpu.linear_tuning import TUNING_ENV
 from model_server.kernels.table import TORCH_KERNELS
+from model_server.layers.norm import LayerNorm
 from model_server.layers.rotary import RotaryEmbedding, get_rope
 from model_server.platforms.cpu import CpuPlatform
 
@@ -223,6 +226,113 @@ def test_silu_and_mul_threaded(isa, dtype, two_threads) -> None:
     out = layer_ops.silu_and_mul(kernels, x)
     assert torch.equal(out, layer_ops.silu_and_mul(kernels, x, min_work_per_thread=1 << 40))
     _assert_close(out, portable.silu_and_mul_torch(x))
+
+
+# ---- LayerNorm and the plain GELU --------------------------------------------------------------
+
+
+def _assert_near(actual: torch.Tensor, expected: torch.Tensor, exact_share: float) -> None:
+    """Within one rounding of the dtype; in bf16 at least `exact_share` of the elements
+    bit-identical (the fp32 results differ from PyTorch's in their last ulps, which flips a
+    bf16 rounding now and then). fp32: 1e-5 absolute, a few times either's error at a mean of
+    30 over a spread of 2 (x - mean keeps ~19 of its 24 bits; both err by ~2e-6)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert actual.is_contiguous()
+    rtol, atol = TOL[expected.dtype] if expected.dtype == torch.bfloat16 else (1e-5, 1e-5)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    if expected.dtype == torch.bfloat16:
+        exact = (actual == expected).float().mean().item()
+        assert exact >= exact_share, f"only {exact:.1%} of the elements are bit-identical"
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 576), (7, 577), (2, 5), (5, 2560)])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_layer_norm(isa, dtype, rows, hidden, with_bias) -> None:
+    # A mean far from 0: a one-pass variance (E[x^2] - mean^2) would lose the digits.
+    x = _randn(rows, hidden, dtype=dtype, seed=21) + 30.0
+    x = x.to(dtype)
+    weight = _weight(hidden, dtype, seed=22)
+    bias = _randn(hidden, dtype=dtype, seed=23, scale=0.5) if with_bias else None
+    intact = _unchanged(x, weight, *([bias] if with_bias else []))
+    out = layer_ops.layer_norm(_kernels(isa), x, weight, bias, 1e-5)
+    _assert_near(out, portable.layer_norm_torch(x, weight, bias, 1e-5), 0.97)
+    assert intact()
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fused_add_layer_norm_chains(isa, dtype) -> None:
+    x = _randn(3, 577, dtype=dtype, seed=24)
+    residual = _randn(3, 577, dtype=dtype, seed=25)
+    weight, bias = _weight(577, dtype, seed=26), _randn(577, dtype=dtype, seed=27)
+    kernels = _kernels(isa)
+    intact = _unchanged(x, residual)
+    out, summed = layer_ops.fused_add_layer_norm(kernels, x, residual, weight, bias, 1e-5)
+    ref_out, ref_summed = portable.fused_add_layer_norm_torch(x, residual, weight, bias, 1e-5)
+    assert torch.equal(summed, ref_summed) and summed.is_contiguous() and intact()
+    _assert_near(out, ref_out, 0.97)
+    # The same kernel without the add, on the sum: the same bits (one arithmetic for both).
+    assert torch.equal(out, layer_ops.layer_norm(kernels, summed, weight, bias, 1e-5))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layer_norm_threaded_and_on_the_module(isa, dtype, two_threads) -> None:
+    """Threads split rows, never a row: the bits do not depend on them. The model's LayerNorm
+    module on a table of these kernels runs them (the native decoder step's arithmetic)."""
+    kernels = _kernels(isa)
+    x = _randn(64, 2560, dtype=dtype, seed=28)
+    weight, bias = _weight(2560, dtype, seed=29), _randn(2560, dtype=dtype, seed=30)
+    assert x.numel() >= THREADS * layer_ops.MIN_ELEMENTS_PER_THREAD
+    out = layer_ops.layer_norm(kernels, x, weight, bias, 1e-5)
+    serial = layer_ops.layer_norm(kernels, x, weight, bias, 1e-5, min_work_per_thread=1 << 40)
+    assert torch.equal(out, serial)
+    table = layer_ops.native_kernel_table(kernels, TORCH_KERNELS)
+    norm = LayerNorm(2560, eps=1e-5, kernels=table).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+        norm.bias.copy_(bias)
+    assert torch.equal(norm(x), out)
+    _assert_near(norm(x), torch.nn.LayerNorm.forward(norm, x), 0.97)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu(isa, dtype, approximate) -> None:
+    kernels = _kernels(isa)
+    x = torch.cat([_randn(3, 1000, dtype=dtype, seed=31), torch.linspace(-9, 9, 3000)
+                   .to(dtype).view(3, 1000)], dim=1)  # fmt: skip
+    intact = _unchanged(x)
+    out = layer_ops.gelu(kernels, x, approximate)
+    expected = portable.gelu_torch(x, approximate)
+    x64 = x.double()
+    if approximate == "none":  # x / 2 erfc(-x / sqrt 2): no 1 + erf(x) to cancel
+        exact = 0.5 * x64 * torch.special.erfc(-x64 / 2**0.5)
+    else:  # 1 + tanh(a) = 2 sigmoid(2 a)
+        exact = x64 * torch.sigmoid(2 * 0.7978845608028654 * (x64 + 0.044715 * x64**3))
+    # From -3 up, PyTorch's and ours agree to one rounding of the dtype (bf16: every element's
+    # bits here); below, PyTorch's 1 + erf(x) cancels (its exact GELU is ~0 past -5): ours keeps
+    # the value's relative precision against a float64 reference instead (the tanh form's
+    # 1 + tanh cancels in ours too: absolutely there).
+    body = x >= -3
+    rtol = TOL[dtype][0]
+    torch.testing.assert_close(out[body], expected[body], rtol=rtol, atol=TOL[dtype][1])
+    if dtype == torch.bfloat16:
+        assert torch.equal(out[body], expected[body])
+    tail = ~body
+    atol = 1e-30 if approximate == "none" else 1e-6
+    torch.testing.assert_close(out[tail].double(), exact[tail], rtol=rtol, atol=atol)
+    assert intact() and out.is_contiguous()
+    # Strided rows are read in place; the erf and tanh forms differ.
+    view = x[:, :500]
+    assert torch.equal(layer_ops.gelu(kernels, view, approximate), out[:, :500])
+    other = layer_ops.gelu(kernels, x, "tanh" if approximate == "none" else "none")
+    assert not torch.equal(other, out)
+    with pytest.raises(ValueError, match="approximate='sigmoid'"):
+        layer_ops.gelu(kernels, x, "sigmoid")
 
 
 # ---- Rotary embedding --------------------------------------------------------------------------
@@ -425,6 +535,9 @@ def test_cpu_platform_table_runs_the_native_ops(monkeypatch: pytest.MonkeyPatch)
     for slot, fn in (
         ("rms_norm", layer_ops.rms_norm),
         ("fused_add_rms_norm", layer_ops.fused_add_rms_norm),
+        ("layer_norm", layer_ops.layer_norm),
+        ("fused_add_layer_norm", layer_ops.fused_add_layer_norm),
+        ("gelu", layer_ops.gelu),
         ("silu_and_mul", layer_ops.silu_and_mul),
         ("rotary_embedding", layer_ops.rotary_embedding),
         ("argmax", layer_ops.argmax),

@@ -203,6 +203,35 @@ def test_a_shared_weight_runs_its_packed_copy_wherever_it_beats_dense(
     assert any(f"rows 1-8 {PANELS}, 9-16 {TORCH} [packed + dense" in line for line in report.lines)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
+def test_speculation_keeps_the_verification_buckets_on_one_row_invariant_kernel(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache, shared: bool
+) -> None:
+    """F.linear wins every bucket by the timings; with `row_invariant_rows` 10 (speculative
+    verification: up to 10 rows a step) the buckets holding 1-10 rows (1-16) run the panels
+    (ROW_INVARIANT) instead and the plan's line says so: a shared weight keeps F.linear on the
+    rest, an exclusive one moves its values into the panels (no second copy) and runs them at
+    every bucket. Without it, F.linear throughout."""
+    if default_kernels() is None:
+        pytest.skip("the panels need the native build")
+
+    def fake(calls, pair_budget_s=0.0):
+        return {name: 1.0 if name == TORCH else 2.0 for name in calls}
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    w = torch.randn(64, 32).bfloat16()
+    site = LinearSite(w, 64, exclusive=not shared)
+    plain = Planned([site], torch.bfloat16, cache)
+    assert plain.plans[0].names == (TORCH,) * 7
+    spec = Planned([site], torch.bfloat16, cache, row_invariant_rows=10)
+    # buckets 1..16, then 32 and 64
+    assert spec.plans[0].names == (PANELS,) * 5 + ((TORCH,) * 2 if shared else (PANELS,) * 2)
+    assert any("rows 1-10 row-invariant" in line for line in spec.report.lines)
+    assert {PANELS} == linear_tuning.ROW_INVARIANT
+    x = torch.randn(13, 32).bfloat16()
+    torch.testing.assert_close(spec(x, w).float(), F.linear(x, w).float(), **TOLERANCE[w.dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_swiglu_mlp_fuses_its_silu_into_the_panels(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dtype: torch.dtype

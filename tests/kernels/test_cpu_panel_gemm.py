@@ -153,3 +153,20 @@ def test_readers_of_shared_copies_are_spread_round_them(readers: int, copies: in
         if copy in last:
             assert t - last[copy] >= copies - readers
         last[copy] = t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_panel_matmul_is_row_invariant(kernels: native.NativeKernels, dtype: torch.dtype) -> None:
+    """A row's output is the same bits whatever the rows of the call and the tile it falls in
+    (linear_tuning.ROW_INVARIANT): speculative verification of k + 1 rows then computes each
+    row as its one-row decode. bf16 once summed 1-3 rows over two accumulator sets and 4+ over
+    one, so 2-5 rows of 16 differed."""
+    torch.manual_seed(7)
+    n, k = 100, 577  # a short last panel group, odd K
+    panels = pack_panels(torch.randn(n, k).to(dtype), kernels)
+    x = torch.randn(40, k).to(dtype)
+    alone = torch.cat([panel_linear(x[i : i + 1], panels, None, kernels) for i in range(40)])
+    for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 40):
+        for min_work in (0, 1 << 40):
+            got = panel_linear(x[:m], panels, None, kernels, min_work_per_thread=min_work)
+            assert torch.equal(got, alone[:m]), f"{m} rows, min_work {min_work}"

@@ -69,12 +69,31 @@ NATIVE: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "phi3": lambda: transformers.Phi3Config(**_COMMON, sliding_window=None),
     # Partial rotary (half of each head's dims), sandwich norms.
     "glm4": lambda: transformers.Glm4Config(**_COMMON, head_dim=16, partial_rotary_factor=0.5),
+    # LayerNorms with biases, attention and a plain GELU (tanh) MLP in parallel from one norm,
+    # biases on q/k/v, dense, fc1 and fc2, partial rotary.
+    "phi2": lambda: transformers.PhiConfig(**_COMMON, partial_rotary_factor=0.5),
+    # LayerNorms with biases, a SwiGLU MLP, q/k/v biases, a quarter of each head rotated.
+    "stablelm": lambda: transformers.StableLmConfig(
+        **_COMMON, use_qkv_bias=True, partial_rotary_factor=0.25
+    ),
+    # Its parallel residual: attention and MLP from the input LayerNorm.
+    "stablelm-parallel": lambda: transformers.StableLmConfig(
+        **_COMMON, use_parallel_residual=True, partial_rotary_factor=0.5
+    ),
+    # LayerNorms with biases, q/k/v/o biases, a plain GELU (tanh) MLP with biases, a window.
+    "starcoder2": lambda: transformers.Starcoder2Config(
+        **_COMMON, sliding_window=WINDOW, hidden_act="gelu_pytorch_tanh"
+    ),
+    # The exact (erf) GELU, no biases.
+    "starcoder2-erf": lambda: transformers.Starcoder2Config(
+        **_COMMON, hidden_act="gelu", use_bias=False
+    ),
 }
 # What the step does not run yet, and the reason the plan gives.
 MODULES: dict[str, tuple[Callable[[], transformers.PretrainedConfig], str]] = {
-    "phi2": (
-        lambda: transformers.PhiConfig(**_COMMON, partial_rotary_factor=0.5),
-        "LayerNorm with bias, parallel attention + MLP",
+    "mixtral": (
+        lambda: transformers.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "(not the gated or plain GELU MLP)",
     ),
 }
 
@@ -161,7 +180,8 @@ def test_the_native_step_generates_the_modules_bits(
     step = runner.native_step
     assert step is not None, runner.prepared.native_reason
     # Sliding-window layers keep a KV pool of their own (their block tables, their slots).
-    assert runner.kv_groups.hybrid == family.startswith(("gemma2", "gemma3", "mistral"))
+    windowed = family.startswith(("gemma2", "gemma3", "mistral")) or family == "starcoder2"
+    assert runner.kv_groups.hybrid == windowed
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
     modules, native = _with_and_without_the_step(monkeypatch, llm, params)
     assert native == modules
@@ -238,7 +258,7 @@ class _QuietWindow:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "rank0_modules_for_prefill"),
-    [("qwen3", False), ("gemma3", False), ("qwen3", True)],
+    [("qwen3", False), ("gemma3", False), ("qwen3", True), ("starcoder2", False)],
 )
 def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str, rank0_modules_for_prefill: bool
@@ -352,3 +372,44 @@ def test_a_resolution_error_on_rank_0_reaches_every_rank(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="gptq"):
         LLM(str(folder), quantization="gptq", tensor_parallel_size=2, num_threads=1)
     assert time.perf_counter() - start < 120
+
+
+def test_layer_norm_layers_are_described_and_what_the_step_lacks_is_named() -> None:
+    """Phi-2's layers as the model describes them (LayerNorms with biases, one norm feeding
+    attention and a plain GELU MLP in parallel), and the variants decoder_stack.c does not run,
+    each refused with the layer and what it has."""
+    import dataclasses
+
+    from model_server.layers.attention import get_attention_backend
+    from model_server.models import build_model
+
+    config = transformers.PhiConfig(**_COMMON, partial_rotary_factor=0.5)
+    config.architectures = ["PhiForCausalLM"]
+    model = build_model(config, get_attention_backend("cpu"))
+    layers = model.model.stack_layers()
+    assert isinstance(layers, tuple) and len(layers) == 3
+    layer = layers[0]
+    assert (layer.norm, layer.mlp, layer.activation) == ("layer", "plain", "gelu_tanh")
+    assert layer.parallel_residual and layer.post_attention_norm is None
+    assert layer.input_norm_bias is model.model.layers[0].input_layernorm.bias
+    assert layer.gate_up is model.model.layers[0].mlp.fc1
+    assert layer.rotary_dim == 8  # half of each head of 16
+    assert decoder_stack._native_reason(layers, torch.float32) is None
+
+    def reason(**changes: Any) -> str | None:
+        changed = (dataclasses.replace(layer, **changes), *layers[1:])
+        return decoder_stack._native_reason(changed, torch.float32, lambda t: t)
+
+    assert reason(tp_size=2) == (
+        "layer 0: parallel attention + MLP under tensor parallelism (one rank only)"
+    )
+    assert reason(mlp_out_norm=layer.input_norm) == "layer 0: sandwich norms after LayerNorms"
+    assert reason(activation="silu") == (
+        "layer 0: the silu activation in a plain MLP (native: gelu, gelu_tanh)"
+    )
+    assert reason(norm="rms") == "layer 0: RMSNorms with biases"
+    assert reason(post_attention_norm=layer.input_norm) == (
+        "layer 0: a parallel residual with a norm before the MLP, or neither"
+    )
+    half = layer.input_norm_bias.to(torch.bfloat16)
+    assert "not contiguous torch.float32 CPU tensors" in reason(input_norm_bias=half)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model_server.config import EngineConfig, KernelOptions, parse_quantization
+from model_server.config import EngineConfig, KernelOptions, SpeculativeConfig, parse_quantization
 from model_server.distributed.parallel_state import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -39,6 +39,7 @@ from model_server.distributed.parallel_state import (
 from model_server.engine.execution.kernel_tuning import config_linear_shapes, linear_sites
 from model_server.engine.execution.kv_cache_groups import KVCacheGroups, kv_cache_groups
 from model_server.engine.execution.memory_profiler import MemorySnapshot, take_memory_snapshot
+from model_server.engine.spec_decode.row_invariance import verification_rows
 from model_server.kernels.kv_cache_dtype import KVCacheDtype, resolve_kv_cache_dtype
 from model_server.kernels.planned_weight import LinearPlan
 from model_server.kernels.stack_layer import NativeDecoderStep
@@ -392,10 +393,22 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
         )
     # Once the weights are final, before anything runs: the platform fits the matmuls to them
     # (CPU: times kernels per shape and row bucket, cached on disk).
-    max_head_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+    # Speculation: the LM head takes each request's verified rows, which must compute as their
+    # decodes (spec_decode/row_invariance.py).
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    head_rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    max_head_rows = min(config.max_num_seqs * head_rows_per_seq, config.max_num_batched_tokens)
     sites = linear_sites(model, config.max_num_batched_tokens, max_head_rows)
     beside = bool(gguf_kept) and resolved.gguf_layout == "mixed"
-    plan = platform.plan_linears(kernels, sites, dtype, options, gguf_beside_float=beside)
+    invariant_rows = verification_rows(spec)
+    plan = platform.plan_linears(
+        kernels,
+        sites,
+        dtype,
+        options,
+        gguf_beside_float=beside,
+        row_invariant_rows=invariant_rows,
+    )
     install_planned_weights(model, plan)
     kv_groups = group_kv_layers(model, config)
     kv_fixed_scales = _rank_kv_scales(resolved, model, config)

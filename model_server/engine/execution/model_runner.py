@@ -92,14 +92,22 @@ class ModelRunner:
         # The runner's CPU fast path: the decoder layers in one native call (None: modules).
         self.native_step = prepared.native_step
         # --enable-lora: the LoRA-able layers wrapped, the --lora-modules adapters read (a bad
-        # one fails the start). Steps with adapter tokens run the modules, never the native
-        # step nor a graph (graphs are off with LoRA).
+        # one fails the start). Steps with adapter tokens run in the native step where it took
+        # the adapters' slots (`attach_lora`), else the modules; never a graph (graphs are off
+        # with LoRA).
         lora_config = LoRAConfig.from_engine_config(self.config)
         self.lora_manager: LoRAModelManager | None = None
+        self.native_lora = False  # the native step runs the adapters' products
+        self.native_lora_steps = 0  # steps with adapters it ran (for tests and people)
         if lora_config is not None:
-            self.lora_manager = LoRAModelManager(self.model, lora_config, self.device)
+            self.lora_manager = LoRAModelManager(self.model, lora_config, self.device, self.dtype)
             for request in lora_config.static_requests():
                 self.lora_manager.add_adapter(request)
+            if self.native_step is not None:
+                why = self.native_step.attach_lora(self.lora_manager.stacks())
+                self.native_lora = why is None
+                if why is not None:
+                    logger.info("steps with LoRA adapters run module by module: %s", why)
         logger.info(
             "loaded %s (%s, %s%s, %s KV cache) in %.2fs with the %s attention backend",
             prepared.source_path,
@@ -324,6 +332,8 @@ class ModelRunner:
                     start,
                     r.block_ids,
                     list(r.sliding_block_ids),
+                    # Verification rows attend exactly as their decodes would.
+                    attend_as_decodes=bool(drafts),
                 )
             )
             sample.append(start + n == r.num_tokens)
@@ -357,24 +367,37 @@ class ModelRunner:
             [(loras[idx], len(chunks[idx].token_ids)) for idx in inputs.order]
         )
         try:
-            # The modules: the native step has no adapters' products.
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata
+            slots = self.lora_manager.batch.token_slots
+            hidden = self._run_model(
+                inputs.input_ids,
+                inputs.positions,
+                inputs.attn_metadata,
+                lora_slots=slots,
+                native=self.native_lora or slots is None,
             )
         finally:
             self.lora_manager.clear_batch()
         return hidden, inputs.last_token_indices, inputs.order
 
     def _run_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
+        native: bool = True,
     ) -> torch.Tensor:
-        """The final-norm hidden states [T, hidden]: the layers in one native call where the
-        native step takes this step, else the model's modules."""
+        """The final-norm hidden states [T, hidden]: the layers in one native call where
+        `native` allows and the native step takes this step, else the model's modules.
+        `lora_slots`: each row's LoRA slot (the manager's batch, which the modules read)."""
         step = self.native_step
-        if step is not None and step.takes(input_ids.shape[0], self.kv_caches):
+        if native and step is not None and step.takes(input_ids.shape[0], self.kv_caches):
             decoder = self.model.model
             hidden = decoder.embed(input_ids)
-            return decoder.norm(*step(positions, hidden, self.kv_caches, attn_metadata))[0]
+            lora = {} if lora_slots is None else {"lora_slots": lora_slots}
+            out = step(positions, hidden, self.kv_caches, attn_metadata, **lora)
+            self.native_lora_steps += lora_slots is not None
+            return decoder.norm(*out)[0]
         return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
     @torch.inference_mode()

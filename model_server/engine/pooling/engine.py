@@ -21,17 +21,18 @@ from model_server.platforms import get_platform
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The step budget when --max-num-batched-tokens is unset (padded tokens, see scheduler.py).
+# The step budget when --max-num-batched-tokens is unset (tokens, see scheduler.py).
 POOLING_MAX_NUM_BATCHED_TOKENS = 8192
 # Engine flags that belong to the paged KV cache, generation or the generative model's kernels:
-# a pooling model keeps no KV cache, generates nothing and runs plain torch modules on one
-# device, so asking for them (anything but their defaults) is refused rather than ignored.
+# a pooling model keeps no KV cache, generates nothing and runs unquantized on one device (its
+# linear layers planned as a decoder's: --cpu-linear-tuning and its budget apply), so asking
+# for them (anything but their defaults) is refused rather than ignored.
 _GENERATIVE_ONLY = (
     "quantization", "kv_cache_dtype", "tensor_parallel_size", "kv_cache_memory", "load_format",
     "block_size", "enable_prefix_caching", "enable_chunked_prefill", "attention_backend",
     "enforce_eager", "gguf_weights", "kv_events_config", "distributed_executor_backend",
     "speculative_config",
-    "cpu_linear_tuning", "cpu_linear_tuning_budget", "cpu_auto_dtype", "cpu_isa", "cpu_flags",
+    "cpu_auto_dtype", "cpu_isa", "cpu_flags",
     "gguf_int8_dot", "gguf_weight_cache",
 )  # fmt: skip
 
@@ -91,7 +92,10 @@ class PoolingEngine:
         self.scheduler = PoolingScheduler(config.max_num_seqs, budget, max_len)
         dtype = self.platform.default_dtype() if config.dtype == "auto" else _DTYPES[config.dtype]
         self.dtype = dtype
-        model = build_pooling_model(self.source, pooler, dtype, self.platform.device)
+        model = build_pooling_model(
+            self.source, pooler, dtype, self.platform, config.kernel_options(),
+            self.scheduler.max_num_batched_tokens,
+        )  # fmt: skip
         self.runner = PoolingRunner(model, pooler, self.platform.device)
 
     @property

@@ -4,8 +4,8 @@ Pure policy, like `engine/core/scheduler.py`, whose budget it shares
 (`--max-num-batched-tokens`, `--max-num-seqs`), but without a KV cache: a pooling request is a
 prefill that is never continued, so it is scheduled whole (an encoder's attention is
 bidirectional: a chunk would not see the tokens after it) and forgets everything once pooled.
-The runner pads a step's inputs to its longest, so the budget counts padded tokens:
-`len(batch) * longest <= max_num_batched_tokens`.
+The runner packs a step's inputs (no padding), so the budget counts their tokens:
+`sum(num_tokens) <= max_num_batched_tokens`.
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ class PoolingScheduler:
         """This step's requests, in arrival order; the first that does not fit ends the batch, so
         later requests never overtake it."""
         batch: list[PoolingRequest] = []
-        longest = 0
+        tokens = 0
         while self.waiting and len(batch) < self.max_num_seqs:
             request = self.waiting[0]
-            padded = max(longest, request.num_tokens) * (len(batch) + 1)
-            if padded > self.max_num_batched_tokens:
+            if tokens + request.num_tokens > self.max_num_batched_tokens:
                 break
             batch.append(self.waiting.popleft())
-            longest = max(longest, request.num_tokens)
+            tokens += request.num_tokens
         return batch
 
     def finish_requests(self, request_ids: Iterable[str]) -> None:

@@ -18,6 +18,20 @@ typedef struct {
 #define FIELD(T, f) {#T, #f, (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f)}
 
 static const Row ROWS[] = {
+    STRUCT(WickLoRA),
+    FIELD(WickLoRA, num_slices),
+    FIELD(WickLoRA, max_loras),
+    FIELD(WickLoRA, max_rank),
+    FIELD(WickLoRA, k),
+    FIELD(WickLoRA, n),
+    FIELD(WickLoRA, a),
+    FIELD(WickLoRA, b),
+    FIELD(WickLoRA, ranks),
+    FIELD(WickLoRA, slice_offset),
+    FIELD(WickLoRA, slice_size),
+    FIELD(WickLoRA, min_work_per_thread),
+    FIELD(WickLoRA, weight_dtype),
+
     STRUCT(WickLinear),
     FIELD(WickLinear, kind),
     FIELD(WickLinear, num_segments),
@@ -34,6 +48,7 @@ static const Row ROWS[] = {
     FIELD(WickLinear, offsets),
     FIELD(WickLinear, bits),
     FIELD(WickLinear, group_size),
+    FIELD(WickLinear, lora),
 
     STRUCT(WickLayer),
     FIELD(WickLayer, input_norm),
@@ -59,6 +74,11 @@ static const Row ROWS[] = {
     FIELD(WickLayer, v_scales),
     FIELD(WickLayer, kv_fixed_scale),
     FIELD(WickLayer, rotary_dim),
+    FIELD(WickLayer, norm_kind),
+    FIELD(WickLayer, input_norm_bias),
+    FIELD(WickLayer, post_attention_norm_bias),
+    FIELD(WickLayer, parallel_residual),
+    FIELD(WickLayer, mlp_kind),
 
     STRUCT(WickStackStep),
     FIELD(WickStackStep, dtype),
@@ -108,6 +128,7 @@ static const Row ROWS[] = {
     FIELD(WickStackStep, mid),
     FIELD(WickStackStep, segment),
     FIELD(WickStackStep, hidden_out),
+    FIELD(WickStackStep, lora_slots),
 };
 
 int wick_abi_layout(const char **names, int64_t *values, int capacity) {

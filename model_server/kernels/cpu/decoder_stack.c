@@ -1,8 +1,9 @@
-/* A stack of pre-norm decoder layers in one call: RMSNorm, fused q/k/v (biases allowed),
- * optional per-head q/k RMSNorm, neox rotary (a cache per layer), paged attention (optional
- * sliding window and logit soft cap, each layer in its KV cache group), output projection,
- * optional sandwich norms (Gemma 2/3), RMSNorm with the residual add, gated MLP (SiLU or GeGLU
- * tanh).
+/* A stack of pre-norm decoder layers in one call: RMSNorm or LayerNorm (with bias), fused
+ * q/k/v (biases allowed), optional per-head q/k RMSNorm, neox rotary (a cache per layer),
+ * paged attention (optional sliding window and logit soft cap, each layer in its KV cache
+ * group), output projection, optional sandwich norms (Gemma 2/3), the norm with the residual
+ * add, gated MLP (SiLU or GeGLU tanh) or plain fc1 -> GELU (erf or tanh) -> fc2 with biases;
+ * or attention and MLP in parallel from the input norm (Phi-2: x + attn + mlp).
  *
  * Why: a batch-1 decode of SmolLM2-135M spends ~4 of its ~13 ms between the kernels, in Python
  * (module calls, tensor allocation, argument marshalling: ~125 us per layer on a 2-core Zen 4),
@@ -20,11 +21,12 @@
  *   q_rot, k_rot rotated q and k                                [T, H D], [T, Hkv D]
  *   attn         attention output                               [T, H D]
  *   proj         o_proj output                                  [T, hidden]
- *   sandwich     a sandwich norm's input or output              [T, hidden]
+ *   sandwich     a sandwich norm's input or output; a parallel layer's MLP output [T, hidden]
  *   residual_a/b the residual stream, alternating per norm (the fused norm never writes its
  *                inputs)                                        [T, hidden]
- *   gate_up      gate/up output where the MLP's SiLU is not fused [T, 2 inter] (else unused)
- *   mid          act(gate) * up                                 [T, inter]
+ *   gate_up      gate/up output where the MLP's SiLU is not fused [T, 2 inter] (else unused);
+ *                a plain MLP's fc1 output                       [T, inter]
+ *   mid          act(gate) * up, or act(fc1)                    [T, inter]
  *   segment      one GGUF segment's output before it is copied into its columns [T, max N]
  *   hidden_out   the last layer's MLP output                    [T, hidden]
  * On return `*residual_out` says which residual buffer holds the stream before hidden_out. */
@@ -34,6 +36,7 @@
 
 #include "wick_cpu.h"
 #include "wick_entry.h"
+#include "wick_lora.h"
 #include "wick_stack.h"
 
 /* Error codes: (layer << 4) | STAGE_*, negated; the failing kernel's own code goes to
@@ -44,7 +47,7 @@ enum { STAGE_NORM = 1, STAGE_QKV, STAGE_ROTARY, STAGE_ATTN, STAGE_O, STAGE_NORM2
 static int64_t elem_size(const WickStackStep *s) { return s->dtype == 1 ? 2 : 4; }
 
 /* y [T, n] = x [T, k] @ W^T + bias, as the per-module path computes it. */
-static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x, void *y) {
+static int run_base_linear(const WickStackStep *s, const WickLinear *w, const void *x, void *y) {
   const int64_t m = s->num_tokens;
   switch (w->kind) {
   case LINEAR_PANELS_BF16:
@@ -99,11 +102,27 @@ static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x
   }
 }
 
+/* The base product, then the step's LoRA adapters' on their rows (the module path's
+ * LoRALinear: base, then kernels/cpu/lora.py's wick_lora_add on its output). */
+static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x, void *y) {
+  const int status = run_base_linear(s, w, x, y);
+  if (status != 0 || s->lora_slots == NULL || w->lora.num_slices == 0) return status;
+  return wick_lora_add(s->dtype, x, w->k, y, w->n, s->num_tokens, s->lora_slots, &w->lora,
+                       s->num_threads);
+}
+
 /* mid [T, inter] = act(x @ gate^T) * (x @ up^T): SiLU fused into the panels where the layer
  * says so, else the gate/up matmul then the activation's own kernel. */
 static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x) {
   const WickLinear *w = &l->gate_up;
   const int64_t m = s->num_tokens, inter = s->intermediate;
+  if (l->mlp_kind == MLP_PLAIN) { /* fc1 [T, inter] (its bias in the kernel), then the GELU */
+    if (l->activation != ACT_GELU && l->activation != ACT_GELU_TANH) return -1;
+    const int status = run_linear(s, w, x, s->gate_up);
+    if (status != 0) return status;
+    return wick_gelu(s->dtype, s->gate_up, inter, s->mid, m, (int)inter,
+                     l->activation == ACT_GELU_TANH, s->num_threads, s->norm_min_work);
+  }
   if (l->fuse_silu) {
     if (w->kind == LINEAR_PANELS_BF16)
       return wick_panel_gemm_silu((const bf16_t *)x, w->k, (const bf16_t *)w->data,
@@ -128,6 +147,34 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
 static int plain_norm(const WickStackStep *s, const void *x, const void *weight, void *y) {
   return wick_rms_norm(s->dtype, x, 1, s->hidden, 0, NULL, 1, 0, 0, weight, y, NULL,
                        s->num_tokens, (int)s->hidden, s->eps, s->num_threads, s->norm_min_work);
+}
+
+/* y [T, hidden] = the layer's norm (RMSNorm, or LayerNorm with `bias`) of x, or with a
+ * residual of s = x + residual, stored into sum_out: the module path's norm modules' kernels. */
+static int layer_norm_of(const WickStackStep *s, const WickLayer *l, const void *x,
+                         const void *residual, const void *weight, const void *bias, void *y,
+                         void *sum_out) {
+  const int64_t hidden = s->hidden;
+  if (l->norm_kind == NORM_LAYER)
+    return wick_layer_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, weight, bias, y,
+                           sum_out, s->num_tokens, (int)hidden, s->eps, s->num_threads,
+                           s->norm_min_work);
+  return wick_rms_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, weight, y, sum_out,
+                       s->num_tokens, (int)hidden, s->eps, s->num_threads, s->norm_min_work);
+}
+
+/* y [T, hidden] = a + b, rounded to the dtype (one PyTorch add of the module path). */
+static void add_rows(const WickStackStep *s, const void *a, const void *b, void *y) {
+  const int64_t n = s->num_tokens * s->hidden;
+  if (s->dtype == 1) {
+    const bf16_t *x = (const bf16_t *)a, *z = (const bf16_t *)b;
+    bf16_t *out = (bf16_t *)y;
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(z[i]));
+  } else {
+    const float *x = (const float *)a, *z = (const float *)b;
+    float *out = (float *)y;
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] + z[i];
+  }
 }
 
 /* The per-head norm of `heads` heads of D at `x` (token stride `stride`, head stride D) into
@@ -212,12 +259,12 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
       const void *x = i == 0 ? s->hidden_in : s->hidden_out;
       /* 1. input norm (+ the residual add from layer 1 on) */
       if (residual == NULL) {
-        STAGE(plain_norm(s, x, l->input_norm, s->normed), STAGE_NORM);
+        STAGE(layer_norm_of(s, l, x, NULL, l->input_norm, l->input_norm_bias, s->normed, NULL),
+              STAGE_NORM);
         residual = x;
       } else {
-        STAGE(wick_rms_norm(s->dtype, x, 1, hidden, 0, residual, 1, hidden, 0, l->input_norm,
-                            s->normed, next_residual, T, (int)hidden, s->eps, s->num_threads,
-                            s->norm_min_work),
+        STAGE(layer_norm_of(s, l, x, residual, l->input_norm, l->input_norm_bias, s->normed,
+                            next_residual),
               STAGE_NORM);
         residual = next_residual;
         next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
@@ -243,16 +290,22 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
       /* 5. output projection (a tensor-parallel rank's partial sum: the caller all-reduces) */
       STAGE(run_linear(s, &l->o, s->attn, s->proj), STAGE_O);
     }
-    if (to == 1) {
+    if (to == 1 && l->parallel_residual) {
+      /* 6-8. parallel attention + MLP (Phi-2): the MLP of the input norm's output (normed,
+       * untouched since), the layer's output attn + mlp; the residual stays the layer's input
+       * (the next norm adds it: (attn + mlp) + x, the module path's order). One rank only. */
+      STAGE(run_mlp_in(s, l, s->normed), STAGE_MLP);
+      STAGE(run_linear(s, &l->down, s->mid, s->sandwich), STAGE_DOWN);
+      add_rows(s, s->proj, s->sandwich, s->hidden_out);
+    } else if (to == 1) {
       /* 6. the attention output's sandwich norm, residual add + the MLP's input norm */
       const void *attn_out = s->proj;
       if (l->attn_out_norm != NULL) {
         STAGE(plain_norm(s, s->proj, l->attn_out_norm, s->sandwich), STAGE_NORM2);
         attn_out = s->sandwich;
       }
-      STAGE(wick_rms_norm(s->dtype, attn_out, 1, hidden, 0, residual, 1, hidden, 0,
-                          l->post_attention_norm, s->normed, next_residual, T, (int)hidden,
-                          s->eps, s->num_threads, s->norm_min_work),
+      STAGE(layer_norm_of(s, l, attn_out, residual, l->post_attention_norm,
+                          l->post_attention_norm_bias, s->normed, next_residual),
             STAGE_NORM2);
       residual = next_residual;
       next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;

@@ -8,22 +8,29 @@ the very kernels the per-module path calls, with the same arguments in the same 
 outputs are the same bits; the Python between them is gone.
 
 It runs where the model describes its layers (`StackLayer`, models/decoder_parts.py) and
-`_native_reason` finds nothing the C code lacks: RMSNorms (sandwich norms too), fused q/k/v
-with optional biases and per-head q/k norms, neox rotary over the whole head or its leading
-dims, causal attention (sliding windows in their own KV pool, soft caps, quantized caches) on
-the native CPU backend, o_proj, a gated MLP (SiLU or GELU); under tensor parallelism one call
-per half layer with the all-reduce between. Per row bucket every matmul must have a native
-kernel as the planned weights say (kernels/planned_weight.py): dense or panel kernels for float
-weights, the GGUF or wNa16 kernels planned for that count for kept quantized weights. Elsewhere
-the model's own modules run: `CpuDecoderStack.build` returns why (logged once), or `takes` says
-no for a row count without native kernels.
+`_native_reason` finds nothing the C code lacks: RMSNorms (sandwich norms too) or LayerNorms
+with or without biases, fused q/k/v with optional biases and per-head q/k RMSNorms, neox rotary
+over the whole head or its leading dims, causal attention (sliding windows in their own KV
+pool, soft caps, quantized caches) on the native CPU backend, o_proj, a gated MLP (SiLU or
+GELU tanh) or a plain one (fc1 -> GELU erf or tanh -> fc2, biases allowed), the MLP after the
+attention or beside it from the same norm (Phi-2, StableLM's parallel residual: x + (attn +
+mlp)); under tensor parallelism one call per half layer with the all-reduce between (parallel
+layers: one rank only). Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3, GLM-4,
+InternLM2, Baichuan, Phi-2, StableLM, StarCoder2. Not yet: MoE layers, latent attention,
+StableLM's per-head q/k LayerNorm (its modules refuse it too), the gated exact GELU.
+
+Per row bucket every matmul must have a native kernel as the planned weights say
+(kernels/planned_weight.py): dense or panel kernels for float weights, the GGUF or wNa16
+kernels planned for that count for kept quantized weights. Elsewhere the model's own modules
+run: `CpuDecoderStack.build` returns why (logged once), or `takes` says no for a row count
+without native kernels.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +42,13 @@ from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.gguf_linear import MIN_WORK_PER_THREAD as GGUF_MIN_WORK
 from model_server.kernels.cpu.gguf_linear import gguf_gemm, gguf_q8_gemm
 from model_server.kernels.cpu.linear_tuning import NATIVE, WNA16_NATIVE
+from model_server.kernels.cpu.lora import lora_struct
 from model_server.kernels.cpu.panel_gemm import MIN_WORK_PER_THREAD as PANEL_MIN_WORK
 from model_server.kernels.cpu.panel_gemm import Panels
 from model_server.kernels.cpu.wna16 import MIN_WORK_PER_THREAD as WNA16_MIN_WORK
 from model_server.kernels.cpu.wna16 import wna16_applies
 from model_server.kernels.kv_cache_dtype import QuantizedKVCache
+from model_server.kernels.lora_weights import StackedLoRA
 from model_server.kernels.planned_weight import GGUFSegmentDispatch, PlannedWeight
 from model_server.kernels.stack_layer import StackLayer
 from model_server.kernels.stack_layer import StepMetadata as AttentionMetadata
@@ -93,8 +102,12 @@ _BUFFERS = (
     "segment",
     "hidden_out",
 )
-# The activations decoder_stack.c runs (wick_stack.h's ACT_*).
-_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+# The activations decoder_stack.c runs (wick_stack.h's ACT_*), per MLP kind (MLP_*), and the
+# norms (NORM_*).
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
+_MLP_ACTIVATIONS = {"gated": ("silu", "gelu_tanh"), "plain": ("gelu", "gelu_tanh")}
+_MLP_KINDS = {"gated": 0, "plain": 1}
+_NORM_KINDS = {"rms": 0, "layer": 1}
 
 
 class _Geometry:
@@ -141,6 +154,8 @@ class CpuDecoderStack:
         # Row bucket key ((T - 1).bit_length()) -> the layers' structs (None: not native there).
         self._plans: dict[int, ctypes.Array[Any] | None] = {}
         self._kv_caches: Sequence[Any] | None = None
+        # LoRA (`attach_lora`): a layer's base module -> its slots as wick_lora.h's WickLoRA.
+        self._lora: dict[nn.Module, Any] = {}
 
     @classmethod
     def build(
@@ -172,6 +187,25 @@ class CpuDecoderStack:
             "(kernels/cpu/decoder_stack.c)"
         )
         return cls(kernels, layers, geometry, all_reduce)
+
+    def attach_lora(self, stacks: Mapping[nn.Module, StackedLoRA]) -> str | None:
+        """Run the LoRA adapters of these layers (base module -> its slots, which stay at their
+        addresses) in the step: each WickLinear points at its slots, and a call's `lora_slots`
+        says which rows use which. None, or why not (the runner then runs adapter steps module
+        by module)."""
+        if self.all_reduce is not None:
+            return "tensor parallelism (LoRA runs on one rank)"
+        described = {m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                          layer.down)}  # fmt: skip
+        missing = [m for m in stacks if m not in described]
+        if missing:
+            return f"{len(missing)} LoRA layers are not linears the native step runs"
+        try:
+            self._lora = {module: lora_struct(stack) for module, stack in stacks.items()}
+        except ValueError as exc:
+            return str(exc)
+        self._plans = {}  # rebuilt with the slots (and gate/up unfused where adapters are)
+        return None
 
     # ---- the plan -------------------------------------------------------------------------
 
@@ -282,19 +316,28 @@ class CpuDecoderStack:
                         names[min(key, len(names) - 1)],
                     )
                     return None
+                if module in self._lora:
+                    linear.lora = self._lora[module]
                 setattr(s, name, linear)
             # The module path fuses the SiLU wherever the planned weight can (GatedMLP).
             gate_up = layer.gate_up.weight
             if isinstance(gate_up, PlannedWeight):
                 gate_up = gate_up.at_bucket(key)
             fused = getattr(gate_up, "fused_silu_and_mul", None)
-            if layer.activation == "silu" and fused is not None:
+            # (LoRA adds to gate/up's output before the activation: never fused there.)
+            fusable = layer.mlp == "gated" and layer.activation == "silu" and fused is not None
+            if fusable and s.gate_up.lora.num_slices == 0:
                 if s.gate_up.kind == abi.constant("LINEAR_GGUF"):
                     return None
                 s.fuse_silu = 1
             s.activation = _ACTIVATIONS[layer.activation]
+            s.mlp_kind = _MLP_KINDS[layer.mlp]
+            s.norm_kind = _NORM_KINDS[layer.norm]
+            s.parallel_residual = int(layer.parallel_residual)
             s.input_norm = layer.input_norm.data_ptr()
-            s.post_attention_norm = layer.post_attention_norm.data_ptr()
+            s.post_attention_norm = _ptr(layer.post_attention_norm)
+            s.input_norm_bias = _ptr(layer.input_norm_bias)
+            s.post_attention_norm_bias = _ptr(layer.post_attention_norm_bias)
             s.attn_out_norm = _ptr(layer.attn_out_norm)
             s.mlp_out_norm = _ptr(layer.mlp_out_norm)
             s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
@@ -367,9 +410,11 @@ class CpuDecoderStack:
         hidden_states: torch.Tensor,
         kv_caches: Sequence[Any],
         attn_metadata: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it) as the layers' modules
-        return them; `takes` said yes for this step's row count and caches."""
+        return them; `takes` said yes for this step's row count and caches. `lora_slots` [T]
+        int32: each row's LoRA slot (-1: the base model; needs `attach_lora`)."""
         geo = self.geometry
         num_tokens = hidden_states.shape[0]
         if not self.takes(num_tokens, kv_caches):
@@ -381,9 +426,20 @@ class CpuDecoderStack:
             )
         plan = self._plans[(num_tokens - 1).bit_length()]
         assert plan is not None
+        if lora_slots is not None and (
+            not self._lora
+            or lora_slots.dtype != torch.int32
+            or tuple(lora_slots.shape) != (num_tokens,)
+            or not lora_slots.is_cpu
+        ):
+            raise ValueError(
+                f"LoRA slots {tuple(lora_slots.shape)} {lora_slots.dtype}: the native step takes "
+                f"[{num_tokens}] int32 on the CPU, once attach_lora gave it the adapters' layers"
+            )
         return self._run(
-            plan, geo, positions, hidden_states.contiguous(), kv_caches[0], attn_metadata
-        )
+            plan, geo, positions, hidden_states.contiguous(), kv_caches[0], attn_metadata,
+            lora_slots,
+        )  # fmt: skip
 
     def _run(
         self,
@@ -393,6 +449,7 @@ class CpuDecoderStack:
         hidden: torch.Tensor,
         kv0: Any,
         md: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t = hidden.shape[0]
         q_n, kv_n = geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
@@ -442,6 +499,9 @@ class CpuDecoderStack:
         step.norm_min_work = layer_ops.MIN_ELEMENTS_PER_THREAD
         step.attn_min_work = native.MIN_WORK_PER_THREAD
         step.hidden_in = hidden.data_ptr()
+        if lora_slots is not None:
+            lora_slots = lora_slots.contiguous()  # alive until the calls return (`del` below)
+            step.lora_slots = lora_slots.data_ptr()
         for name in _BUFFERS:
             setattr(step, name, base + offsets[name] * esize)
 
@@ -468,7 +528,7 @@ class CpuDecoderStack:
                     out += layer.down.bias
                 if layer.mlp_out_norm is not None:
                     out.copy_(layer_ops.rms_norm(self.kernels, out, layer.mlp_out_norm, geo.eps))
-        del keep, positions, starts, lens  # alive until here: the calls read them
+        del keep, positions, starts, lens, lora_slots  # alive until here: the calls read them
         return view("hidden_out"), view("residual_a" if which.value == 0 else "residual_b")
 
     def _call(
@@ -531,9 +591,9 @@ def _native_reason(
             return f"layer {i}: the {backend} attention backend (not the native cpu one)"
         if layer.tp_size != 1 and all_reduce is None:
             return f"layer {i}: tensor parallelism without an all-reduce to run between calls"
-        if layer.activation not in _ACTIVATIONS:
-            native_acts = ", ".join(_ACTIVATIONS)
-            return f"layer {i}: the {layer.activation} activation (native: {native_acts})"
+        reason = _layer_kind_reason(layer)
+        if reason is not None:
+            return f"layer {i}: {reason}"
         if (layer.q_norm is None) != (layer.k_norm is None):
             return f"layer {i}: a q norm without a k norm"
         rotary_dim = layer.rotary_dim or layer.head_dim
@@ -542,9 +602,39 @@ def _native_reason(
         cache_dims = layer.cos_sin_cache.shape[1]
         if cache_dims != rotary_dim:
             return f"layer {i}: a rotary cache of {cache_dims} dims, not {rotary_dim}"
-        tensors = [layer.input_norm, layer.post_attention_norm, layer.cos_sin_cache]
-        tensors += [t for t in (layer.attn_out_norm, layer.mlp_out_norm, layer.q_norm,
-                                layer.k_norm) if t is not None]  # fmt: skip
+        tensors = [layer.input_norm, layer.cos_sin_cache]
+        tensors += [t for t in (layer.post_attention_norm, layer.attn_out_norm,
+                                layer.mlp_out_norm, layer.q_norm, layer.k_norm,
+                                layer.input_norm_bias, layer.post_attention_norm_bias)
+                    if t is not None]  # fmt: skip
         if any(t.dtype != dtype or not t.is_contiguous() or not t.is_cpu for t in tensors):
             return f"layer {i}: norms or rotary cache that are not contiguous {dtype} CPU tensors"
+    return None
+
+
+def _layer_kind_reason(layer: StackLayer) -> str | None:
+    """What of the layer's norm, residual and MLP kinds decoder_stack.c lacks, or None."""
+    if layer.mlp not in _MLP_KINDS:
+        return f"a {layer.mlp} MLP (native: {', '.join(_MLP_KINDS)})"
+    native_acts = _MLP_ACTIVATIONS[layer.mlp]
+    if layer.activation not in native_acts:
+        acts = ", ".join(native_acts)
+        return f"the {layer.activation} activation in a {layer.mlp} MLP (native: {acts})"
+    inter = int(layer.down.weight.shape[1])
+    gate_up_rows = int(layer.gate_up.weight.shape[0])
+    if gate_up_rows != (inter if layer.mlp == "plain" else 2 * inter):
+        return f"a {layer.mlp} MLP of {gate_up_rows} input rows for {inter}"
+    if layer.norm not in _NORM_KINDS:
+        return f"{layer.norm} norms (native: {', '.join(_NORM_KINDS)})"
+    if (layer.post_attention_norm is None) != layer.parallel_residual:
+        return "a parallel residual with a norm before the MLP, or neither"
+    if layer.parallel_residual and layer.tp_size != 1:
+        return "parallel attention + MLP under tensor parallelism (one rank only)"
+    biases = (layer.input_norm_bias, layer.post_attention_norm_bias)
+    if layer.norm != "layer" and any(b is not None for b in biases):
+        return "RMSNorms with biases"
+    if layer.norm == "layer" and (
+        layer.attn_out_norm is not None or layer.mlp_out_norm is not None
+    ):
+        return "sandwich norms after LayerNorms"
     return None

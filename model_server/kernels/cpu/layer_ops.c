@@ -1,5 +1,6 @@
 /* The per-token ops of a decoder layer for CPUs, one call each over all of a step's rows:
- * RMSNorm (with the residual add fused in), SiLU-and-mul and the neox rotary embedding. They
+ * RMSNorm and LayerNorm (each with the residual add fused in), SiLU-and-mul, GELU (gated or
+ * plain) and the neox rotary embedding. They
  * replace chains of 3 to 17 small PyTorch ops whose dispatch dominates a small decode step.
  *
  * `dtype` 0: every tensor of a call fp32, 1: every tensor bf16 (stored as uint16). The math is
@@ -19,6 +20,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "wick_cpu.h"
 #include "wick_entry.h"
@@ -146,6 +148,90 @@ int wick_rms_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_oute
   return 0;
 }
 
+/* ---- LayerNorm ---------------------------------------------------------------------------- */
+
+/* sum x[i] over a row; with a residual, x + residual rounded to the dtype is what is summed,
+ * and it is stored into `sum_out` (the normalized row is then read back from there). */
+static inline __attribute__((always_inline)) float row_sum(const int is_bf16, const int n,
+                                                           const void *restrict x,
+                                                           const void *restrict residual,
+                                                           void *restrict sum_out) {
+  float total = 0.f;
+  if (residual == NULL) {
+#pragma omp simd reduction(+ : total)
+    for (int i = 0; i < n; i++) total += load(x, i, is_bf16);
+  } else {
+#pragma omp simd reduction(+ : total)
+    for (int i = 0; i < n; i++) {
+      const float s = round_to(load(x, i, is_bf16) + load(residual, i, is_bf16), is_bf16);
+      store(sum_out, i, s, is_bf16);
+      total += s;
+    }
+  }
+  return total;
+}
+
+/* One row: s = x (+ residual, stored into sum_out), out = (s - mean) rstd weight (+ bias),
+ * all in fp32 and rounded once (PyTorch's layer_norm on bf16 rounds its fp32 result once too).
+ * The corrected two-pass statistics: a first mean, then the sums of d = s - mean and d^2,
+ * which correct the mean's rounding (mean + sum d / n) and the variance's (sum d^2 - (sum d)^2
+ * / n): no cancellation on large means, and a mean as exact as fp32 sums allow. */
+static inline __attribute__((always_inline)) void layer_norm_row(
+    const int is_bf16, const int n, const float eps, const void *x, const void *residual,
+    const void *weight, const void *bias, void *out, void *sum_out) {
+  const float first = row_sum(is_bf16, n, x, residual, sum_out) / (float)n;
+  const void *restrict s = residual == NULL ? x : sum_out;
+  float deviations = 0.f, squares = 0.f;
+#pragma omp simd reduction(+ : deviations, squares)
+  for (int i = 0; i < n; i++) {
+    const float d = load(s, i, is_bf16) - first;
+    deviations += d;
+    squares += d * d;
+  }
+  const float mean = first + deviations / (float)n;
+  const float var = (squares - deviations * deviations / (float)n) / (float)n;
+  const float rstd = 1.f / sqrtf((var > 0.f ? var : 0.f) + eps);
+  if (bias == NULL) {
+#pragma omp simd
+    for (int i = 0; i < n; i++)
+      store(out, i, (load(s, i, is_bf16) - mean) * rstd * load(weight, i, is_bf16), is_bf16);
+  } else {
+#pragma omp simd
+    for (int i = 0; i < n; i++)
+      store(out, i,
+            (load(s, i, is_bf16) - mean) * rstd * load(weight, i, is_bf16) +
+                load(bias, i, is_bf16),
+            is_bf16);
+  }
+}
+
+/* x [num_rows, n] (rows per x_*) -> out [num_rows, n] = layer_norm(x) * weight [n] + bias [n]
+ * (bias NULL: none). With a residual (rows per r_*, not NULL): s = x + residual is stored into
+ * sum_out [num_rows, n] and normalized instead. Returns 0. The module path (layers/norm.py's
+ * LayerNorm on the native table) and decoder_stack.c both run it: their bits agree. */
+int wick_layer_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_outer_stride,
+                    int64_t x_inner_stride, const void *residual, int64_t r_inner_rows,
+                    int64_t r_outer_stride, int64_t r_inner_stride, const void *weight,
+                    const void *bias, void *out, void *sum_out, int64_t num_rows, int n,
+                    float eps, int num_threads, int64_t min_work_per_thread) {
+  const Rows x_rows = {x_inner_rows, x_outer_stride, x_inner_stride};
+  const Rows r_rows = {r_inner_rows, r_outer_stride, r_inner_stride};
+  const int is_bf16 = dtype == 1;
+  const int threads = threads_for(num_rows * n, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, row_start(x_rows, r), is_bf16);
+    const void *rr = residual == NULL ? NULL : at(residual, row_start(r_rows, r), is_bf16);
+    void *sr = sum_out == NULL ? NULL : at_mut(sum_out, r * n, is_bf16);
+    void *o = at_mut(out, r * n, is_bf16);
+    if (is_bf16)
+      layer_norm_row(1, n, eps, xr, rr, weight, bias, o, sr);
+    else
+      layer_norm_row(0, n, eps, xr, rr, weight, bias, o, sr);
+  }
+  return 0;
+}
+
 /* ---- SiLU-and-mul ------------------------------------------------------------------------- */
 
 /* out[i] = round(round(silu(gate[i])) * up[i]) over x = [gate (d) | up (d)]. silu(g) =
@@ -216,6 +302,68 @@ int wick_gelu_tanh_and_mul(int dtype, const void *x, int64_t x_stride, void *out
       gelu_tanh_and_mul_row(1, d, xr, o);
     else
       gelu_tanh_and_mul_row(0, d, xr, o);
+  }
+  return 0;
+}
+
+/* ---- GELU (plain: Phi-2's and StarCoder2's fc1 -> act -> fc2) ------------------------------ */
+
+/* gelu_tanh(g), the expression of gelu_tanh_and_mul_row. */
+static inline __attribute__((always_inline)) float gelu_tanh_value(const float g) {
+  const float a = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  const float e = exp_nonpositive(-2.f * fabsf(a));
+  const float t = (1.f - e) / (1.f + e);
+  return 0.5f * g * (1.f + (a >= 0.f ? t : -t));
+}
+
+/* gelu(g) = g / 2 erfc(-g / sqrt 2) (the exact, erf GELU). erfc(z), z = |g| / sqrt 2 >= 0, is
+ * t e^(-z^2 + P(t)), t = 1 / (1 + z / 2), P the Chebyshev fit of Numerical Recipes' erfcc
+ * (relative error < 1.2e-7 everywhere), and erfc(-z) = 2 - erfc(z): no libm call, so the loop
+ * vectorizes. Not PyTorch's bits (both Wick paths run this). */
+static inline __attribute__((always_inline)) float gelu_erf_value(const float g) {
+  const float z = fabsf(g) * 0.7071067811865476f;
+  const float t = 1.f / (1.f + 0.5f * z);
+  float p = 0.17087277f;
+  p = p * t - 0.82215223f;
+  p = p * t + 1.48851587f;
+  p = p * t - 1.13520398f;
+  p = p * t + 0.27886807f;
+  p = p * t - 0.18628806f;
+  p = p * t + 0.09678418f;
+  p = p * t + 0.37409196f;
+  p = p * t + 1.00002368f;
+  p = p * t - 1.26551223f;
+  /* -z^2 + P(t) <= 3e-8 (at z = 0): exp_nonpositive's range, up to that rounding */
+  const float erfc_z = t * exp_nonpositive(-z * z + p);
+  return 0.5f * g * (g >= 0.f ? 2.f - erfc_z : erfc_z);
+}
+
+static inline __attribute__((always_inline)) void gelu_row(const int is_bf16, const int tanh_,
+                                                           const int d, const void *restrict x,
+                                                           void *restrict out) {
+  if (tanh_) {
+#pragma omp simd
+    for (int i = 0; i < d; i++) store(out, i, gelu_tanh_value(load(x, i, is_bf16)), is_bf16);
+  } else {
+#pragma omp simd
+    for (int i = 0; i < d; i++) store(out, i, gelu_erf_value(load(x, i, is_bf16)), is_bf16);
+  }
+}
+
+/* x [num_rows, d] (rows `x_stride` elements apart) -> out [num_rows, d] = gelu(x), rounded once;
+ * approximate 1: the tanh form (gelu_new, gelu_pytorch_tanh), 0: the erf one. Returns 0. */
+int wick_gelu(int dtype, const void *x, int64_t x_stride, void *out, int64_t num_rows, int d,
+              int approximate, int num_threads, int64_t min_work_per_thread) {
+  const int is_bf16 = dtype == 1, tanh_ = approximate == 1;
+  const int threads = threads_for(num_rows * 2 * (int64_t)d, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, r * x_stride, is_bf16);
+    void *o = at_mut(out, r * d, is_bf16);
+    if (is_bf16)
+      gelu_row(1, tanh_, d, xr, o);
+    else
+      gelu_row(0, tanh_, d, xr, o);
   }
   return 0;
 }

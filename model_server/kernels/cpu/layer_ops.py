@@ -1,7 +1,7 @@
-"""The decoder layer's small ops on the native CPU library (kernels/cpu/layer_ops.c): RMSNorm,
-fused add + RMSNorm, SiLU-and-mul, GeGLU (tanh) and the neox rotary embedding, each one ctypes
-call where PyTorch runs 3 to 17 ops (their dispatch, not their arithmetic, is most of a small decode
-step's host time); and the sampler's greedy argmax.
+"""The decoder layer's small ops on the native CPU library (kernels/cpu/layer_ops.c): RMSNorm and
+LayerNorm (each with the fused add), SiLU-and-mul, GeGLU (tanh), GELU and the neox rotary
+embedding, each one ctypes call where PyTorch runs 3 to 17 ops (their dispatch, not their
+arithmetic, is most of a small decode step's host time); and the sampler's greedy argmax.
 
 Each function takes the loaded library first (`native_kernel_table` binds it) and otherwise has
 its `KernelTable` slot's signature and the numerics of kernels/portable.py. Inputs the C kernels
@@ -21,8 +21,11 @@ import torch
 from model_server.kernels.cpu.native import NativeKernels
 from model_server.kernels.portable import (
     argmax_torch,
+    fused_add_layer_norm_torch,
     fused_add_rms_norm_torch,
     gelu_tanh_and_mul_torch,
+    gelu_torch,
+    layer_norm_torch,
     rms_norm_torch,
     rotary_embedding_torch,
     silu_and_mul_torch,
@@ -128,7 +131,7 @@ def _norm_reason(
     return _dtype_reason(tensors)
 
 
-def _rms_norm_call(
+def _norm_call(
     kernels: NativeKernels,
     code: int,
     x: torch.Tensor,
@@ -136,8 +139,11 @@ def _rms_norm_call(
     weight: torch.Tensor,
     eps: float,
     min_work_per_thread: int,
+    bias: torch.Tensor | None = None,
+    layer_norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(normalized, x + residual or None) as new contiguous tensors of x's shape."""
+    """(normalized, x + residual or None) as new contiguous tensors of x's shape: RMSNorm, or
+    LayerNorm (`layer_norm`, with `bias` or none)."""
     n = x.shape[-1]
     num_rows = x.numel() // n if n else 0
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -148,7 +154,13 @@ def _rms_norm_call(
     r_layout = (None, 1, 0, 0) if residual is None else _row_layout(residual)
     if not weight.is_contiguous():
         weight = weight.contiguous()
-    kernels.lib.wick_rms_norm(
+    params: tuple[int | None, ...] = (weight.data_ptr(),)
+    if layer_norm:
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        params += (None if bias is None else bias.data_ptr(),)
+    entry = kernels.lib.wick_layer_norm if layer_norm else kernels.lib.wick_rms_norm
+    entry(
         code,
         x.data_ptr(),
         x_inner,
@@ -156,7 +168,7 @@ def _rms_norm_call(
         x_inner_stride,
         None if r_layout[0] is None else r_layout[0].data_ptr(),
         *r_layout[1:],
-        weight.data_ptr(),
+        *params,
         out.data_ptr(),
         None if sum_out is None else sum_out.data_ptr(),
         num_rows,
@@ -182,7 +194,7 @@ def rms_norm(
     if code is None:
         _fallback("rms_norm", _norm_reason(x, weight, None))
         return rms_norm_torch(x, weight, eps)
-    return _rms_norm_call(kernels, code, x, None, weight, eps, min_work_per_thread)[0]
+    return _norm_call(kernels, code, x, None, weight, eps, min_work_per_thread)[0]
 
 
 def fused_add_rms_norm(
@@ -200,7 +212,74 @@ def fused_add_rms_norm(
     if code is None:
         _fallback("fused_add_rms_norm", _norm_reason(x, weight, residual))
         return fused_add_rms_norm_torch(x, residual, weight, eps)
-    out, sum_out = _rms_norm_call(kernels, code, x, residual, weight, eps, min_work_per_thread)
+    out, sum_out = _norm_call(kernels, code, x, residual, weight, eps, min_work_per_thread)
+    assert sum_out is not None
+    return out, sum_out
+
+
+# ---- LayerNorm ---------------------------------------------------------------------------------
+
+
+def _layer_norm_code(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> int | None:
+    if bias is not None and (bias.shape != weight.shape or _dtype_code(x, bias) is None):
+        return None
+    return _norm_code(x, weight, residual)
+
+
+def _layer_norm_reason(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> str | None:
+    if bias is not None:
+        if bias.shape != weight.shape:
+            return f"bias {tuple(bias.shape)} and weight {tuple(weight.shape)} differ in shape"
+        reason = _dtype_reason({"x": x, "bias": bias})
+        if reason is not None:
+            return reason
+    return _norm_reason(x, weight, residual)
+
+
+def layer_norm(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """x [..., N] (unit stride along N), weight [N], bias [N] or None -> layer_norm(x) * weight
+    + bias, a new contiguous tensor: `layer_norm_torch`'s numerics up to the order of the fp32
+    sums (layer_ops.c: two passes, one rounding). The native decoder step runs this kernel."""
+    code = _layer_norm_code(x, weight, bias, None)
+    if code is None:
+        _fallback("layer_norm", _layer_norm_reason(x, weight, bias, None))
+        return layer_norm_torch(x, weight, bias, eps)
+    return _norm_call(
+        kernels, code, x, None, weight, eps, min_work_per_thread, bias, layer_norm=True
+    )[0]
+
+
+def fused_add_layer_norm(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (same shape, rounded to the dtype) -> (layer_norm(s), s), both new
+    tensors: `fused_add_layer_norm_torch`'s numerics (as `layer_norm`)."""
+    code = _layer_norm_code(x, weight, bias, residual)
+    if code is None:
+        _fallback("fused_add_layer_norm", _layer_norm_reason(x, weight, bias, residual))
+        return fused_add_layer_norm_torch(x, residual, weight, bias, eps)
+    out, sum_out = _norm_call(
+        kernels, code, x, residual, weight, eps, min_work_per_thread, bias, layer_norm=True
+    )
     assert sum_out is not None
     return out, sum_out
 
@@ -263,6 +342,48 @@ def gelu_tanh_and_mul(
     tensor, each result rounded as `gelu_tanh_and_mul_torch` rounds (its tanh is computed
     otherwise: not PyTorch's bits; the native decoder stack runs this same kernel)."""
     return _gated(kernels, "gelu_tanh_and_mul", gelu_tanh_and_mul_torch, x, min_work_per_thread)
+
+
+# The kernel's `approximate` codes.
+_GELU_APPROXIMATIONS = {"none": 0, "tanh": 1}
+
+
+def gelu(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    approximate: str,
+    *,
+    min_work_per_thread: int = MIN_ELEMENTS_PER_THREAD,
+) -> torch.Tensor:
+    """gelu(x) ("none": erf, "tanh": the tanh form), a new contiguous tensor rounded once to x's
+    dtype: `gelu_torch`'s results up to the last fp32 ulps (layer_ops.c's erfc and tanh are
+    computed otherwise: not PyTorch's bits; the native decoder step runs this same kernel)."""
+    mode = _GELU_APPROXIMATIONS.get(approximate)
+    if mode is None:
+        raise ValueError(f"gelu approximate={approximate!r}: 'none' or 'tanh'")
+    code = _dtype_code(x)
+    if code is None or x.dim() == 0:
+        _fallback("gelu", _dtype_reason({"x": x}) or "a 0-d tensor")
+        return gelu_torch(x, approximate)
+    d = x.shape[-1]
+    rows = x if x.dim() == 2 else x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    if out.numel() == 0:
+        return out
+    kernels.lib.wick_gelu(
+        code,
+        rows.data_ptr(),
+        rows.stride(0),
+        out.data_ptr(),
+        rows.shape[0],
+        d,
+        mode,
+        torch.get_num_threads(),
+        min_work_per_thread,
+    )
+    return out
 
 
 # ---- Greedy sampling ---------------------------------------------------------------------------
@@ -391,6 +512,9 @@ def native_kernel_table(kernels: NativeKernels, base: KernelTable) -> KernelTabl
         base,
         rms_norm=partial(rms_norm, kernels),
         fused_add_rms_norm=partial(fused_add_rms_norm, kernels),
+        layer_norm=partial(layer_norm, kernels),
+        fused_add_layer_norm=partial(fused_add_layer_norm, kernels),
+        gelu=partial(gelu, kernels),
         silu_and_mul=partial(silu_and_mul, kernels),
         gelu_tanh_and_mul=partial(gelu_tanh_and_mul, kernels),
         rotary_embedding=partial(rotary_embedding, kernels),

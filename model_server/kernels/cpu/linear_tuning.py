@@ -138,6 +138,12 @@ PACKED_KINDS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[..., torch
     PACKED: (pack_onednn_weight, onednn_packed_linear),
     PANELS: (pack_panels, panel_linear),
 }
+# Kernels whose output row depends on that row of x alone, bit for bit, whatever the rows of
+# the call (tests/kernels check it): the panels sum K in one order at every tile shape
+# (panel_gemm.c, panel_gemm_f32.c). The others may not: gemm.c switches to vdpbf16ps at 4 rows,
+# torch's kernels promise nothing. Speculative verification needs them (`row_invariant_rows`;
+# engine/spec_decode/row_invariance.py).
+ROW_INVARIANT: frozenset[str] = frozenset({PANELS})
 # GPTQ / AWQ weights (wNa16): the native kernel dequantizing in registers (kernels/cpu/
 # wna16_gemm.c) and dequantize-then-matmul in cache-sized blocks (big prefills).
 WNA16_NATIVE = "wna16_native"
@@ -506,6 +512,25 @@ def _runnable_times(group: _Group) -> BucketTimes:
     return runnable
 
 
+def _row_invariant_times(group: _Group, times: BucketTimes, rows: int) -> tuple[BucketTimes, bool]:
+    """`times` with the buckets that hold 1..`rows` rows (0: none) left to the row-invariant
+    kernels (one, the fastest over those buckets in all), so that a row computes the same at
+    every row count a verifying step has; and whether one could run them (none timed: the
+    times unchanged, the caller notes it)."""
+    if rows <= 0 or group.int8 or group.wna16 or group.gguf:
+        return times, True
+    held = [i for i, bucket in enumerate(group.buckets) if bucket < 2 * rows]
+    candidates = [name for name in ROW_INVARIANT if all(name in times[i] for i in held) and held]
+    if not candidates:
+        return times, False
+    inf = float("inf")
+    kind = min(candidates, key=lambda name: sum(times[i].get(name, inf) for i in held))
+    out = list(times)
+    for i in held:
+        out[i] = {kind: times[i][kind]}
+    return out, True
+
+
 def _plan_int8(group: _Group, plans: list[SitePlan]) -> str:
     names = tuple(_best(t) for t in group.times)
     fns = tuple(INT8_FNS[name] for name in names)
@@ -664,6 +689,7 @@ def tune_cpu_linears(
     int8_dot: str = "auto",
     quantized_kernels: bool = True,
     blocks_beside_float: bool = False,
+    row_invariant_rows: int = 0,
 ) -> tuple[TuningReport, list[SitePlan | BlocksBesideFloat]]:
     """Time the candidates for every distinct (kind, shape) of `sites` in `act_dtype` (or read
     their timings from `cache`) and choose per site and row bucket: returns what was done and
@@ -672,7 +698,9 @@ def tune_cpu_linears(
     weights; `quantized_kernels` False leaves GPTQ/AWQ and GGUF sites unplanned (no native
     build: the fixed table serves them). Call once per model, after its weights are loaded
     (and quantized), before it runs. `blocks_beside_float`: GGUF weights are planned beside
-    their float twins (see the module docstring)."""
+    their float twins (see the module docstring). `row_invariant_rows`: float weights run one
+    kernel of ROW_INVARIANT at the buckets that hold 1..that many rows (speculative decoding's
+    verification steps; 0: no such constraint)."""
     report = TuningReport()
     groups: dict[str, _Group] = {}
     twins: dict[str, LinearSite] = {}
@@ -731,7 +759,9 @@ def tune_cpu_linears(
         cache.save()
     plans: list[SitePlan] = []
     for group in groups.values():
-        group.times = _runnable_times(group)
+        group.times, invariant = _row_invariant_times(
+            group, _runnable_times(group), row_invariant_rows
+        )
         if group.gguf and twins:
             text = _plan_gguf_float_kernel(group, plans)
         elif group.gguf:
@@ -745,6 +775,12 @@ def tune_cpu_linears(
         note = "cached" if group.from_cache else "timed"
         if group.inherited_from is not None:
             note += f", budget spent: {group.buckets[group.inherited_from]}+ rows inherit"
+        if row_invariant_rows and not (group.int8 or group.wna16 or group.gguf):
+            note += (
+                f", rows 1-{row_invariant_rows} row-invariant"
+                if invariant
+                else f", no row-invariant kernel for rows 1-{row_invariant_rows}"
+            )
         report.lines.append(
             f"{group.key.removeprefix('linear/').replace('/', ' ')} x{len(group.sites)} ({note}): "
             f"{text}"

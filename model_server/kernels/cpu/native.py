@@ -1,15 +1,17 @@
 """Native CPU kernels: the C files in SOURCES (paged attention with the KV-cache store; the
-decoder layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
+pooling models' attention over packed sequences, wrapped in varlen_attention.py; the decoder
+layer's RMSNorm, SiLU-and-mul and rotary embedding, whose Python side is
 kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on panel-packed
 weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py; the wNa16 matmul of
 GPTQ/AWQ weights, wrapped in wna16.py; the GGUF block-quantized matmuls, float and int8 dot
-products, wrapped in gguf_linear.py; all of a decoder stack's layers in one call of them,
-wrapped in decoder_stack.py), compiled together into one library on first use with the
-system's C compiler for the best vector ISA this CPU runs (kernels/cpu/isa.py) and loaded
-through ctypes (no torch headers, so a build takes a few seconds). `NativeKernels.lib` binds
-every entry point declared in the headers with the types declared there, once the library's
-struct layouts are checked against their ctypes mirrors (`_bind`, kernels/cpu/abi.py); a library
-that disagrees with its Python side is refused, and callers fall back to PyTorch.
+products, wrapped in gguf_linear.py; LoRA adapters' batched shrink/expand, wrapped in lora.py;
+all of a decoder stack's layers in one call of them, wrapped in decoder_stack.py), compiled
+together into one library on first use with the system's C compiler for the best vector ISA
+this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build
+takes a few seconds). `NativeKernels.lib` binds every entry point declared in the headers with
+the types declared there, once the library's struct layouts are checked against their ctypes
+mirrors (`_bind`, kernels/cpu/abi.py); a library that disagrees with its Python side is refused,
+and callers fall back to PyTorch.
 
 Builds are cached under `${WICK_CACHE_DIR:-~/.cache/wick}/kernels/` (or the temp dir when that is
 not writable), keyed by the source, the compiler, the ISA and the full flag list. The flags name
@@ -45,6 +47,7 @@ _HERE = Path(__file__).parent
 # Compiled as one library; HEADERS are part of the cache key.
 SOURCES: tuple[Path, ...] = (
     _HERE / "paged_attention.c",
+    _HERE / "varlen_attention.c",
     _HERE / "layer_ops.c",
     _HERE / "gemm.c",
     _HERE / "panel_gemm.c",
@@ -52,6 +55,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "wna16_gemm.c",
     _HERE / "gguf_gemm.c",
     _HERE / "gguf_q8.c",
+    _HERE / "lora.c",
     _HERE / "decoder_stack.c",
     _HERE / "abi_layout.c",
 )
@@ -61,7 +65,9 @@ HEADERS: tuple[Path, ...] = (
     _HERE / "wick_kv.h",
     _HERE / "wick_gguf.h",
     _HERE / "wick_entry.h",
+    _HERE / "wick_lora.h",
     _HERE / "wick_stack.h",
+    _HERE / "wick_vmath.h",
 )
 # Tried in order per ISA; OpenMP threading is optional (the code is correct without it).
 # -fopenmp-simd makes the `omp simd` reductions vectorize; -fno-strict-aliasing: see the source;

@@ -47,6 +47,7 @@
 #include "wick_entry.h"
 #include "wick_kv.h"
 #include "wick_vec.h"
+#include "wick_vmath.h"
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -88,14 +89,6 @@ const char *wick_isa(void) {
 #define PV_REGS 8
 #endif
 
-typedef int32_t vi __attribute__((vector_size(VW * sizeof(int32_t))));
-
-/* Every lane x: x - 0 is x for every x (x + 0 is not, for -0.f, and would stay an add). */
-static inline vf vsplat(const float x) { return x - (vf){0}; }
-
-
-static inline void vstore(float *p, const vf v) { memcpy(p, &v, sizeof v); }
-
 /* The first n < VW values of a cache row (format kv, unscaled) from element `at` as fp32, the
  * other lanes zero: a row's last vector when head_dim is not a multiple of VW. Out of line:
  * rare, and every inlined copy would cost compile time. */
@@ -115,11 +108,6 @@ static inline vf load_row(const void *cache, const int64_t at, const int kv, con
   return vload_code(cache, at, kv);
 }
 
-static inline vf vmax(const vf a, const vf b) {
-  const vi a_wins = a > b;
-  return (vf)(((vi)a & a_wins) | ((vi)b & ~a_wins));
-}
-
 static inline float hsum(const vf v) {
   float s = 0.f;
   for (int i = 0; i < VW; i++) s += v[i];
@@ -130,32 +118,6 @@ static inline float hmax(const vf v) {
   float m = v[0];
   for (int i = 1; i < VW; i++) m = v[i] > m ? v[i] : m;
   return m;
-}
-
-/* exp_nonpositive (wick_cpu.h) on a vector: the same reduction and polynomial, with fused
- * multiply-adds where the ISA has them (then within an ulp of the scalar one, not equal). */
-static inline vf vexp_nonpositive(vf x) {
-  x = vmax(x, vsplat(-87.f));
-  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf);
-  const vf r = vfma(n, vsplat(2.12194440e-4f), vfma(n, vsplat(-0.693359375f), x));
-  vf p = vsplat(1.9875691500e-4f);
-  p = vfma(p, r, vsplat(1.3981999507e-3f));
-  p = vfma(p, r, vsplat(8.3334519073e-3f));
-  p = vfma(p, r, vsplat(4.1665795894e-2f));
-  p = vfma(p, r, vsplat(1.6666665459e-1f));
-  p = vfma(p, r, vsplat(5.0000001201e-1f));
-  p = vfma(p * r, r, r) + 1.f;
-  return (vf)((vi)p + (__builtin_convertvector(n, vi) << 23));
-}
-
-/* fp32 -> bf16 lane by lane as f32_to_bf16: round to nearest even, NaN stays a quiet NaN. */
-static inline void vstore_bf16(bf16_t *p, const vf x) {
-  const vu u = (vu)x;
-  const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const vu quiet_nan = (u >> 16) | 0x40u;
-  const vu is_nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-  const vh h = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), vh);
-  memcpy(p, &h, sizeof h);
 }
 
 /* Two-source shuffles with constant lane indices (0 .. VW - 1: a's lanes, VW .. 2 VW - 1: b's);

@@ -31,7 +31,7 @@
 #endif
 
 #define PANEL 16 /* outputs per panel: one vector of fp32 lanes */
-#define MR 12    /* rows of x per register tile, at most */
+#define MR 6     /* rows of x per register tile, at most: 6 rows x 2 panels x KS accumulators */
 #define NP 4     /* panels per register tile, at most (see tile_shape) */
 /* How far ahead of the pair being read each panel stream is prefetched into L2, in k-pairs
  * (64 bytes each): with few rows of x a call is bound by reading W, and the hardware prefetcher
@@ -118,18 +118,19 @@ static inline __attribute__((always_inline)) void panel_tile(
                        ks == 2 ? _mm512_add_ps(acc[0][i][j], acc[1][i][j]) : acc[0][i][j]);
 }
 
-/* Register tiles by the rows of x a call has: few rows take more panels and two accumulator
- * sets, so that at least eight independent accumulators are in flight (one row by two panels
- * was latency bound: 1.5-2x slower than gemm.c at 1-8 rows). */
-typedef enum { SHAPE_FEW, SHAPE_SOME, SHAPE_MANY } TileShape;
+/* Register tiles by the rows of x a call has: few rows take more panels, so that at least
+ * eight independent accumulators are in flight (one row by two panels was latency bound:
+ * 1.5-2x slower than gemm.c at 1-8 rows); many rows take more rows per weight load.
+ * Row invariance: every shape sums K the same way (KS accumulator sets over alternate
+ * k-pairs, then their sum), so a row's output is the same bits whatever M and the tile it
+ * falls in: a speculative verification chunk of k + 1 rows computes each row exactly as a
+ * one-row decode does (engine/spec_decode/row_invariance.py relies on it). */
+#define KS 2
+typedef enum { SHAPE_FEW, SHAPE_MANY } TileShape;
 
-static inline TileShape tile_shape(const int64_t m) {
-  return m <= 3 ? SHAPE_FEW : m <= 6 ? SHAPE_SOME : SHAPE_MANY;
-}
+static inline TileShape tile_shape(const int64_t m) { return m <= 3 ? SHAPE_FEW : SHAPE_MANY; }
 static inline int tile_panels(const TileShape shape) { return shape == SHAPE_MANY ? 2 : 4; }
-static inline int tile_rows(const TileShape shape) {
-  return shape == SHAPE_FEW ? 3 : shape == SHAPE_SOME ? 6 : MR;
-}
+static inline int tile_rows(const TileShape shape) { return shape == SHAPE_FEW ? 3 : MR; }
 
 /* panel_tile for runtime mr (at most tile_rows(shape)) and np (tile_panels(shape), or 1 at the
  * right edge): one copy per combination. */
@@ -146,45 +147,26 @@ static void panel_tile_any(const TileShape shape, const int mr, const int np, co
     return;
   if (shape == SHAPE_FEW) {
     switch (mr) {
-      TILE(1, 4, 2)
-      TILE(2, 4, 2)
+      TILE(1, 4, KS)
+      TILE(2, 4, KS)
       default:
         if (np == 4)
-          panel_tile(3, 4, 2, ARGS);
+          panel_tile(3, 4, KS, ARGS);
         else
-          panel_tile(3, 1, 2, ARGS);
-    }
-  } else if (shape == SHAPE_SOME) {
-    switch (mr) {
-      TILE(1, 4, 1)
-      TILE(2, 4, 1)
-      TILE(3, 4, 1)
-      TILE(4, 4, 1)
-      TILE(5, 4, 1)
-      default:
-        if (np == 4)
-          panel_tile(6, 4, 1, ARGS);
-        else
-          panel_tile(6, 1, 1, ARGS);
+          panel_tile(3, 1, KS, ARGS);
     }
   } else {
     switch (mr) {
-      TILE(1, 2, 1)
-      TILE(2, 2, 1)
-      TILE(3, 2, 1)
-      TILE(4, 2, 1)
-      TILE(5, 2, 1)
-      TILE(6, 2, 1)
-      TILE(7, 2, 1)
-      TILE(8, 2, 1)
-      TILE(9, 2, 1)
-      TILE(10, 2, 1)
-      TILE(11, 2, 1)
+      TILE(1, 2, KS)
+      TILE(2, 2, KS)
+      TILE(3, 2, KS)
+      TILE(4, 2, KS)
+      TILE(5, 2, KS)
       default:
         if (np == 2)
-          panel_tile(MR, 2, 1, ARGS);
+          panel_tile(MR, 2, KS, ARGS);
         else
-          panel_tile(MR, 1, 1, ARGS);
+          panel_tile(MR, 1, KS, ARGS);
     }
   }
 #undef TILE
@@ -246,6 +228,8 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
   const int64_t num_panels = (n + PANEL - 1) / PANEL, panel_stride = (k + 1) / 2 * 2 * PANEL;
   const TileShape shape = tile_shape(m);
   const int per_group = tile_panels(shape), rows = tile_rows(shape);
+  /* Rows split evenly over the tiles (8 rows: two of 4, not 6 and a latency-bound 2). */
+  const int64_t row_tiles = (m + rows - 1) / rows;
   const int64_t groups = (num_panels + per_group - 1) / per_group;
   const int threads = threads_for(m * n * k, min_work_per_thread, num_threads);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -256,8 +240,9 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
     const int np = in_group == per_group ? per_group : 1;
     float tile[MR][NP * PANEL];
     for (int64_t p0 = first; p0 < first + in_group; p0 += np)
-      for (int64_t m0 = 0; m0 < m; m0 += rows) {
-        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+      for (int64_t t = 0; t < row_tiles; t++) {
+        const int64_t m0 = m * t / row_tiles;
+        const int mr = (int)(m * (t + 1) / row_tiles - m0);
         panel_tile_any(shape, mr, np, x + m0 * x_stride, x_stride, k,
                        panels + p0 * panel_stride, panel_stride, tile);
         store_tile(mr, np, tile, bias, p0 * PANEL, n, y + m0 * n);
@@ -287,6 +272,8 @@ int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels
   const bf16_t *up_panels = panels + gate_panels * panel_stride;
   const TileShape shape = tile_shape(m);
   const int per_group = tile_panels(shape), rows = tile_rows(shape);
+  /* Rows split evenly over the tiles (8 rows: two of 4, not 6 and a latency-bound 2). */
+  const int64_t row_tiles = (m + rows - 1) / rows;
   const int64_t groups = (gate_panels + per_group - 1) / per_group;
   const int threads = threads_for(m * 2 * inter * k, min_work_per_thread, num_threads);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
@@ -297,8 +284,9 @@ int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels
     const int np = in_group == per_group ? per_group : 1;
     float gate[MR][NP * PANEL], up[MR][NP * PANEL];
     for (int64_t p0 = first; p0 < first + in_group; p0 += np)
-      for (int64_t m0 = 0; m0 < m; m0 += rows) {
-        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+      for (int64_t t = 0; t < row_tiles; t++) {
+        const int64_t m0 = m * t / row_tiles;
+        const int mr = (int)(m * (t + 1) / row_tiles - m0);
         const bf16_t *xm = x + m0 * x_stride;
         panel_tile_any(shape, mr, np, xm, x_stride, k, panels + p0 * panel_stride, panel_stride,
                        gate);

@@ -16,6 +16,13 @@ int wick_rms_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_oute
                   int64_t r_outer_stride, int64_t r_inner_stride, const void *weight, void *out,
                   void *sum_out, int64_t num_rows, int n, float eps, int num_threads,
                   int64_t min_work_per_thread);
+int wick_layer_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_outer_stride,
+                    int64_t x_inner_stride, const void *residual, int64_t r_inner_rows,
+                    int64_t r_outer_stride, int64_t r_inner_stride, const void *weight,
+                    const void *bias, void *out, void *sum_out, int64_t num_rows, int n,
+                    float eps, int num_threads, int64_t min_work_per_thread);
+int wick_gelu(int dtype, const void *x, int64_t x_stride, void *out, int64_t num_rows, int d,
+              int approximate, int num_threads, int64_t min_work_per_thread);
 int wick_rotary_neox(int dtype, const int64_t *positions, int64_t num_tokens, const void *cos_sin,
                      int64_t max_position, const void *q, int64_t q_token_stride,
                      int64_t q_head_stride, void *q_out, const void *k, int64_t k_token_stride,
@@ -99,5 +106,11 @@ int wick_gguf_q8_quantize(const int dtype, const void *x, const int64_t x_stride
                           const int64_t k, int8_t *q, float *d);
 int wick_gguf_q8_supports(const int type);
 int wick_gguf_q8_has_vnni(void);
+/* varlen_attention.c */
+int wick_varlen_attention(int dtype, const void *q, int64_t q_stride, const void *k,
+                          int64_t k_stride, const void *v, int64_t v_stride, void *out,
+                          int64_t out_stride, const int32_t *cu_seqlens, int num_seqs,
+                          int num_heads, int num_kv_heads, int head_dim, float scale, int causal,
+                          int num_threads, int64_t min_work_per_thread);
 
 #endif /* WICK_ENTRY_H */

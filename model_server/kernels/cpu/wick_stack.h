@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "wick_cpu.h"
+#include "wick_lora.h"
 
 /* How a linear layer multiplies (decoder_stack.py's LINEAR_* values). */
 enum {
@@ -42,10 +43,16 @@ typedef struct {
   /* LINEAR_WNA16: scales and offsets [n, groups] fp32, 4 or 8 bits per code, group size */
   const float *scales, *offsets;
   int32_t bits, group_size;
+  /* The LoRA adapters' slots on this layer (lora.num_slices 0: none), added after the base
+   * product to the rows of WickStackStep.lora_slots (wick_lora.h). */
+  WickLoRA lora;
 } WickLinear;
 
-/* The gated MLP's activation (WickLayer.activation). */
-enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+/* The MLP's activation (WickLayer.activation): ACT_GELU is the exact (erf) one. */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
+/* The layer's norms (WickLayer.norm_kind) and MLP (WickLayer.mlp_kind). */
+enum { NORM_RMS = 0, NORM_LAYER = 1 };
+enum { MLP_GATED = 0, MLP_PLAIN = 1 };
 
 typedef struct {
   const void *input_norm;          /* [hidden] */
@@ -66,6 +73,16 @@ typedef struct {
   void *k_cache, *v_cache;         /* [num_blocks, block_size, Hkv, D] */
   float *k_scales, *v_scales;      /* quantized caches: [num_blocks, block_size, Hkv], else NULL */
   float kv_fixed_scale;            /* quantized caches: every stored row's static scale; 0: own */
+  /* LayerNorm families (Phi-2, StableLM, StarCoder2). NORM_LAYER: input_norm and
+   * post_attention_norm are LayerNorms with these biases (NULL: none); sandwich norms stay
+   * RMSNorm (no family mixes them). */
+  int32_t norm_kind;               /* NORM_* */
+  const void *input_norm_bias, *post_attention_norm_bias; /* [hidden], or NULL */
+  /* Attention and MLP both from the input norm's output (post_attention_norm unused): the
+   * layer's output is attn + mlp (rounded), added to the residual by the next norm. */
+  int32_t parallel_residual;
+  /* MLP_PLAIN: gate_up is fc1 [inter, hidden] (bias allowed), then `activation` alone. */
+  int32_t mlp_kind;                /* MLP_* */
 } WickLayer;
 
 typedef struct {
@@ -102,6 +119,8 @@ typedef struct {
   const void *hidden_in;
   void *normed, *qkv, *q_normed, *k_normed, *q_rot, *k_rot, *attn, *proj, *sandwich,
       *residual_a, *residual_b, *gate_up, *mid, *segment, *hidden_out;
+  /* [T] each row's LoRA slot (-1: the base model), or NULL: no adapter in this step */
+  const int32_t *lora_slots;
 } WickStackStep;
 
 /* decoder_stack.c: all of a decoder stack's layers in one call. */

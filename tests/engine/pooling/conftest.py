@@ -128,3 +128,28 @@ def tiny_qwen3_embedding(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Qwen3Model(config).eval().save_pretrained(folder)
     write_sentence_transformers_files(folder, "lasttoken")
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gte_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random `Qwen2Model` (gte-Qwen2's shape: GQA, biased q/k/v projections, the architecture
+    its config names) with last-token pooling and normalization in sentence-transformers'
+    files. The biases are drawn too (transformers initializes them to zero, which would hide a
+    model that drops them)."""
+    from transformers import Qwen2Config, Qwen2Model
+
+    torch.manual_seed(5)
+    folder = _tokenizer_dir(tmp_path_factory.mktemp("tiny-gte-qwen2"))
+    config = Qwen2Config(
+        vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        architectures=["Qwen2Model"],
+    )  # fmt: skip
+    model = Qwen2Model(config).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    write_sentence_transformers_files(folder, "lasttoken")
+    return folder

@@ -1,4 +1,4 @@
-"""The pooling scheduler: FCFS batches under the padded token budget, no overtaking."""
+"""The pooling scheduler: FCFS batches under the token budget, no overtaking."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ def _req(name: str, n: int) -> PoolingRequest:
     return PoolingRequest(name, list(range(1, n + 1)), PoolingParams())
 
 
-def test_batches_fill_the_padded_budget_in_arrival_order() -> None:
+def test_batches_fill_the_token_budget_in_arrival_order() -> None:
     s = PoolingScheduler(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=50)
-    for name, n in [("a", 10), ("b", 20), ("c", 30), ("d", 5), ("e", 50)]:
+    for name, n in [("a", 10), ("b", 20), ("c", 30), ("d", 5), ("e", 50), ("f", 50)]:
         s.add_request(_req(name, n))
-    # a, b, c: 3 x 30 = 90 <= 100; d would make 4 x 30 = 120.
-    assert [r.request_id for r in s.schedule()] == ["a", "b", "c"]
-    # d, e: 2 x 50 = 100.
-    assert [r.request_id for r in s.schedule()] == ["d", "e"]
+    # Packed, not padded: a, b, c, d are 65 tokens (padded to the longest they would be 120);
+    # e would make 115.
+    assert [r.request_id for r in s.schedule()] == ["a", "b", "c", "d"]
+    # e, f: 100.
+    assert [r.request_id for r in s.schedule()] == ["e", "f"]
     assert s.schedule() == [] and not s.has_unfinished_requests()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from model_server.config import EngineConfig
@@ -48,6 +49,17 @@ def test_tiny_bert_cls_pooling_matches_transformers(tiny_bert: Path) -> None:
         torch.tensor(short), torch.nn.functional.normalize(hidden[0, 0, :16], dim=-1), atol=1e-5
     )
     assert torch.allclose(torch.tensor(raw), hidden[0, 0], atol=1e-4)
+    # The same three in one step: each request keeps its own options.
+    ids = requests[0].prompt_token_ids
+    mixed = engine.encode([
+        PoolingRequest("m1", ids, PoolingParams(dimensions=16)),
+        PoolingRequest("m2", ids, PoolingParams(normalize=False)),
+        PoolingRequest("m3", ids, PoolingParams()),
+    ])  # fmt: skip
+    assert [len(o.embedding) for o in mixed] == [16, 64, 64]
+    assert torch.allclose(torch.tensor(mixed[0].embedding), torch.tensor(short), atol=1e-6)
+    assert torch.allclose(torch.tensor(mixed[1].embedding), torch.tensor(raw), atol=1e-6)
+    assert torch.allclose(torch.tensor(mixed[2].embedding), expected[0], atol=1e-5)
 
 
 def _pair_requests(engine: PoolingEngine, query: str, docs: list[str]):
@@ -96,12 +108,17 @@ def test_a_request_for_the_other_task_is_refused(tiny_cross_encoder: Path) -> No
         raise AssertionError("an embed request to a cross-encoder was accepted")
 
 
-def test_qwen3_embedding_last_token_matches_transformers(tiny_qwen3_embedding: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_qwen3_embedding", "tiny_gte_qwen2"])
+def test_decoder_embedding_last_token_matches_transformers(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Qwen3-Embedding's shape (q/k norms) and gte-Qwen2's (Qwen2Model, biased q/k/v), GQA."""
     from transformers import AutoModel
 
-    engine = _engine(tiny_qwen3_embedding)
+    folder = request.getfixturevalue(fixture)
+    engine = _engine(folder)
     assert engine.pooler.pooling_type.value == "last" and engine.pooler.normalize
-    reference = AutoModel.from_pretrained(tiny_qwen3_embedding).eval()
+    reference = AutoModel.from_pretrained(folder).eval()
     ids = engine.tokenizer(SENTENCES, truncation=True, max_length=200).input_ids
     expected = []
     with torch.no_grad():
@@ -109,13 +126,13 @@ def test_qwen3_embedding_last_token_matches_transformers(tiny_qwen3_embedding: P
             hidden = reference(input_ids=torch.tensor([row])).last_hidden_state
             expected.append(torch.nn.functional.normalize(hidden[0, -1], dim=-1))
     requests = [PoolingRequest(f"q{i}", row, PoolingParams()) for i, row in enumerate(ids)]
-    got = torch.tensor([o.embedding for o in engine.encode(requests)])  # batched, right-padded
+    got = torch.tensor([o.embedding for o in engine.encode(requests)])  # batched, packed
     assert torch.allclose(got, torch.stack(expected), atol=1e-5)
 
 
 def test_xlm_roberta_mean_pooling_matches_transformers(tmp_path: Path) -> None:
     """bge-m3's shape (XLMRobertaModel; positions from pad + 1), here with mean pooling from
-    sentence-transformers' files, batched with padding."""
+    sentence-transformers' files, batched (packed)."""
     from transformers import AutoModel, XLMRobertaConfig, XLMRobertaModel
 
     from tests.engine.pooling.conftest import _tokenizer_dir, write_sentence_transformers_files
@@ -142,3 +159,18 @@ def test_xlm_roberta_mean_pooling_matches_transformers(tmp_path: Path) -> None:
         )]
     )  # fmt: skip
     assert torch.allclose(got, torch.nn.functional.normalize(expected, dim=-1), atol=1e-5)
+
+
+def test_bert_checkpoint_missing_a_fused_part_is_refused(tiny_bert: Path) -> None:
+    """query/key/value load into one fused qkv weight: each of the three must be there."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from model_server.models.bert import BertModel
+
+    weights = load_file(str(tiny_bert / "model.safetensors"))
+    gone = next(name for name in weights if name.endswith("layer.1.attention.self.key.weight"))
+    del weights[gone]
+    model = BertModel(AutoConfig.from_pretrained(tiny_bert))
+    with pytest.raises(ValueError, match=r"missing weights: .*layer\.1\.attention\.self\.key\.w"):
+        model.load_weights(weights.items())
