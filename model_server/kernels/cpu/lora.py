@@ -18,11 +18,12 @@ from model_server.kernels.lora_weights import StackedLoRA
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds worth a second thread. A layer's adapters run 120 times per step on a 30-layer
-# model, each call a few hundred thousand multiply-adds at 16 decode rows: a fork/join per call
-# (which waits a scheduler tick for a descheduled thread on a loaded machine) cost more than it
-# saved there (2-core Zen 5 under load: 18 vs 8.5 ms per step of 120 calls), so decode steps
-# stay on one thread and prefill chunks split.
-MIN_WORK_PER_THREAD = 1 << 22
+# model, each call a few hundred thousand multiply-adds at 16 decode rows. Quiet 2-core Zen 5,
+# SmolLM2's 120 calls of a 16-row step over 4 rank-16 bf16 adapters: 8.6 ms on one thread
+# (threshold 2^22), 5.0 ms on two (2^17); 4 rows: 8.1 / 6.5 ms. On a loaded machine a fork/join
+# per call can cost more than it saves (18 vs 8.5 ms measured under load), as for every kernel
+# here; the threshold is chosen for a machine the server has to itself.
+MIN_WORK_PER_THREAD = 1 << 17
 # wick_lora_add's refusals.
 _ERRORS = {
     -1: "out of memory",
