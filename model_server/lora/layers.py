@@ -187,14 +187,13 @@ class LoRALinear(nn.Module):
             torch.zeros(max_loras, n_slices, dtype=torch.int32, device=device),
             persistent=False,
         )
+        # The slots as the batched kernels read them, made once: the buffers are filled in
+        # place (`set_slot`) and never replaced (the model is on its device before the manager
+        # wraps it), so their addresses hold.
+        slices = tuple((offset, size) for _, offset, size in target.slices)
+        self.stacked = StackedLoRA(self.lora_a, self.lora_b, self.lora_ranks, slices)
         # The native kernel's description of the slots (lora_struct), made on first use.
         self._native: Any = None
-
-    @property
-    def stacked(self) -> StackedLoRA:
-        """The slots as the batched kernels read them (fixed addresses: filled in place)."""
-        slices = tuple((offset, size) for _, offset, size in self.target.slices)
-        return StackedLoRA(self.lora_a, self.lora_b, self.lora_ranks, slices)
 
     def set_slot(
         self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
@@ -227,9 +226,8 @@ class LoRALinear(nn.Module):
             rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads unit-stride rows
             lora_add(kernels, rows, out, batch.token_slots, self._native)
             return out
-        stacked = self.stacked
         for start, end, slot in batch.segments:
-            out[start:end] += stacked.delta(x[start:end], slot).to(out.dtype)
+            out[start:end] += self.stacked.delta(x[start:end], slot).to(out.dtype)
         if batch.masked is not None:
             lo, hi = batch.masked
             num_slots, r = self.lora_a.shape[0], self.max_rank

@@ -63,9 +63,9 @@ class StackCalls:
             self.declined += not out
             return out
 
-        def call(stack, *args):
+        def call(stack, *args, **kwargs):
             self.ran += 1
-            return _OWN_CALL(stack, *args)
+            return _OWN_CALL(stack, *args, **kwargs)
 
         monkeypatch.setattr(decoder_stack.CpuDecoderStack, "takes", takes)
         monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)

@@ -131,9 +131,9 @@ class StepCalls:
         self.ran = 0
         own = decoder_stack.CpuDecoderStack.__call__
 
-        def call(step, *args):
+        def call(step, *args, **kwargs):
             self.ran += 1
-            return own(step, *args)
+            return own(step, *args, **kwargs)
 
         monkeypatch.setattr(decoder_stack.CpuDecoderStack, "__call__", call)
 

@@ -394,8 +394,7 @@ class ModelRunner:
         if native and step is not None and step.takes(input_ids.shape[0], self.kv_caches):
             decoder = self.model.model
             hidden = decoder.embed(input_ids)
-            lora = {} if lora_slots is None else {"lora_slots": lora_slots}
-            out = step(positions, hidden, self.kv_caches, attn_metadata, **lora)
+            out = step(positions, hidden, self.kv_caches, attn_metadata, lora_slots=lora_slots)
             self.native_lora_steps += lora_slots is not None
             return decoder.norm(*out)[0]
         return self.model(input_ids, positions, self.kv_caches, attn_metadata)
