@@ -120,34 +120,6 @@ static inline __attribute__((always_inline)) void rms_norm_row(
   scale_row(is_bf16, n, rstd, residual == NULL ? x : sum_out, weight, out);
 }
 
-/* x [num_rows, n] (rows per x_*) -> out [num_rows, n] = rms_norm(x) * weight [n]. With a
- * residual (rows per r_*, not NULL): s = x + residual is stored into sum_out [num_rows, n] and
- * normalized instead. Returns 0. */
-int wick_rms_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_outer_stride,
-                  int64_t x_inner_stride, const void *residual, int64_t r_inner_rows,
-                  int64_t r_outer_stride, int64_t r_inner_stride, const void *weight, void *out,
-                  void *sum_out, int64_t num_rows, int n, float eps, int num_threads,
-                  int64_t min_work_per_thread) {
-  const Rows x_rows = {x_inner_rows, x_outer_stride, x_inner_stride};
-  const Rows r_rows = {r_inner_rows, r_outer_stride, r_inner_stride};
-  const int is_bf16 = dtype == 1;
-  const int threads = threads_for(num_rows * n, min_work_per_thread, num_threads);
-  /* The dtype is tested per row, outside the vector loops: each copy of rms_norm_row has it as
-   * a constant (OpenMP outlines the loop body before constants propagate into it). */
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t r = 0; r < num_rows; r++) {
-    const void *xr = at(x, row_start(x_rows, r), is_bf16);
-    const void *rr = residual == NULL ? NULL : at(residual, row_start(r_rows, r), is_bf16);
-    void *sr = sum_out == NULL ? NULL : at_mut(sum_out, r * n, is_bf16);
-    void *o = at_mut(out, r * n, is_bf16);
-    if (is_bf16)
-      rms_norm_row(1, n, eps, xr, rr, weight, o, sr);
-    else
-      rms_norm_row(0, n, eps, xr, rr, weight, o, sr);
-  }
-  return 0;
-}
-
 /* ---- LayerNorm ---------------------------------------------------------------------------- */
 
 /* sum x[i] over a row; with a residual, x + residual rounded to the dtype is what is summed,
@@ -205,6 +177,48 @@ static inline __attribute__((always_inline)) void layer_norm_row(
   }
 }
 
+/* The rows of one norm call: `layer` 0 RMSNorm (bias unused), 1 LayerNorm. The kind and the
+ * dtype are tested per row, outside the vector loops: each copy of the row function has them
+ * as constants (OpenMP outlines the loop body before constants propagate into it). */
+static void norm_rows(const int layer, const int dtype, const void *x, const Rows x_rows,
+                      const void *residual, const Rows r_rows, const void *weight,
+                      const void *bias, void *out, void *sum_out, const int64_t num_rows,
+                      const int n, const float eps, const int num_threads,
+                      const int64_t min_work_per_thread) {
+  const int is_bf16 = dtype == 1;
+  const int threads = threads_for(num_rows * n, min_work_per_thread, num_threads);
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+  for (int64_t r = 0; r < num_rows; r++) {
+    const void *xr = at(x, row_start(x_rows, r), is_bf16);
+    const void *rr = residual == NULL ? NULL : at(residual, row_start(r_rows, r), is_bf16);
+    void *sr = sum_out == NULL ? NULL : at_mut(sum_out, r * n, is_bf16);
+    void *o = at_mut(out, r * n, is_bf16);
+    if (layer && is_bf16)
+      layer_norm_row(1, n, eps, xr, rr, weight, bias, o, sr);
+    else if (layer)
+      layer_norm_row(0, n, eps, xr, rr, weight, bias, o, sr);
+    else if (is_bf16)
+      rms_norm_row(1, n, eps, xr, rr, weight, o, sr);
+    else
+      rms_norm_row(0, n, eps, xr, rr, weight, o, sr);
+  }
+}
+
+/* x [num_rows, n] (rows per x_*) -> out [num_rows, n] = rms_norm(x) * weight [n]. With a
+ * residual (rows per r_*, not NULL): s = x + residual is stored into sum_out [num_rows, n] and
+ * normalized instead. Returns 0. */
+int wick_rms_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_outer_stride,
+                  int64_t x_inner_stride, const void *residual, int64_t r_inner_rows,
+                  int64_t r_outer_stride, int64_t r_inner_stride, const void *weight, void *out,
+                  void *sum_out, int64_t num_rows, int n, float eps, int num_threads,
+                  int64_t min_work_per_thread) {
+  const Rows x_rows = {x_inner_rows, x_outer_stride, x_inner_stride};
+  const Rows r_rows = {r_inner_rows, r_outer_stride, r_inner_stride};
+  norm_rows(0, dtype, x, x_rows, residual, r_rows, weight, NULL, out, sum_out, num_rows, n, eps,
+            num_threads, min_work_per_thread);
+  return 0;
+}
+
 /* x [num_rows, n] (rows per x_*) -> out [num_rows, n] = layer_norm(x) * weight [n] + bias [n]
  * (bias NULL: none). With a residual (rows per r_*, not NULL): s = x + residual is stored into
  * sum_out [num_rows, n] and normalized instead. Returns 0. The module path (layers/norm.py's
@@ -216,19 +230,8 @@ int wick_layer_norm(int dtype, const void *x, int64_t x_inner_rows, int64_t x_ou
                     float eps, int num_threads, int64_t min_work_per_thread) {
   const Rows x_rows = {x_inner_rows, x_outer_stride, x_inner_stride};
   const Rows r_rows = {r_inner_rows, r_outer_stride, r_inner_stride};
-  const int is_bf16 = dtype == 1;
-  const int threads = threads_for(num_rows * n, min_work_per_thread, num_threads);
-#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t r = 0; r < num_rows; r++) {
-    const void *xr = at(x, row_start(x_rows, r), is_bf16);
-    const void *rr = residual == NULL ? NULL : at(residual, row_start(r_rows, r), is_bf16);
-    void *sr = sum_out == NULL ? NULL : at_mut(sum_out, r * n, is_bf16);
-    void *o = at_mut(out, r * n, is_bf16);
-    if (is_bf16)
-      layer_norm_row(1, n, eps, xr, rr, weight, bias, o, sr);
-    else
-      layer_norm_row(0, n, eps, xr, rr, weight, bias, o, sr);
-  }
+  norm_rows(1, dtype, x, x_rows, residual, r_rows, weight, bias, out, sum_out, num_rows, n, eps,
+            num_threads, min_work_per_thread);
   return 0;
 }
 
@@ -268,23 +271,27 @@ int wick_silu_and_mul(int dtype, const void *x, int64_t x_stride, void *out, int
   return 0;
 }
 
+/* gelu(g) with the tanh approximation, g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
+ * tanh(a) = sign(a) (1 - e) / (1 + e) with e = e^-2|a| <= 1 (no overflow). Not PyTorch's bits:
+ * the module path (GeluAndMul and the plain MLPs' gelu on this table) and the native decoder
+ * stack both run it. */
+static inline __attribute__((always_inline)) float gelu_tanh_value(const float g) {
+  const float a = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  const float e = exp_nonpositive(-2.f * fabsf(a));
+  const float t = (1.f - e) / (1.f + e);
+  return 0.5f * g * (1.f + (a >= 0.f ? t : -t));
+}
+
 /* out[i] = round(round(gelu_tanh(gate[i])) * up[i]) over x = [gate (d) | up (d)]: GeGLU with
- * the tanh approximation (Gemma), gelu(g) = g / 2 (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))),
- * tanh(a) = sign(a) (1 - e) / (1 + e) with e = e^-2|a| <= 1 (no overflow). Not PyTorch's
- * bits: the module path (GeluAndMul on this table) and the native decoder stack both run it. */
+ * the tanh approximation (Gemma). */
 static inline __attribute__((always_inline)) void gelu_tanh_and_mul_row(const int is_bf16,
                                                                         const int d,
                                                                         const void *restrict x,
                                                                         void *restrict out) {
 #pragma omp simd
   for (int i = 0; i < d; i++) {
-    const float g = load(x, i, is_bf16);
     const float up = load(x, d + i, is_bf16);
-    const float a = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-    const float e = exp_nonpositive(-2.f * fabsf(a));
-    const float t = (1.f - e) / (1.f + e);
-    const float gelu = 0.5f * g * (1.f + (a >= 0.f ? t : -t));
-    store(out, i, round_to(gelu, is_bf16) * up, is_bf16);
+    store(out, i, round_to(gelu_tanh_value(load(x, i, is_bf16)), is_bf16) * up, is_bf16);
   }
 }
 
@@ -307,14 +314,6 @@ int wick_gelu_tanh_and_mul(int dtype, const void *x, int64_t x_stride, void *out
 }
 
 /* ---- GELU (plain: Phi-2's and StarCoder2's fc1 -> act -> fc2) ------------------------------ */
-
-/* gelu_tanh(g), the expression of gelu_tanh_and_mul_row. */
-static inline __attribute__((always_inline)) float gelu_tanh_value(const float g) {
-  const float a = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  const float e = exp_nonpositive(-2.f * fabsf(a));
-  const float t = (1.f - e) / (1.f + e);
-  return 0.5f * g * (1.f + (a >= 0.f ? t : -t));
-}
 
 /* gelu(g) = g / 2 erfc(-g / sqrt 2) (the exact, erf GELU). erfc(z), z = |g| / sqrt 2 >= 0, is
  * t e^(-z^2 + P(t)), t = 1 / (1 + z / 2), P the Chebyshev fit of Numerical Recipes' erfcc
