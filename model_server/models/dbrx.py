@@ -32,7 +32,8 @@ from model_server.layers.rotary import get_rope, rope_parameters_from_config
 from model_server.models.decoder_parts import QKVAttention, get_head_dim, make_lm_head, param_for
 from model_server.models.llama import LlamaForCausalLM
 from model_server.models.mixtral import check_attention_split
-from model_server.models.starcoder2 import LayerNormBody, SequentialLayerNormLayer
+from model_server.models.phi import LayerNormModel
+from model_server.models.starcoder2 import SequentialLayerNormLayer
 
 _EXPERT_PARTS = {"w1": GATE, "v1": UP, "w2": DOWN}
 
@@ -167,7 +168,7 @@ class DbrxForCausalLM(LlamaForCausalLM):
             )
             for _ in range(config.num_hidden_layers)
         ]
-        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=False, kernels=kernels)
+        self.model = LayerNormModel(config, layers, rotary, kernels, eps=eps, norm_bias=False)
         self.tie_word_embeddings, self.lm_head = make_lm_head(
             config, self.model.embed_tokens, kernels, tie_default=False
         )

@@ -25,15 +25,15 @@ from torch import nn
 from model_server.kernels.stack_layer import StackLayer
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
-from model_server.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model_server.layers.embedding import ParallelLMHead
 from model_server.layers.linear import default_weight_loader
 from model_server.layers.norm import LayerNorm
 from model_server.layers.rotary import get_rope
 from model_server.models.decoder_parts import (
+    DecoderModel,
     PlainMLP,
     QKVAttention,
     describe_layer,
-    describe_layers,
     get_head_dim,
     make_lm_head,
 )
@@ -119,10 +119,12 @@ class LayerNormDecoderLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
-class LayerNormModel(nn.Module):
+class LayerNormModel(DecoderModel):
     """embed_tokens -> LayerNorm layers -> the final LayerNorm `norm` (Phi-2's checkpoint
-    `final_layernorm`: renamed on load). The model runner may run the layers in one native call
-    instead (`stack_layers()`): it then adds the last residual in `norm(hidden, residual)`."""
+    `final_layernorm`: renamed on load; `eps`, `norm_bias`: the config's layer_norm_eps and a
+    bias unless given). The model runner may run the layers in one native call instead
+    (DecoderModel's `stack_layers()`): it then adds the last residual in
+    `norm(hidden, residual)`; this forward runs the layers' own residual convention."""
 
     def __init__(
         self,
@@ -130,22 +132,15 @@ class LayerNormModel(nn.Module):
         layers: list[nn.Module],
         rotary_emb: nn.Module,
         kernels: KernelTable = TORCH_KERNELS,
+        *,
+        eps: float | None = None,
+        norm_bias: bool = True,
     ) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        super().__init__(config, kernels)
         self.rotary_emb = rotary_emb
         self.layers = nn.ModuleList(layers)
-        self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, kernels=kernels)
-        self._stack: tuple[StackLayer, ...] | str | None = None
-
-    def stack_layers(self) -> tuple[StackLayer, ...] | str:
-        """The layers described for a native decoder step, or why one of them cannot be."""
-        if self._stack is None:
-            self._stack = describe_layers(self.layers)
-        return self._stack
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # [T, hidden]
+        eps = config.layer_norm_eps if eps is None else eps
+        self.norm = LayerNorm(config.hidden_size, eps, norm_bias, kernels=kernels)
 
     def forward(
         self,
@@ -154,7 +149,7 @@ class LayerNormModel(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, attn_metadata)
         return self.norm(hidden)

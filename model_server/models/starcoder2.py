@@ -16,7 +16,6 @@ from torch import nn
 
 from model_server.kernels.table import TORCH_KERNELS, KernelTable
 from model_server.layers.attention.backend import AttentionBackend
-from model_server.layers.embedding import VocabParallelEmbedding
 from model_server.layers.norm import LayerNorm
 from model_server.layers.rotary import get_rope
 from model_server.models.decoder_parts import (
@@ -48,26 +47,6 @@ class SequentialLayerNormLayer(LayerNormDecoderLayer):
         self.parallel = False
         self.input_layernorm = LayerNorm(hidden_size, eps, norm_bias, kernels=kernels)
         self.post_attention_layernorm = LayerNorm(hidden_size, eps, norm_bias, kernels=kernels)
-
-
-class LayerNormBody(LayerNormModel):
-    """embed_tokens -> layers -> final LayerNorm `norm` (eps and bias given)."""
-
-    def __init__(
-        self,
-        config: Any,
-        layers: list[nn.Module],
-        rotary_emb: nn.Module,
-        eps: float,
-        norm_bias: bool,
-        kernels: KernelTable = TORCH_KERNELS,
-    ) -> None:
-        nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = rotary_emb
-        self.layers = nn.ModuleList(layers)
-        self.norm = LayerNorm(config.hidden_size, eps, norm_bias, kernels=kernels)
-        self._stack = None
 
 
 class Starcoder2MLP(PlainMLP):
@@ -114,7 +93,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
             )
             for window in layer_sliding_windows(config)
         ]
-        self.model = LayerNormBody(config, layers, rotary, eps, norm_bias=True, kernels=kernels)
+        self.model = LayerNormModel(config, layers, rotary, kernels, eps=eps, norm_bias=True)
         self.tie_word_embeddings, self.lm_head = make_lm_head(
             config, self.model.embed_tokens, kernels, tie_default=True
         )
