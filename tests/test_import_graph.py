@@ -137,6 +137,6 @@ def test_every_kernel_table_slot_is_one_op() -> None:
         "linear", "int8_linear", "wna16_linear", "gguf_linear", "gguf_dequantize", "rms_norm",
         "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
         "fused_experts", "argmax", "layer_norm", "fused_add_layer_norm", "gelu",
-        "varlen_attention",
+        "varlen_attention", "moe_softmax_topk", "shared_expert_add", "lora_add",
     }  # fmt: skip
     assert {f.name for f in dataclasses.fields(KernelTable)} == one_op_slots

@@ -8,10 +8,10 @@ The CPU test suite runs the kernels under the Triton interpreter, which accepts 
 compiler rejects (and runs bf16 dots upcast, unlike the GPU variant). This check closes that gap
 without a GPU: it drives the real call sites (the `triton` attention backend's forward, the fused
 RMSNorm / add+RMSNorm / SiLU-and-mul, the int8 and wNa16 matmuls, the fused-MoE grouped GEMMs of
-MoE presets, the MLA latent decode of MLA presets) on small CPU tensors shaped like real models'
-(the dummy presets' configs), with Triton's launcher swapped for compile-only. Each launch goes
-through Triton's own pipeline down to a cubin (its bundled ptxas) for the target architecture and
-is never executed, so outputs stay unwritten.
+MoE presets, the MLA latent decode of MLA presets, the pooling models' varlen attention) on small
+CPU tensors shaped like real models' (the dummy presets' configs), with Triton's launcher swapped
+for compile-only. Each launch goes through Triton's own pipeline down to a cubin (its bundled
+ptxas) for the target architecture and is never executed, so outputs stay unwritten.
 
 Per kernel variant it reports the dynamic shared memory a program needs against the
 architecture's per-block limit, and the registers and spilled (local) bytes per thread from the
@@ -380,6 +380,29 @@ def mla_calls(
         )
 
 
+def varlen_attention_calls(
+    shape: ModelShape, dtype: torch.dtype
+) -> Iterator[tuple[str, Callable[[], object]]]:
+    """The pooling models' packed attention (kernels/varlen_attention_triton.py) at the model's
+    heads: bidirectional (encoders) and causal (the decoder as an embedding model), on q/k/v
+    views of a fused qkv projection."""
+    if shape.kv_lora_rank:
+        return
+    from model_server.kernels.varlen_attention_triton import varlen_attention_triton
+
+    q_width, kv_width = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    qkv = torch.zeros(40, q_width + 2 * kv_width, dtype=dtype)
+    q, k, v = qkv[:, :q_width], qkv[:, q_width:-kv_width], qkv[:, -kv_width:]
+    cu = torch.tensor([0, 5, 40], dtype=torch.int32)
+    for causal in (False, True):
+        yield (
+            f"varlen attention, causal={causal}",
+            lambda c=causal: varlen_attention_triton(
+                q, k, v, cu, shape.num_heads, shape.num_kv_heads, 0.1, c
+            ),
+        )
+
+
 def check(
     archs: Sequence[int],
     shapes: Sequence[ModelShape],
@@ -404,6 +427,7 @@ def check(
                 calls += fused_op_calls(shape, dtype)
                 calls += moe_calls(shape, dtype)
                 calls += mla_calls(shape, dtype, block_size)
+                calls += varlen_attention_calls(shape, dtype)
                 for case, call in calls:
                     where = f"sm_{capability} {shape.name} {dtype_name} {case}"
                     with compile_only(capability) as launched:
@@ -457,14 +481,14 @@ def _variant(kernel_name: str, kernel: Any, arch: Arch, where: str, report: Repo
 
 def format_report(report: Report, archs: Sequence[int]) -> str:
     lines = [
-        f"{'arch':<6} {'kernel':<22} {'warps':>5} {'stages':>6} {'shared KiB':>10} "
+        f"{'arch':<6} {'kernel':<24} {'warps':>5} {'stages':>6} {'shared KiB':>10} "
         f"{'regs':>5} {'spill B':>7}  first launched by"
     ]
     for v in report.variants:
         regs = "?" if v.registers is None else str(v.registers)
         spill = "?" if v.local_bytes is None else str(v.local_bytes)
         lines.append(
-            f"sm_{v.arch:<3} {v.kernel:<22} {v.num_warps:>5} {v.num_stages:>6} "
+            f"sm_{v.arch:<3} {v.kernel:<24} {v.num_warps:>5} {v.num_stages:>6} "
             f"{v.shared_bytes / 1024:>10.1f} {regs:>5} {spill:>7}  {v.case}"
         )
     for capability in archs:

@@ -28,6 +28,26 @@ if TYPE_CHECKING:
     from model_server.kernels.table import KernelTable
 
 
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's and Qwen2/3-MoE's router (HF's arithmetic): router_logits [T, E] -> softmax in
+    float32, its top k best first (weights [T, k] float32, ids [T, k] int64), renormalised to
+    sum 1 when `renormalize` (Mixtral always; Qwen's `norm_topk_prob`)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def shared_expert_add(
+    routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor
+) -> torch.Tensor:
+    """Qwen2-MoE's block output: routed [T, H] + sigmoid(gate [T, 1]) * shared [T, H]."""
+    return routed + torch.sigmoid(gate) * shared
+
+
 def expert_linear(x: torch.Tensor, w: Any, expert: int, kernels: KernelTable) -> torch.Tensor:
     """x [M, K] @ W_expert^T -> [M, N]: a stacked float weight [E, N, K] through the table's
     `linear`, or stacked quantized experts through their own `expert_linear`."""

@@ -16,12 +16,30 @@ from model_server.kernels.lora_weights import StackedLoRA
 
 
 @dataclass(slots=True, frozen=True)
+class StackMoE:
+    """A layer's mixture-of-experts block in place of its MLP, as the block describes itself
+    (models/mixtral.py's `SparseMoEBlock.stack_moe`): router logits `router`(y) -> softmax, its
+    top `top_k` (renormalised when `renormalize`) -> the routed experts of y, the kernel table's
+    `moe_softmax_topk` and `fused_experts`; with a shared expert (Qwen2-MoE) its MLP (the
+    layer's `gate_up`/`down`) added, scaled by sigmoid(`shared_gate`(y)): `shared_expert_add`."""
+
+    router: nn.Module  # [E, hidden], no bias
+    w13: Any  # [E, 2I, hidden]: gate rows then up rows of each expert (float, or quantized)
+    w2: Any  # [E, hidden, I]
+    top_k: int
+    renormalize: bool
+    shared_gate: nn.Module | None = None  # [1, hidden]; None: no shared expert
+    tp_size: int = 1
+
+
+@dataclass(slots=True, frozen=True)
 class StackLayer:
     """One pre-norm decoder layer as the model describes it (models/decoder_parts.py's
     `stack_layer`):
     x -> x + attn_out_norm?(o(attn(rotary(qk_norm?(qkv(norm(x))))))) ->
          x + mlp_out_norm?(mlp(norm(x))),
-    mlp gated, down(act(gate(y)) * up(y)), or plain, down(act(fc1(y))) with biases; or, with
+    mlp gated, down(act(gate(y)) * up(y)), or plain, down(act(fc1(y))) with biases, or an MoE
+    block (`moe`: routed experts, optionally beside a gated shared expert); or, with
     `parallel_residual`, x -> x + (attn(norm(x)) + mlp(norm(x))) from the one input norm.
     Norms RMSNorm (Gemma's hold 1 + w) or LayerNorm (`norm`, with biases or not); q/k norms
     RMSNorm. Rotary neox over each head's first `rotary_dim` dims (the others pass through;
@@ -35,9 +53,10 @@ class StackLayer:
     eps: float  # every norm's of the layer, the q/k norms' included
     qkv: nn.Module  # [(H + 2 Hkv) D, hidden], optional bias
     o: nn.Module  # [hidden, H D], optional bias
-    # gated: [2 inter, hidden], gate rows then up rows, no bias; plain: fc1 [inter, hidden]
-    gate_up: nn.Module
-    down: nn.Module  # [hidden, inter], optional bias
+    # gated: [2 inter, hidden], gate rows then up rows, no bias; plain: fc1 [inter, hidden];
+    # None in an MoE layer without a shared expert (gate_up/down: the shared expert's MLP)
+    gate_up: nn.Module | None
+    down: nn.Module | None  # [hidden, inter], optional bias
     num_heads: int  # this rank's
     num_kv_heads: int  # this rank's
     head_dim: int
@@ -63,6 +82,7 @@ class StackLayer:
     # use_parallel_residual): x + (attn + mlp), in that order of the adds.
     parallel_residual: bool = False
     mlp: str = "gated"  # "gated" (gate_up -> act-and-mul -> down) | "plain" (fc1 -> act -> fc2)
+    moe: StackMoE | None = None  # routed experts instead of the MLP (Mixtral, Qwen2/3-MoE)
 
 
 class StepMetadata(Protocol):

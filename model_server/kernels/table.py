@@ -6,7 +6,8 @@ process-wide switch exists: two models in one process (a test and an engine, or 
 run the kernels they were built with.
 
 Every implementation of a slot follows the portable one's numerics and contract (kernels/
-portable.py): it returns new tensors and never writes its inputs.
+portable.py): it returns new tensors and never writes its inputs (but `lora_add`, which adds to
+its `out`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from model_server.kernels.fused_moe_torch import fused_experts_grouped
+from model_server.kernels.batched_lora_torch import LoRARows, lora_add_torch
+from model_server.kernels.fused_moe_torch import (
+    fused_experts_grouped,
+    shared_expert_add,
+    softmax_topk,
+)
 from model_server.kernels.gguf_blocks import dequantize_rows, gguf_linear_dequant
+from model_server.kernels.lora_weights import StackedLoRA
 from model_server.kernels.portable import (
     argmax_torch,
     fused_add_layer_norm_torch,
@@ -86,6 +93,16 @@ ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] float32, topk_ids [T, k] int64,
 # the table) -> [T, H]: the mixture-of-experts experts (kernels/fused_moe_torch.py)
 FusedExpertsFn = Callable[..., torch.Tensor]
+# (router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, ids [T, k] int64): the
+# softmax top-k router of Mixtral and Qwen2/3-MoE (kernels/fused_moe_torch.py)
+SoftmaxTopkFn = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+# (routed [T, H], gate [T, 1], shared [T, H]) -> routed + sigmoid(gate) * shared (Qwen2-MoE)
+SharedExpertAddFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# (x [T, in], out [T, out], the step's rows, the layer's adapter slots) -> None: adds each row's
+# adapter's product to `out` in place, the one slot that writes an input (out is the LoRA layer's
+# fresh output; kernels/batched_lora_torch.py)
+LoRAAddFn = Callable[[torch.Tensor, torch.Tensor, LoRARows, StackedLoRA], None]
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,9 +131,13 @@ class KernelTable:
     gelu: GeluFn = gelu_torch  # the plain (not gated) MLPs' activation
     rotary_embedding: RotaryFn = rotary_embedding_torch
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
+    moe_softmax_topk: SoftmaxTopkFn = softmax_topk  # their router (models/mixtral.py)
+    shared_expert_add: SharedExpertAddFn = shared_expert_add  # models/qwen_moe.py
     argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
     # pooling models' attention over packed sequences (models/bert.py, decoder_embedding.py)
     varlen_attention: VarlenAttentionFn = varlen_attention_torch
+    # multi-LoRA layers off the native CPU kernel (lora/layers.py's LoRALinear), mixed batches
+    lora_add: LoRAAddFn = lora_add_torch
 
 
 # The portable table: the default of every layer and of platforms without kernels of their own.
@@ -126,18 +147,24 @@ TORCH_KERNELS = KernelTable()
 def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
     """`base` with the one-pass Triton RMSNorm (+ residual add), SiluAndMul and neox rotary
     (kernels/rms_norm.py, activation.py, rotary.py), the w8a16 int8 matmul (kernels/
-    int8_linear.py), the GPTQ/AWQ w4a16/w8a16 matmul (kernels/wna16_linear.py) and the
-    grouped-GEMM fused MoE (kernels/fused_moe.py).
+    int8_linear.py), the GPTQ/AWQ w4a16/w8a16 matmul (kernels/wna16_linear.py), the
+    grouped-GEMM fused MoE (kernels/fused_moe.py) and the pooling models' packed varlen
+    attention (kernels/varlen_attention_triton.py).
+
+    Multi-LoRA layers' mixed batches run one shrink and one expand launch per layer (kernels/
+    batched_lora.py).
 
     Imports triton: call it where compiled Triton supports the model's device (CUDA) or under
     TRITON_INTERPRET=1 (tests); the kernels compile on first launch, so build the model (and
     warm it up) before capturing device graphs.
     """
     from model_server.kernels.activation import silu_and_mul
+    from model_server.kernels.batched_lora import lora_add_triton
     from model_server.kernels.fused_moe import fused_experts_triton
     from model_server.kernels.int8_linear import int8_linear
     from model_server.kernels.rms_norm import fused_add_rms_norm, rms_norm
     from model_server.kernels.rotary import rotary_embedding
+    from model_server.kernels.varlen_attention_triton import varlen_attention_triton
     from model_server.kernels.wna16_linear import wna16_linear
 
     return replace(
@@ -149,4 +176,6 @@ def triton_kernels(base: KernelTable = TORCH_KERNELS) -> KernelTable:
         silu_and_mul=silu_and_mul,
         rotary_embedding=rotary_embedding,
         fused_experts=fused_experts_triton,
+        lora_add=lora_add_triton,
+        varlen_attention=varlen_attention_triton,
     )

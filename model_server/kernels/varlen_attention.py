@@ -1,7 +1,8 @@
 """Attention over a pooling step's packed sequences, without a KV cache: the portable version of
 the kernel table's `varlen_attention` slot (the CPU platform's is kernels/cpu/
-varlen_attention.c). Each sequence's tokens attend over its own tokens only, bidirectionally
-(encoders) or causally (decoder embedding models); nothing is padded.
+varlen_attention.c, the CUDA platform's kernels/varlen_attention_triton.py). Each sequence's
+tokens attend over its own tokens only, bidirectionally (encoders) or causally (decoder embedding
+models); nothing is padded.
 
 Contract of the slot: q [T, heads * D] and k, v [T, kv_heads * D] (row-strided views of a fused
 projection are fine), `cu_seqlens` [B + 1] int32 on the CPU (sequence s owns rows

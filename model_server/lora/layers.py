@@ -11,17 +11,18 @@ slots as kernels/lora_weights.py's StackedLoRA (R is --max-lora-rank):
   lora_ranks [S, n_slices]    r, or 0 where a slot is empty or its adapter leaves the slice
 
 Per step, `LoRABatch` says which rows of the flat batch use which slot (LoRALinear's forward
-says how they run).
+says how they run: the native CPU kernel, or the kernel table's `lora_add`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from model_server.kernels.batched_lora_torch import LoRARows
 from model_server.kernels.cpu.lora import lora_add, lora_kernels, lora_struct
 from model_server.kernels.lora_weights import StackedLoRA
 from model_server.layers.linear import (
@@ -73,39 +74,20 @@ def find_targets(model: nn.Module) -> list[LoRATarget]:
     return targets
 
 
-# A run of at least this many consecutive rows of one adapter (a prefill chunk) runs as its own
-# shrink/expand on a slice of the batch; shorter runs (decodes) share the masked form (PyTorch's
-# path; the native kernel groups rows by slot itself).
-MIN_SEGMENT_ROWS = 8
-
-
 @dataclass(slots=True)
 class LoRABatch:
     """This step's adapters, as every wrapped layer reads them (set by the manager per step).
 
     `token_slots`: each flat row's slot (-1: the base model), int32 on the CPU: what the native
     kernel (kernels/cpu/lora.py) and the native decoder step read. `native`: the layers run that
-    kernel (set once by the manager); otherwise `set` also builds PyTorch's forms:
-    `segments`: (start, end, slot) runs of rows [start, end) of one adapter, each run alone.
-    `masked`: the rows [lo, hi) holding every shorter run, with `onehot` [hi - lo, S] (float32):
-    1 at (row, its slot) for those runs' rows, zeros elsewhere (base-model rows and rows of
-    segments); `mask(w)` widens it to [hi - lo, S * w], each slot's 1 repeated over its w
-    columns (cached per step). `active`: some row has an adapter."""
+    kernel (set once by the manager); otherwise `set` also makes `rows`, what the kernel table's
+    `lora_add` reads (the slots copied to the device once per step, kernels/
+    batched_lora_torch.py). `active`: some row has an adapter."""
 
     active: bool = False
     native: bool = False
     token_slots: torch.Tensor | None = None
-    segments: list[tuple[int, int, int]] = field(default_factory=list)
-    masked: tuple[int, int] | None = None
-    onehot: torch.Tensor | None = None
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, width: int) -> torch.Tensor:
-        mask = self._masks.get(width)
-        if mask is None:
-            assert self.onehot is not None
-            mask = self._masks[width] = self.onehot.repeat_interleave(width, dim=1)
-        return mask
+    rows: LoRARows | None = None
 
     def set(self, token_slots: list[int], num_slots: int, device: torch.device | str) -> None:
         """From each flat row's slot (-1: the base model)."""
@@ -114,30 +96,11 @@ class LoRABatch:
         if not self.active:
             return
         self.token_slots = torch.tensor(token_slots, dtype=torch.int32)
-        if self.native:
-            return
-        runs: list[tuple[int, int, int]] = []  # (start, end, slot) of consecutive equal slots
-        for row, slot in enumerate(token_slots):
-            if runs and runs[-1][2] == slot and runs[-1][1] == row:
-                runs[-1] = (runs[-1][0], row + 1, slot)
-            else:
-                runs.append((row, row + 1, slot))
-        short: list[tuple[int, int, int]] = []
-        for run in runs:
-            if run[2] < 0:
-                continue
-            (self.segments if run[1] - run[0] >= MIN_SEGMENT_ROWS else short).append(run)
-        if short:
-            lo, hi = short[0][0], short[-1][1]
-            onehot = torch.zeros(hi - lo, num_slots)
-            for start, end, slot in short:
-                onehot[start - lo : end - lo, slot] = 1.0
-            self.masked, self.onehot = (lo, hi), onehot.to(device)
+        if not self.native:
+            self.rows = LoRARows.build(token_slots, num_slots, device)
 
     def clear(self) -> None:
-        self.active, self.masked, self.onehot, self.token_slots = False, None, None, None
-        self.segments.clear()
-        self._masks.clear()
+        self.active, self.token_slots, self.rows = False, None, None
 
 
 class LoRALinear(nn.Module):
@@ -146,10 +109,9 @@ class LoRALinear(nn.Module):
     The slots are written by the LoRA manager between steps; `batch` is the manager's, shared
     by every wrapped layer, and set per step. On the CPU (float32 / bfloat16) the native kernel
     runs the step's rows grouped by slot (kernels/cpu/lora.c: the native decoder step calls the
-    same one). Elsewhere PyTorch: a long run of one adapter's rows (a prefill chunk) gets that
-    slot's shrink and expand on its slice; the short runs (decodes) punica's batched form with
-    a zero slot for the base model: the shrink of every slot at once ([rows, S n R]), masked to
-    each row's own slot, then one expand per slice over all slots."""
+    same one). Elsewhere the base layer's kernel table's `lora_add` (PyTorch's segments and
+    masked batched form, kernels/batched_lora_torch.py; Triton's one shrink and one expand
+    launch on CUDA, kernels/batched_lora.py)."""
 
     def __init__(
         self,
@@ -226,22 +188,8 @@ class LoRALinear(nn.Module):
             rows = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads unit-stride rows
             lora_add(kernels, rows, out, batch.token_slots, self._native)
             return out
-        for start, end, slot in batch.segments:
-            out[start:end] += self.stacked.delta(x[start:end], slot).to(out.dtype)
-        if batch.masked is not None:
-            lo, hi = batch.masked
-            num_slots, r = self.lora_a.shape[0], self.max_rank
-            a = self.lora_a.view(num_slots * self.width, -1).float()  # [S n R, in]
-            # [rows, S, n, R] with other slots' columns zeroed
-            h = ((x[lo:hi].float() @ a.t()) * batch.mask(self.width)).view(
-                hi - lo, num_slots, -1, r
-            )
-            parts = [
-                h[:, :, i].reshape(hi - lo, num_slots * r)
-                @ self.lora_b[:, :, offset : offset + size].reshape(num_slots * r, size).float()
-                for i, (_, offset, size) in enumerate(self.target.slices)
-            ]
-            out[lo:hi] += torch.cat(parts, dim=1).to(out.dtype)
+        assert batch.rows is not None
+        self.base.kernels.lora_add(x, out, batch.rows, self.stacked)
         return out
 
     def extra_repr(self) -> str:

@@ -5,8 +5,8 @@ They run on a packed batch (`PackedBatch`: the step's T tokens one sequence afte
 padding), keep no KV cache (an encoder's attention is bidirectional, so every request is
 computed whole in one step and nothing of it is needed afterwards) and return hidden states
 [T, H]. Every linear layer multiplies the T real tokens; attention runs per sequence over its own
-tokens (the kernel table's `varlen_attention`: native on the CPU). The linear layers are Wick's
-(`ReplicatedLinear`), so the platform plans their kernels as a decoder's
+tokens (the kernel table's `varlen_attention`: native on the CPU, Triton on CUDA). The linear
+layers are Wick's (`ReplicatedLinear`), so the platform plans their kernels as a decoder's
 (`build_pooling_model`). Query, key and value are one fused [3H, H] projection. Module names
 otherwise follow the HF checkpoints' (`embeddings.word_embeddings`, `encoder.layer.N.output.
 dense`, ...), so the state dict loads as it is; `load_weights` strips the `bert.` / `roberta.`

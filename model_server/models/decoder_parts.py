@@ -334,7 +334,7 @@ def describe_layer(
     RMSNorms or LayerNorms (`pre_mlp_norm` None: attention and MLP in parallel from the input
     norm, x + (attn + mlp)), QKVAttention (q/k RMSNorm, biases, window, soft cap allowed) with
     neox rotary over whole heads or their leading dims, a gated MLP without gate/up bias or a
-    plain GELU one."""
+    plain GELU one, or an MoE block that describes itself (`stack_moe()`: models/mixtral.py)."""
     kind = _norm_kind(input_norm)
     if kind is None or _norm_kind(pre_mlp_norm) is None:
         return f"the {type(input_norm).__name__} norm (native: RMSNorm, LayerNorm)"
@@ -354,7 +354,16 @@ def describe_layer(
         return f"{type(rotary).__name__} (a rotary over {rotary.head_dim} of {attn.head_dim} dims)"
     if type(rotary).forward is not RotaryEmbedding.forward:
         return f"{type(rotary).__name__} (a rotary scaled at runtime)"
-    if type(mlp).forward is PlainMLP.forward:
+    # An MoE block describes itself: its routed experts, and its shared expert's MLP (or None).
+    moe, own_moe = None, getattr(mlp, "stack_moe", None)
+    if own_moe is not None:
+        described = own_moe()
+        if isinstance(described, str):
+            return described
+        moe, mlp = described
+    if mlp is None:  # routed experts alone: their SiLU is the fused_experts kernel's
+        mlp_kind, gate_up, down, activation = "gated", None, None, "silu"
+    elif type(mlp).forward is PlainMLP.forward:
         mlp_kind = "plain"
         gate_up, down = getattr(mlp, mlp.in_name), getattr(mlp, mlp.out_name)
     elif type(mlp).forward is GatedMLP.forward:
@@ -363,10 +372,11 @@ def describe_layer(
         if gate_up.bias is not None:
             return "a gate/up bias"
     else:
-        return f"{type(mlp).__name__} (not the gated or plain GELU MLP)"
-    activation = _activation(mlp)
-    if activation is None:
-        return f"the {type(mlp.act_fn).__name__} activation"
+        return f"{type(mlp).__name__} (not the gated or plain GELU MLP, nor an MoE block)"
+    if mlp is not None:
+        activation = _activation(mlp)
+        if activation is None:
+            return f"the {type(mlp.act_fn).__name__} activation"
     eps = _eps(input_norm)
     every = [n for n in (pre_mlp_norm, *sandwich) if n is not None]
     if attn.qk_norm:
@@ -391,7 +401,11 @@ def describe_layer(
         cos_sin_cache=rotary.cos_sin_cache,
         activation=activation,
         attention_backend=backend,
-        tp_size=max(attn.qkv_proj.tp_size, down.tp_size),
+        tp_size=max(
+            attn.qkv_proj.tp_size,
+            1 if down is None else down.tp_size,
+            1 if moe is None else moe.tp_size,
+        ),
         attn_out_norm=None if attn_out_norm is None else attn_out_norm.weight,
         mlp_out_norm=None if mlp_out_norm is None else mlp_out_norm.weight,
         q_norm=attn.q_norm.weight if attn.qk_norm else None,
@@ -407,6 +421,7 @@ def describe_layer(
         ),
         parallel_residual=pre_mlp_norm is None,
         mlp=mlp_kind,
+        moe=moe,
     )
 
 

@@ -258,6 +258,10 @@ class DeepseekMoE(nn.Module):
                 kernels=kernels,
             )
 
+    def stack_moe(self) -> str:
+        """Not described for a native decoder step: what it has instead."""
+        return "DeepSeek's MoE block (grouped top-k routing in float32: not native)"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from model_server.distributed.partition import divide, shard_heads
+from model_server.kernels.stack_layer import StackMoE
 from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionBackend
-from model_server.layers.fused_moe import FusedMoE, softmax_topk
+from model_server.layers.fused_moe import FusedMoE
 from model_server.layers.linear import ReplicatedLinear
 from model_server.layers.quantization.base import building_quantized_linears
 from model_server.layers.rotary import get_rope
@@ -41,13 +42,29 @@ class SparseMoEBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
+        self.kernels = kernels
         # The router stays float in GPTQ / AWQ checkpoints (the tools never quantize it).
         with building_quantized_linears(None):
             self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, kernels=kernels)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, kernels=kernels)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        return self.kernels.moe_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+
+    def stack_moe(self) -> tuple[StackMoE, nn.Module | None] | str:
+        """This block for a native decoder step (models/decoder_parts.py's `describe_layer`):
+        (its description, the shared expert's MLP or None), or what it has instead."""
+        if self.experts.quant_method is not None:
+            return "GPTQ/AWQ experts kept quantized (native: float experts)"
+        moe = StackMoE(
+            router=self.gate,
+            w13=self.experts.w13_weight,
+            w2=self.experts.w2_weight,
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            tp_size=self.experts.tp_size,
+        )
+        return moe, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

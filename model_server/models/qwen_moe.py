@@ -14,12 +14,14 @@ expert split evenly, the routers and the shared-expert gate replicated.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from model_server.distributed.partition import divide
+from model_server.kernels.stack_layer import StackMoE
 from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionBackend
 from model_server.layers.linear import ReplicatedLinear
@@ -56,8 +58,16 @@ class QwenMoEBlock(SparseMoEBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = self.shared_expert_gate(x)  # [T, 1]
+            out = self.kernels.shared_expert_add(out, gate, self.shared_expert(x))
         return out
+
+    def stack_moe(self) -> tuple[StackMoE, nn.Module | None] | str:
+        described = super().stack_moe()
+        if isinstance(described, str) or not self.has_shared_expert:
+            return described
+        moe = dataclasses.replace(described[0], shared_gate=self.shared_expert_gate)
+        return moe, self.shared_expert
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:

@@ -20,6 +20,11 @@ from model_server.kernels.cpu.layer_ops import native_kernel_table
 from model_server.kernels.cpu.linear import int8_linear, skinny_linear
 from model_server.kernels.cpu.linear_plan import planned_weights
 from model_server.kernels.cpu.linear_tuning import tune_cpu_linears
+from model_server.kernels.cpu.moe import (
+    native_fused_experts,
+    native_shared_expert_add,
+    native_softmax_topk,
+)
 from model_server.kernels.cpu.onednn_cache import bound_onednn_caches
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.cpu.varlen_attention import varlen_attention as native_varlen_attention
@@ -258,7 +263,8 @@ def _fixed_table(kernels: native.NativeKernels | None, int8_dot: str = "auto") -
 def _with_layer_ops(
     base: KernelTable, kernels: native.NativeKernels | None, int8_dot: str = "auto"
 ) -> KernelTable:
-    """`base` with the native norms, SiLU-and-mul and rotary, and the native GGUF matmuls, or
+    """`base` with the native norms, SiLU-and-mul and rotary, the native GGUF matmuls and MoE
+    routing and experts, or
     as it is (portable ops) after one warning when the library could not be built."""
     if kernels is None:
         _warn_no_layer_ops()
@@ -269,6 +275,10 @@ def _with_layer_ops(
         gguf_linear=gguf_linear,
         gguf_dequantize=gguf_dequantize,
         varlen_attention=partial(native_varlen_attention, kernels=kernels),
+        # MoE layers on kernels/cpu/moe.c: the native decoder step runs the same calls
+        moe_softmax_topk=partial(native_softmax_topk, kernels),
+        fused_experts=partial(native_fused_experts, kernels),
+        shared_expert_add=partial(native_shared_expert_add, kernels),
     )
     return native_kernel_table(kernels, base)
 

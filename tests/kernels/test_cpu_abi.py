@@ -258,7 +258,7 @@ def test_layout_check_passes_on_the_real_build() -> None:
     compiled = abi.compiled_layout(lib)
     mirrored = abi.ctypes_layout(abi.structures())
     assert compiled == mirrored
-    assert set(compiled) == {"WickLoRA", "WickLinear", "WickLayer", "WickStackStep"}
+    assert set(compiled) == {"WickLoRA", "WickLinear", "WickMoE", "WickLayer", "WickStackStep"}
 
 
 def test_decoder_stack_takes_its_structs_and_constants_from_the_header() -> None:

@@ -88,12 +88,48 @@ NATIVE: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "starcoder2-erf": lambda: transformers.Starcoder2Config(
         **_COMMON, hidden_act="gelu", use_bias=False
     ),
+    # Routed experts (kernels/cpu/moe.c): softmax top-2 of 4, renormalised.
+    "mixtral": lambda: transformers.MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2
+    ),
+    # A shared expert (its own intermediate size) with its sigmoid gate, top-k not
+    # renormalised, q/k/v biases, and a dense layer between the MoE ones.
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        **_COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+    ),
+    # q/k norms, top-3 of 8 renormalised.
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    ),
 }
 # What the step does not run yet, and the reason the plan gives.
 MODULES: dict[str, tuple[Callable[[], transformers.PretrainedConfig], str]] = {
-    "mixtral": (
-        lambda: transformers.MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
-        "(not the gated or plain GELU MLP)",
+    "deepseek-v2": (
+        lambda: transformers.DeepseekV2Config(
+            **_COMMON,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+        ),
+        "DeepseekAttention (not the fused q/k/v attention)",
     ),
 }
 
@@ -166,7 +202,8 @@ def _with_and_without_the_step(
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     ("family", "kernel"),
-    [(family, PANELS) for family in NATIVE] + [("qwen3", NATIVE_GEMM), ("gemma3", NATIVE_GEMM)],
+    [(family, PANELS) for family in NATIVE]
+    + [("qwen3", NATIVE_GEMM), ("gemma3", NATIVE_GEMM), ("qwen2-moe", NATIVE_GEMM)],
 )
 def test_the_native_step_generates_the_modules_bits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str, kernel: str, dtype: str
@@ -413,3 +450,53 @@ def test_layer_norm_layers_are_described_and_what_the_step_lacks_is_named() -> N
     )
     half = layer.input_norm_bias.to(torch.bfloat16)
     assert "not contiguous torch.float32 CPU tensors" in reason(input_norm_bias=half)
+
+
+def test_moe_layers_are_described_and_what_the_step_lacks_is_named() -> None:
+    """Qwen2-MoE's layers as its blocks describe themselves (router, stacked experts, top-k,
+    the shared expert's MLP and gate; a dense layer between), Mixtral's without a shared
+    expert, and the MoE variants decoder_stack.c does not run, each named."""
+    import dataclasses
+
+    from model_server.layers.attention import get_attention_backend
+    from model_server.models import build_model
+
+    config = NATIVE["qwen2-moe"]()
+    config.architectures = ["Qwen2MoeForCausalLM"]
+    model = build_model(config, get_attention_backend("cpu"))
+    layers = model.model.stack_layers()
+    assert isinstance(layers, tuple) and len(layers) == 3
+    block = model.model.layers[0].mlp
+    moe = layers[0].moe
+    assert moe is not None and layers[1].moe is None  # mlp_only_layers=[1]
+    assert moe.router is block.gate and moe.w13 is block.experts.w13_weight
+    assert (moe.top_k, moe.renormalize) == (2, False)
+    assert moe.shared_gate is block.shared_expert_gate
+    assert layers[0].gate_up is block.shared_expert.gate_up_proj
+    assert decoder_stack._native_reason(layers, torch.float32) is None
+    assert decoder_stack._native_reason(layers, torch.bfloat16) == (
+        "layer 0: experts that are not contiguous torch.bfloat16 CPU tensors"
+    )
+
+    def reason(**changes: Any) -> str | None:
+        changed = (dataclasses.replace(layers[0], **changes), *layers[1:])
+        return decoder_stack._native_reason(changed, torch.float32, lambda t: t)
+
+    assert reason(tp_size=2) == ("layer 0: MoE experts under tensor parallelism (native: one rank)")
+    assert reason(moe=dataclasses.replace(moe, w13=object())) == (
+        "layer 0: experts kept quantized (native: float experts)"
+    )
+    assert reason(moe=dataclasses.replace(moe, shared_gate=None)) == (
+        "layer 0: a shared expert without its gate, or a gate without the expert"
+    )
+    assert reason(mlp_out_norm=layers[0].input_norm) == (
+        "layer 0: sandwich norms around an MoE block"
+    )
+
+    mixtral = NATIVE["mixtral"]()
+    mixtral.architectures = ["MixtralForCausalLM"]
+    described = build_model(mixtral, get_attention_backend("cpu")).model.stack_layers()
+    assert isinstance(described, tuple)
+    assert described[0].gate_up is None and described[0].down is None
+    assert described[0].moe.shared_gate is None and described[0].moe.renormalize
+    assert decoder_stack._native_reason(described, torch.float32) is None

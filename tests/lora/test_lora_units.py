@@ -219,20 +219,28 @@ def test_bench_serve_mixes_the_lora_modules_evenly() -> None:
 
 
 def test_lora_batch_runs_long_runs_alone_and_masks_the_short_ones() -> None:
-    from model_server.lora.layers import MIN_SEGMENT_ROWS, LoRABatch
+    from model_server.kernels.batched_lora_torch import MIN_SEGMENT_ROWS
+    from model_server.lora.layers import LoRABatch
 
     batch = LoRABatch()
     long = MIN_SEGMENT_ROWS
     # Decodes (slots 0, 1, base, 0) first, then a base prefill and two chunks of slots 1 and 2.
     slots = [0, 1, -1, 0] + [-1] * long + [1] * long + [2] * (long + 3)
     batch.set(slots, 3, "cpu")
-    assert batch.active and batch.masked == (0, 4)
-    assert batch.segments == [(4 + long, 4 + 2 * long, 1), (4 + 2 * long, 7 + 3 * long, 2)]
-    assert batch.onehot is not None
-    assert batch.onehot.tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 0], [1, 0, 0]]
-    assert batch.mask(2).tolist()[1] == [0, 0, 1, 1, 0, 0]
+    assert batch.active and batch.rows is not None
+    assert batch.rows.slots.tolist() == slots  # the kernels' per-row slots, on the device
+    groups = batch.rows.groups()
+    assert groups is batch.rows.groups()  # made once per step
+    assert groups.masked == (0, 4)
+    assert groups.segments == [(4 + long, 4 + 2 * long, 1), (4 + 2 * long, 7 + 3 * long, 2)]
+    assert groups.onehot is not None
+    assert groups.onehot.tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 0], [1, 0, 0]]
+    assert groups.mask(2).tolist()[1] == [0, 0, 1, 1, 0, 0]
     batch.set([-1] * 5, 3, "cpu")
-    assert not batch.active and batch.masked is None and not batch.segments
+    assert not batch.active and batch.rows is None
+    batch.native = True  # the native kernel reads the host slots alone
+    batch.set(slots, 3, "cpu")
+    assert batch.active and batch.rows is None and batch.token_slots is not None
 
 
 def test_slots_are_reused_least_recently_used_first_and_removed_ones_first(

@@ -2,8 +2,8 @@
 
 `python -m tools.compile_check` runs in a fresh process (the kernels must be
 decorated with TRITON_INTERPRET off) and compiles, with Triton's bundled ptxas, every variant the
-attention backend, the fused ops, the quantized matmuls, the fused MoE and the MLA decode launch
-for real models' shapes.
+attention backend, the fused ops, the quantized matmuls, the fused MoE, the MLA decode and the
+pooling models' varlen attention launch for real models' shapes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ KERNELS = (
     "_wna16_linear_kernel",
     "_grouped_gemm_kernel",  # fused MoE (deepseek-v2-lite: 64 experts, top 6)
     "_mla_decode_kernel",  # latent attention (deepseek-v2-lite: L 512, R 64, 16 heads)
+    "_varlen_attention_kernel",  # pooling models' packed attention (qwen3-0.6b's heads)
 )
 
 

@@ -34,7 +34,11 @@ from model_server.kernels.cpu.c_header import (
 
 _HERE = Path(__file__).parent
 # The headers whose prototypes are the library's entry points.
-ABI_HEADERS: tuple[Path, ...] = (_HERE / "wick_entry.h", _HERE / "wick_stack.h")
+ABI_HEADERS: tuple[Path, ...] = (
+    _HERE / "wick_entry.h",
+    _HERE / "wick_moe.h",
+    _HERE / "wick_stack.h",
+)
 # abi_layout.c's entry point (declared in wick_stack.h).
 LAYOUT_ENTRY = "wick_abi_layout"
 

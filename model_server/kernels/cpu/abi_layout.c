@@ -50,6 +50,18 @@ static const Row ROWS[] = {
     FIELD(WickLinear, group_size),
     FIELD(WickLinear, lora),
 
+    STRUCT(WickMoE),
+    FIELD(WickMoE, num_experts),
+    FIELD(WickMoE, top_k),
+    FIELD(WickMoE, renormalize),
+    FIELD(WickMoE, has_shared),
+    FIELD(WickMoE, inter),
+    FIELD(WickMoE, w13),
+    FIELD(WickMoE, w2),
+    FIELD(WickMoE, router),
+    FIELD(WickMoE, shared_gate),
+    FIELD(WickMoE, gemm_min_work),
+
     STRUCT(WickLayer),
     FIELD(WickLayer, input_norm),
     FIELD(WickLayer, post_attention_norm),
@@ -79,6 +91,7 @@ static const Row ROWS[] = {
     FIELD(WickLayer, post_attention_norm_bias),
     FIELD(WickLayer, parallel_residual),
     FIELD(WickLayer, mlp_kind),
+    FIELD(WickLayer, moe),
 
     STRUCT(WickStackStep),
     FIELD(WickStackStep, dtype),
@@ -129,6 +142,7 @@ static const Row ROWS[] = {
     FIELD(WickStackStep, segment),
     FIELD(WickStackStep, hidden_out),
     FIELD(WickStackStep, lora_slots),
+    FIELD(WickStackStep, moe_scratch),
 };
 
 int wick_abi_layout(const char **names, int64_t *values, int capacity) {

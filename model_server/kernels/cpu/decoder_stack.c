@@ -2,8 +2,9 @@
  * q/k/v (biases allowed), optional per-head q/k RMSNorm, neox rotary (a cache per layer),
  * paged attention (optional sliding window and logit soft cap, each layer in its KV cache
  * group), output projection, optional sandwich norms (Gemma 2/3), the norm with the residual
- * add, gated MLP (SiLU or GeGLU tanh) or plain fc1 -> GELU (erf or tanh) -> fc2 with biases;
- * or attention and MLP in parallel from the input norm (Phi-2: x + attn + mlp).
+ * add, gated MLP (SiLU or GeGLU tanh) or plain fc1 -> GELU (erf or tanh) -> fc2 with biases,
+ * or a mixture-of-experts block (router, softmax top-k, routed experts, optional gated shared
+ * expert: moe.c); or attention and MLP in parallel from the input norm (Phi-2: x + attn + mlp).
  *
  * Why: a batch-1 decode of SmolLM2-135M spends ~4 of its ~13 ms between the kernels, in Python
  * (module calls, tensor allocation, argument marshalling: ~125 us per layer on a 2-core Zen 4),
@@ -21,7 +22,8 @@
  *   q_rot, k_rot rotated q and k                                [T, H D], [T, Hkv D]
  *   attn         attention output                               [T, H D]
  *   proj         o_proj output                                  [T, hidden]
- *   sandwich     a sandwich norm's input or output; a parallel layer's MLP output [T, hidden]
+ *   sandwich     a sandwich norm's input or output; a parallel layer's MLP output; an MoE
+ *                layer's routed experts' output beside a shared expert [T, hidden]
  *   residual_a/b the residual stream, alternating per norm (the fused norm never writes its
  *                inputs)                                        [T, hidden]
  *   gate_up      gate/up output where the MLP's SiLU is not fused [T, 2 inter] (else unused);
@@ -29,6 +31,8 @@
  *   mid          act(gate) * up, or act(fc1)                    [T, inter]
  *   segment      one GGUF segment's output before it is copied into its columns [T, max N]
  *   hidden_out   the last layer's MLP output                    [T, hidden]
+ *   moe_scratch  MoE layers' router logits, routing, shared expert and experts' scratch
+ *                (`moe_parts`)
  * On return `*residual_out` says which residual buffer holds the stream before hidden_out. */
 
 #include <stdint.h>
@@ -37,6 +41,7 @@
 #include "wick_cpu.h"
 #include "wick_entry.h"
 #include "wick_lora.h"
+#include "wick_moe.h"
 #include "wick_stack.h"
 
 /* Error codes: (layer << 4) | STAGE_*, negated; the failing kernel's own code goes to
@@ -115,7 +120,8 @@ static int run_linear(const WickStackStep *s, const WickLinear *w, const void *x
  * says so, else the gate/up matmul then the activation's own kernel. */
 static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x) {
   const WickLinear *w = &l->gate_up;
-  const int64_t m = s->num_tokens, inter = s->intermediate;
+  /* the layer's own (a shared expert's may differ from the dense layers') */
+  const int64_t m = s->num_tokens, inter = l->down.k;
   if (l->mlp_kind == MLP_PLAIN) { /* fc1 [T, inter] (its bias in the kernel), then the GELU */
     if (l->activation != ACT_GELU && l->activation != ACT_GELU_TANH) return -1;
     const int status = run_linear(s, w, x, s->gate_up);
@@ -140,6 +146,70 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
                                   s->num_threads, s->norm_min_work);
   return wick_silu_and_mul(s->dtype, s->gate_up, 2 * inter, s->mid, m, (int)inter,
                            s->num_threads, s->norm_min_work);
+}
+
+/* A MoE layer's scratch (s->moe_scratch), carved in this order, each part 64-byte aligned:
+ * router logits [T, E], weights [T, k] fp32, ids [T, k] int64, the shared expert's gate
+ * logit [T] and output [T, hidden], then wick_moe_experts' own. Returns the bytes; fills
+ * `parts` when given. */
+typedef struct {
+  void *logits, *gate, *shared, *experts;
+  float *weights;
+  int64_t *ids;
+} MoEParts;
+
+static int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+static int64_t moe_parts(const WickStackStep *s, const WickMoE *m, MoEParts *parts) {
+  const int64_t T = s->num_tokens, es = elem_size(s), k = m->top_k;
+  const int64_t sizes[5] = {aligned64(T * m->num_experts * es), aligned64(T * k * 4),
+                            aligned64(T * k * 8), aligned64(T * es), aligned64(T * s->hidden * es)};
+  char *at = (char *)s->moe_scratch;
+  void *starts[5];
+  int64_t total = 0;
+  for (int i = 0; i < 5; i++) {
+    starts[i] = at == NULL ? NULL : at + total;
+    total += sizes[i];
+  }
+  if (parts != NULL) {
+    parts->logits = starts[0], parts->weights = (float *)starts[1];
+    parts->ids = (int64_t *)starts[2], parts->gate = starts[3], parts->shared = starts[4];
+    parts->experts = at + total;
+  }
+  return total + wick_moe_scratch_bytes(s->dtype, T, m->top_k, s->hidden, m->inter);
+}
+
+int64_t wick_stack_moe_bytes(const WickStackStep *s, const WickLayer *layer) {
+  return layer->moe.num_experts > 0 ? moe_parts(s, &layer->moe, NULL) : 0;
+}
+
+static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x);
+
+/* y [T, hidden] = the layer's MoE block of x (moe.c, as the CPU kernel table's MoE slots run
+ * it under the modules): router, softmax top-k, routed experts; with a shared expert its MLP
+ * (gate_up, down) and gate, then routed + sigmoid(gate) * shared. */
+static int run_moe(const WickStackStep *s, const WickLayer *l, const void *x, void *y) {
+  const WickMoE *m = &l->moe;
+  const int64_t T = s->num_tokens;
+  MoEParts p;
+  moe_parts(s, m, &p);
+  int status = run_linear(s, &m->router, x, p.logits);
+  if (status != 0) return status;
+  status = wick_moe_softmax_topk(s->dtype, p.logits, T, m->num_experts, m->top_k,
+                                 m->renormalize, p.weights, p.ids);
+  if (status != 0) return status;
+  void *routed = m->has_shared ? s->sandwich : y;
+  status = wick_moe_experts(s->dtype, x, T, s->hidden, m->w13, m->w2, m->num_experts, m->inter,
+                            p.weights, p.ids, m->top_k, routed, p.experts, s->num_threads,
+                            m->gemm_min_work, s->norm_min_work);
+  if (status != 0 || !m->has_shared) return status;
+  status = run_linear(s, &m->shared_gate, x, p.gate);
+  if (status != 0) return status;
+  status = run_mlp_in(s, l, x);
+  if (status != 0) return status;
+  status = run_linear(s, &l->down, s->mid, p.shared);
+  if (status != 0) return status;
+  return wick_moe_shared_expert_add(s->dtype, routed, p.gate, p.shared, y, T, s->hidden);
 }
 
 /* y [T, n] = rms_norm(x [T, n]) * weight, rows contiguous (the module path's RMSNorm on a
@@ -251,7 +321,9 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
   for (int i = s->first_layer; i <= s->last_layer; i++) {
     const WickLayer *l = &layers[i];
     const int err = -(i << 4);
-    if (l->qkv.n != qkv_n || l->o.n != hidden || l->down.n != hidden) return err - STAGE_LAYOUT;
+    const int has_mlp = l->moe.num_experts == 0 || l->moe.has_shared;
+    if (l->qkv.n != qkv_n || l->o.n != hidden || (has_mlp && l->down.n != hidden))
+      return err - STAGE_LAYOUT;
     const int from = i == s->first_layer ? s->first_half : 0;
     const int to = i == s->last_layer ? s->last_half : 1;
     if (from == 0) {
@@ -310,7 +382,11 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
       residual = next_residual;
       next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
       /* 7-8. the MLP (its sandwich norm: on the reduced output, by the next half's caller
-       * under tensor parallelism, here on one rank) */
+       * under tensor parallelism, here on one rank), or the MoE block (one rank) */
+      if (l->moe.num_experts > 0) {
+        STAGE(run_moe(s, l, s->normed, s->hidden_out), STAGE_MLP);
+        continue;
+      }
       STAGE(run_mlp_in(s, l, s->normed), STAGE_MLP);
       if (l->mlp_out_norm != NULL) {
         STAGE(run_linear(s, &l->down, s->mid, s->sandwich), STAGE_DOWN);

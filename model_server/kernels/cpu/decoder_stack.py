@@ -12,12 +12,17 @@ It runs where the model describes its layers (`StackLayer`, models/decoder_parts
 with or without biases, fused q/k/v with optional biases and per-head q/k RMSNorms, neox rotary
 over the whole head or its leading dims, causal attention (sliding windows in their own KV
 pool, soft caps, quantized caches) on the native CPU backend, o_proj, a gated MLP (SiLU or
-GELU tanh) or a plain one (fc1 -> GELU erf or tanh -> fc2, biases allowed), the MLP after the
-attention or beside it from the same norm (Phi-2, StableLM's parallel residual: x + (attn +
-mlp)); under tensor parallelism one call per half layer with the all-reduce between (parallel
-layers: one rank only). Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3, GLM-4,
-InternLM2, Baichuan, Phi-2, StableLM, StarCoder2. Not yet: MoE layers, latent attention,
-StableLM's per-head q/k LayerNorm (its modules refuse it too), the gated exact GELU.
+GELU tanh) or a plain one (fc1 -> GELU erf or tanh -> fc2, biases allowed), or an MoE block
+(`StackMoE`: the router's linear, softmax top-k renormalised or not, float experts in the
+activation dtype, optionally Qwen2-MoE's shared expert MLP scaled by sigmoid of its gate; the
+CPU table's MoE slots and the step both run kernels/cpu/moe.c), the MLP after the attention
+or beside it from the same norm (Phi-2, StableLM's parallel residual: x + (attn + mlp)); under
+tensor parallelism one call per half layer with the all-reduce between (parallel layers and
+MoE layers: one rank only). Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3,
+GLM-4, InternLM2, Baichuan, Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE. Not
+yet: experts kept quantized (GPTQ/AWQ), MoE under tensor parallelism, DeepSeek (latent
+attention, grouped top-k routing), StableLM's per-head q/k LayerNorm (its modules refuse it
+too), the gated exact GELU.
 
 Per row bucket every matmul must have a native kernel as the planned weights say
 (kernels/planned_weight.py): dense or panel kernels for float weights, the GGUF or wNa16
@@ -50,7 +55,7 @@ from model_server.kernels.cpu.wna16 import wna16_applies
 from model_server.kernels.kv_cache_dtype import QuantizedKVCache
 from model_server.kernels.lora_weights import StackedLoRA
 from model_server.kernels.planned_weight import GGUFSegmentDispatch, PlannedWeight
-from model_server.kernels.stack_layer import StackLayer
+from model_server.kernels.stack_layer import StackLayer, StackMoE
 from model_server.kernels.stack_layer import StepMetadata as AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -113,7 +118,7 @@ _NORM_KINDS = {"rms": 0, "layer": 1}
 class _Geometry:
     """What every layer shares (checked equal across layers when the step is built)."""
 
-    __slots__ = ("dtype", "eps", "head_dim", "heads", "hidden", "inter", "kv_heads",
+    __slots__ = ("dtype", "eps", "experts", "head_dim", "heads", "hidden", "inter", "kv_heads",
                  "max_position", "qkv_n", "scale")  # fmt: skip
 
     def __init__(self, layer: StackLayer, dtype: torch.dtype) -> None:
@@ -121,14 +126,17 @@ class _Geometry:
         self.hidden = int(layer.input_norm.shape[0])
         self.heads, self.kv_heads = layer.num_heads, layer.num_kv_heads
         self.head_dim = layer.head_dim
-        self.inter = int(layer.down.weight.shape[1])
+        # this layer's MLP (an MoE layer's shared expert; 0: none): the step's buffers take the
+        # largest (`build`), each layer runs its own (decoder_stack.c reads down.k)
+        self.inter = 0 if layer.down is None else int(layer.down.weight.shape[1])
+        self.experts = 0 if layer.moe is None else int(layer.moe.w13.shape[0])  # likewise
         self.eps = float(layer.eps)
         self.scale = float(layer.scale)
         self.max_position = int(layer.cos_sin_cache.shape[0])
         self.qkv_n = (self.heads + 2 * self.kv_heads) * self.head_dim
 
     def same(self, other: _Geometry) -> bool:
-        names = ("hidden", "heads", "kv_heads", "head_dim", "inter", "eps", "scale", "qkv_n",
+        names = ("hidden", "heads", "kv_heads", "head_dim", "eps", "scale", "qkv_n",
                  "max_position")  # fmt: skip
         return all(getattr(self, n) == getattr(other, n) for n in names)
 
@@ -174,9 +182,12 @@ class CpuDecoderStack:
             assert not isinstance(layers, str)
             geometry = _Geometry(layers[0], dtype)
             for i, layer in enumerate(layers):
-                if not _Geometry(layer, dtype).same(geometry):
+                own = _Geometry(layer, dtype)
+                if not own.same(geometry):
                     reason = f"layer {i} differs in shape from layer 0"
                     break
+                geometry.inter = max(geometry.inter, own.inter)
+                geometry.experts = max(geometry.experts, own.experts)
         if reason is not None or geometry is None:
             reason = reason or "no layers"
             logger.info("decoder layers run module by module: %s", reason)
@@ -195,8 +206,7 @@ class CpuDecoderStack:
         by module)."""
         if self.all_reduce is not None:
             return "tensor parallelism (LoRA runs on one rank)"
-        described = {m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up,
-                                                          layer.down)}  # fmt: skip
+        described = {m for layer in self.layers for m in _matmuls(layer).values()}
         missing = [m for m in stacks if m not in described]
         if missing:
             return f"{len(missing)} LoRA layers are not linears the native step runs"
@@ -300,8 +310,7 @@ class CpuDecoderStack:
         layers = self.layers
         structs = (abi.structure("WickLayer") * len(layers))()
         for i, (s, layer, kv) in enumerate(zip(structs, layers, kv_caches, strict=True)):
-            parts = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
-            for name, module in parts.items():
+            for name, module in _matmuls(layer).items():
                 linear = self._linear(module, key, dtype)
                 if linear is None:
                     weight = module.weight
@@ -318,9 +327,14 @@ class CpuDecoderStack:
                     return None
                 if module in self._lora:
                     linear.lora = self._lora[module]
-                setattr(s, name, linear)
+                if name in ("router", "shared_gate"):
+                    setattr(s.moe, name, linear)
+                else:
+                    setattr(s, name, linear)
+            if layer.moe is not None:
+                _describe_moe(s.moe, layer.moe)
             # The module path fuses the SiLU wherever the planned weight can (GatedMLP).
-            gate_up = layer.gate_up.weight
+            gate_up = None if layer.gate_up is None else layer.gate_up.weight
             if isinstance(gate_up, PlannedWeight):
                 gate_up = gate_up.at_bucket(key)
             fused = getattr(gate_up, "fused_silu_and_mul", None)
@@ -368,7 +382,7 @@ class CpuDecoderStack:
             ok = all(
                 self._linear(module, key, self.geometry.dtype) is not None
                 for layer in self.layers
-                for module in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                for module in _matmuls(layer).values()
             )
             native_keys.append(ok)
         parts = []
@@ -467,7 +481,7 @@ class CpuDecoderStack:
             "residual_b": geo.hidden,
             "gate_up": 2 * geo.inter,
             "mid": geo.inter,
-            "segment": max(geo.qkv_n, 2 * geo.inter, geo.hidden),
+            "segment": max(geo.qkv_n, 2 * geo.inter, geo.hidden, geo.experts),
             "hidden_out": geo.hidden,
         }
         # One allocation, carved into 64-byte aligned rows of buffers.
@@ -504,6 +518,13 @@ class CpuDecoderStack:
             step.lora_slots = lora_slots.data_ptr()
         for name in _BUFFERS:
             setattr(step, name, base + offsets[name] * esize)
+        moe_scratch = None
+        if any(layer.moe is not None for layer in self.layers):
+            lib = self.kernels.lib
+            moe_bytes = max(lib.wick_stack_moe_bytes(ctypes.addressof(step), ctypes.addressof(s))
+                            for s in plan)  # fmt: skip
+            moe_scratch = torch.empty(moe_bytes, dtype=torch.uint8)
+            step.moe_scratch = moe_scratch.data_ptr()
 
         def view(name: str) -> torch.Tensor:
             return arena[offsets[name] : offsets[name] + t * geo.hidden].view(t, geo.hidden)
@@ -528,7 +549,8 @@ class CpuDecoderStack:
                     out += layer.down.bias
                 if layer.mlp_out_norm is not None:
                     out.copy_(layer_ops.rms_norm(self.kernels, out, layer.mlp_out_norm, geo.eps))
-        del keep, positions, starts, lens, lora_slots  # alive until here: the calls read them
+        # alive until here: the calls read them
+        del keep, positions, starts, lens, lora_slots, moe_scratch
         return view("hidden_out"), view("residual_a" if which.value == 0 else "residual_b")
 
     def _call(
@@ -555,6 +577,25 @@ class CpuDecoderStack:
                 f"native decoder stack: layer {layer}'s {_STAGES.get(stage, stage)} failed "
                 f"(kernel status {step.status})"
             )
+
+
+def _matmuls(layer: StackLayer) -> dict[str, nn.Module]:
+    """The layer's linear modules by their WickLayer field (an MoE layer's router and shared
+    gate: WickMoE's), those it has."""
+    parts = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
+    if layer.moe is not None:
+        parts |= {"router": layer.moe.router, "shared_gate": layer.moe.shared_gate}
+    return {name: module for name, module in parts.items() if module is not None}
+
+
+def _describe_moe(out: Any, moe: StackMoE) -> None:
+    """WickMoE's fields of `moe` but its linears (`_plan` fills those)."""
+    w13, w2 = moe.w13, moe.w2
+    out.num_experts, out.top_k = int(w13.shape[0]), moe.top_k
+    out.renormalize, out.has_shared = int(moe.renormalize), int(moe.shared_gate is not None)
+    out.inter = int(w2.shape[2])
+    out.w13, out.w2 = w13.data_ptr(), w2.data_ptr()
+    out.gemm_min_work = GEMM_MIN_WORK
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -591,7 +632,7 @@ def _native_reason(
             return f"layer {i}: the {backend} attention backend (not the native cpu one)"
         if layer.tp_size != 1 and all_reduce is None:
             return f"layer {i}: tensor parallelism without an all-reduce to run between calls"
-        reason = _layer_kind_reason(layer)
+        reason = _layer_kind_reason(layer) if layer.moe is None else _moe_reason(layer, dtype)
         if reason is not None:
             return f"layer {i}: {reason}"
         if (layer.q_norm is None) != (layer.k_norm is None):
@@ -612,6 +653,34 @@ def _native_reason(
     return None
 
 
+def _moe_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
+    """What of the layer's MoE block decoder_stack.c (moe.c) lacks, or None."""
+    moe = layer.moe
+    assert moe is not None
+    if layer.tp_size != 1:
+        return "MoE experts under tensor parallelism (native: one rank)"
+    experts = (moe.w13, moe.w2)
+    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in experts):
+        return "experts kept quantized (native: float experts)"
+    if any(w.dtype != dtype or not w.is_contiguous() or not w.is_cpu for w in experts):
+        return f"experts that are not contiguous {dtype} CPU tensors"
+    if moe.w13.shape[1] != 2 * moe.w2.shape[2] or moe.router.weight.shape[0] != moe.w13.shape[0]:
+        return "experts of mismatched shapes"
+    if getattr(moe.router, "bias", None) is not None:
+        return "a router with a bias"
+    if layer.parallel_residual or layer.norm != "rms":
+        return "an MoE block after other than an RMSNorm before the MLP"
+    if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
+        return "sandwich norms around an MoE block"
+    if (moe.shared_gate is None) != (layer.gate_up is None):
+        return "a shared expert without its gate, or a gate without the expert"
+    if layer.gate_up is not None:
+        if layer.mlp != "gated" or layer.activation != "silu":
+            return f"a {layer.mlp} {layer.activation} shared expert (native: gated SiLU)"
+        return _layer_kind_reason(layer)
+    return None
+
+
 def _layer_kind_reason(layer: StackLayer) -> str | None:
     """What of the layer's norm, residual and MLP kinds decoder_stack.c lacks, or None."""
     if layer.mlp not in _MLP_KINDS:
@@ -620,6 +689,8 @@ def _layer_kind_reason(layer: StackLayer) -> str | None:
     if layer.activation not in native_acts:
         acts = ", ".join(native_acts)
         return f"the {layer.activation} activation in a {layer.mlp} MLP (native: {acts})"
+    if layer.gate_up is None or layer.down is None:
+        return "an MLP without gate/up or down"
     inter = int(layer.down.weight.shape[1])
     gate_up_rows = int(layer.gate_up.weight.shape[0])
     if gate_up_rows != (inter if layer.mlp == "plain" else 2 * inter):

@@ -48,6 +48,19 @@ typedef struct {
   WickLoRA lora;
 } WickLinear;
 
+/* A mixture-of-experts block in place of the MLP (num_experts > 0; moe.c's calls, in the order
+ * the modules run them): router logits, softmax top-k, the routed experts; with a shared
+ * expert (Qwen2-MoE) the layer's gate_up/down MLP of the same input, added scaled by
+ * sigmoid(shared_gate(x)). The experts' weights are float, in the activation dtype. */
+typedef struct {
+  int32_t num_experts, top_k, renormalize, has_shared;
+  int64_t inter;                /* each expert's intermediate size I */
+  const void *w13, *w2;         /* [E, 2I, hidden], [E, hidden, I] */
+  WickLinear router;            /* [E, hidden] */
+  WickLinear shared_gate;       /* [1, hidden] (has_shared) */
+  int64_t gemm_min_work;        /* the experts' matmuls' (gemm.py's MIN_WORK_PER_THREAD) */
+} WickMoE;
+
 /* The MLP's activation (WickLayer.activation): ACT_GELU is the exact (erf) one. */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
 /* The layer's norms (WickLayer.norm_kind) and MLP (WickLayer.mlp_kind). */
@@ -83,6 +96,9 @@ typedef struct {
   int32_t parallel_residual;
   /* MLP_PLAIN: gate_up is fc1 [inter, hidden] (bias allowed), then `activation` alone. */
   int32_t mlp_kind;                /* MLP_* */
+  /* Routed experts instead of the MLP (moe.num_experts 0: none); gate_up/down then hold the
+   * shared expert, if any. */
+  WickMoE moe;
 } WickLayer;
 
 typedef struct {
@@ -121,11 +137,17 @@ typedef struct {
       *residual_a, *residual_b, *gate_up, *mid, *segment, *hidden_out;
   /* [T] each row's LoRA slot (-1: the base model), or NULL: no adapter in this step */
   const int32_t *lora_slots;
+  /* MoE layers' scratch: wick_stack_moe_bytes of the largest (NULL without MoE layers) */
+  void *moe_scratch;
 } WickStackStep;
 
 /* decoder_stack.c: all of a decoder stack's layers in one call. */
 int wick_decoder_stack(WickStackStep *s, const WickLayer *layers, int num_layers,
                        int *residual_out);
+
+/* decoder_stack.c: the bytes of `moe_scratch` layer `layer` needs at the step's num_tokens,
+ * dtype and hidden (0 for a layer without experts). */
+int64_t wick_stack_moe_bytes(const WickStackStep *s, const WickLayer *layer);
 
 /* abi_layout.c: the compiled layout of the structs above, one row per struct (field "": its
  * sizeof at values[2 i + 1]) and per field (offsetof at values[2 i], sizeof at values[2 i + 1]),

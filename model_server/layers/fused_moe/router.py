@@ -2,7 +2,8 @@
 
 Each follows its HF reference's arithmetic (transformers 5): scores in float32, the same top-k,
 the same normalisation, so a tie between experts breaks the same way.
-  - `softmax_topk`: Mixtral (always renormalised), Qwen2-MoE / Qwen3-MoE (`norm_topk_prob`).
+  - `softmax_topk` (kernels/fused_moe_torch.py, the kernel table's `moe_softmax_topk`): Mixtral
+    (always renormalised), Qwen2-MoE / Qwen3-MoE (`norm_topk_prob`).
   - `grouped_topk`: DeepSeek. V2: softmax scores, `greedy` or `group_limited_greedy` (the best
     `topk_group` of `n_group` expert groups by their best score); V3 (`noaux_tc`): sigmoid
     scores, the choice made on scores + `e_score_correction_bias`, groups ranked by the sum of
@@ -15,16 +16,11 @@ from __future__ import annotations
 
 import torch
 
+# The portable one; a model's blocks call their kernel table's `moe_softmax_topk`, which runs
+# the same arithmetic (natively on the CPU: kernels/cpu/moe.c).
+from model_server.kernels.fused_moe_torch import softmax_topk
 
-def softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, k] float32, ids [T, k] int64)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+__all__ = ["grouped_topk", "softmax_topk"]
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:

@@ -1,0 +1,45 @@
+/* Mixture-of-experts layers (moe.c), declared once: moe.c and decoder_stack.c include this
+ * header, and the Python side binds its functions with the types declared here
+ * (kernels/cpu/abi.py). Both paths run these three calls, with the same arguments in the same
+ * order: the CPU kernel table's `moe_softmax_topk`, `fused_experts` and `shared_expert_add`
+ * (kernels/cpu/moe.py) under the modules, and decoder_stack.c's MoE layers.
+ *
+ * dtype 0: fp32, 1: bf16 (activations and the experts' weights alike). Shapes:
+ *   logits  [T, E] the router's output, in the dtype
+ *   weights [T, k] fp32, ids [T, k] int64: each token's experts, best first
+ *   x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up rows); w2 [E, H, I];
+ *   out [T, H] in the dtype. */
+#ifndef WICK_MOE_H
+#define WICK_MOE_H
+
+#include <stdint.h>
+
+/* softmax(logits) in fp32, its top k (ties to the lower expert id), renormalised to sum 1
+ * when `renormalize` (Mixtral; Qwen's norm_topk_prob). Returns 0, -1 for k outside [1, E]. */
+int wick_moe_softmax_topk(int dtype, const void *logits, int64_t num_tokens, int num_experts,
+                          int top_k, int renormalize, float *weights, int64_t *ids);
+
+/* The bytes of wick_moe_experts' scratch for these sizes. */
+int64_t wick_moe_scratch_bytes(int dtype, int64_t num_tokens, int top_k, int64_t hidden,
+                               int64_t inter);
+
+/* out[t] = sum_j weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])),
+ * e = ids[t, j]: the (token, slot) pairs grouped by expert (stable), each expert's two matmuls
+ * once over its rows (gemm.c's wick_gemm, outputs rounded to the dtype; layer_ops.c's SiLU
+ * and mul between), each pair's row times its weight in fp32, a token's k rows summed in slot
+ * order in fp32 and rounded once. `scratch`: wick_moe_scratch_bytes of them. Returns 0, -2 for
+ * an expert id outside [0, E), or a matmul's error. */
+int wick_moe_experts(int dtype, const void *x, int64_t num_tokens, int64_t hidden,
+                     const void *w13, const void *w2, int num_experts, int64_t inter,
+                     const float *weights, const int64_t *ids, int top_k, void *out,
+                     void *scratch, int num_threads, int64_t gemm_min_work,
+                     int64_t act_min_work);
+
+/* out [T, H] = routed + sigmoid(gate) * shared, gate [T] (one column), each op rounded to the
+ * dtype as PyTorch rounds `routed + torch.sigmoid(gate) * shared` (Qwen2-MoE's shared
+ * expert). out may be routed. */
+int wick_moe_shared_expert_add(int dtype, const void *routed, const void *gate,
+                               const void *shared, void *out, int64_t num_tokens,
+                               int64_t hidden);
+
+#endif /* WICK_MOE_H */
