@@ -8,7 +8,8 @@ The CPU test suite runs the kernels under the Triton interpreter, which accepts 
 compiler rejects (and runs bf16 dots upcast, unlike the GPU variant). This check closes that gap
 without a GPU: it drives the real call sites (the `triton` attention backend's forward, the fused
 RMSNorm / add+RMSNorm / SiLU-and-mul, the int8 and wNa16 matmuls, the fused-MoE grouped GEMMs of
-MoE presets, the MLA latent decode of MLA presets, the pooling models' varlen attention) on small
+MoE presets, the MLA latent decode of MLA presets, the pooling models' varlen attention, the
+multi-LoRA shrink and expand) on small
 CPU tensors shaped like real models' (the dummy presets' configs), with Triton's launcher swapped
 for compile-only. Each launch goes through Triton's own pipeline down to a cubin (its bundled
 ptxas) for the target architecture and is never executed, so outputs stay unwritten.
@@ -403,6 +404,47 @@ def varlen_attention_calls(
         )
 
 
+def lora_calls(shape: ModelShape, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], object]]]:
+    """Multi-LoRA layers' shrink and expand (kernels/batched_lora.py) on the model's fused q/k/v
+    and down projections, ranks 16 and 64, adapters in float32 (the manager's choice off the
+    native CPU kernel): a decode batch (the split-K shrink) and a prefill chunk of one adapter."""
+    if shape.kv_lora_rank:
+        return
+    from model_server.kernels.batched_lora import lora_add_triton
+    from model_server.kernels.batched_lora_torch import LoRARows
+    from model_server.kernels.lora_weights import StackedLoRA
+
+    hidden, q = shape.hidden_size, shape.num_heads * shape.head_dim
+    kv = shape.num_kv_heads * shape.head_dim
+    layers = {
+        "qkv": (hidden, ((0, q), (q, kv), (q + kv, kv))),
+        "down": (shape.intermediate_size, ((0, hidden),)),
+    }
+    num_slots = 4
+    for name, (in_features, slices) in layers.items():
+        out_features = sum(size for _, size in slices)
+        for rank in (16, 64):
+            stacked = StackedLoRA(
+                torch.zeros(num_slots, len(slices) * rank, in_features),
+                torch.zeros(num_slots, rank, out_features),
+                torch.zeros(num_slots, len(slices), dtype=torch.int32),
+                slices,
+            )
+            for rows_name, slots in (
+                ("decodes", [i % (num_slots + 1) - 1 for i in range(8)]),
+                ("prefill chunk", [1] * 40),
+            ):
+                rows = LoRARows.build(slots, num_slots, "cpu")
+                x = torch.zeros(len(slots), in_features, dtype=dtype)
+                out = torch.zeros(len(slots), out_features, dtype=dtype)
+                yield (
+                    f"LoRA {name} rank {rank}, {rows_name}",
+                    lambda x=x, out=out, rows=rows, stacked=stacked: lora_add_triton(
+                        x, out, rows, stacked
+                    ),
+                )
+
+
 def check(
     archs: Sequence[int],
     shapes: Sequence[ModelShape],
@@ -428,6 +470,7 @@ def check(
                 calls += moe_calls(shape, dtype)
                 calls += mla_calls(shape, dtype, block_size)
                 calls += varlen_attention_calls(shape, dtype)
+                calls += lora_calls(shape, dtype)
                 for case, call in calls:
                     where = f"sm_{capability} {shape.name} {dtype_name} {case}"
                     with compile_only(capability) as launched:

@@ -37,6 +37,8 @@ KERNELS = (
     "_grouped_gemm_kernel",  # fused MoE (deepseek-v2-lite: 64 experts, top 6)
     "_mla_decode_kernel",  # latent attention (deepseek-v2-lite: L 512, R 64, 16 heads)
     "_varlen_attention_kernel",  # pooling models' packed attention (qwen3-0.6b's heads)
+    "_shrink_kernel",  # multi-LoRA (qwen3-0.6b's q/k/v and down projections)
+    "_expand_kernel",
 )
 
 
