@@ -42,15 +42,16 @@ class _Embeddings(nn.Module):
         self.position_offset = (config.pad_token_id + 1) if roberta else 0
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
+        # A new [T, H] sum: the segment embedding is added in place (see _Intermediate).
         x = self.word_embeddings(batch.input_ids) + self.position_embeddings(
             batch.positions + self.position_offset
         )
         if self.token_type_embeddings.num_embeddings == 1:
             # XLM-RoBERTa has one segment: a pair's second text is not marked (its tokenizer
             # returns no token_type_ids; a BERT-style tokenizer's 1s must not index past it).
-            x = x + self.token_type_embeddings.weight[0]
+            x += self.token_type_embeddings.weight[0]
         else:
-            x = x + self.token_type_embeddings(batch.token_type_ids)
+            x += self.token_type_embeddings(batch.token_type_ids)
         return self.LayerNorm(x)  # [T, H]
 
 
@@ -75,7 +76,10 @@ class _SelfAttention(nn.Module):
 
 
 class _DenseNorm(nn.Module):
-    """`LayerNorm(dense(x) + residual)`: the attention output and the FFN output blocks."""
+    """`LayerNorm(dense(x) + residual)`: the attention output and the FFN output blocks (BERT's
+    post-norm). The residual is added in place into the linear's new output (the same bf16
+    rounding as `+`; see _Intermediate for why), never into `residual`, which the caller
+    still holds."""
 
     def __init__(self, in_features: int, config, kernels: KernelTable) -> None:
         super().__init__()
@@ -83,7 +87,7 @@ class _DenseNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x).add_(residual))
 
 
 class _Attention(nn.Module):
@@ -104,13 +108,21 @@ class _Intermediate(nn.Module):
         self.dense = ReplicatedLinear(
             config.hidden_size, config.intermediate_size, bias=True, kernels=kernels
         )
-        self.act = config.hidden_act
+        # GELU's form ("none": BERT's erf one); None: ReLU.
+        self.approximate = {"relu": None, "gelu": "none"}.get(config.hidden_act, "tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The linear's output [T, I] (bias added) is a new tensor that nothing else holds, so
+        # the activation overwrites it: PyTorch's bits, without a second [T, I] tensor. A new
+        # multi-MB tensor per op is fresh pages (page faults) under glibc's default malloc: on
+        # MiniLM bf16, batch 32, one thread (busy 2-core box), the in-place GELU and residual
+        # adds made the step 7-13% faster in thread CPU time (same process, A/B alternated).
+        # PyTorch's GELU, not the table's `gelu`: on a [2600, 1536] bf16 batch aten's vectorized
+        # erf GELU took 0.8-0.9 ms, layer_ops.c's 3.4 ms.
         x = self.dense(x)
-        if self.act == "relu":
-            return F.relu(x)
-        return F.gelu(x, approximate="none" if self.act == "gelu" else "tanh")
+        if self.approximate is None:
+            return F.relu(x, inplace=True)
+        return torch.ops.aten.gelu_(x, approximate=self.approximate)
 
 
 class _Layer(nn.Module):
