@@ -111,3 +111,52 @@ def test_bad_slots_and_shapes_are_refused() -> None:
         lora_add(default_kernels(), x, y, torch.zeros(3, dtype=torch.int64), lora)
     with pytest.raises(ValueError, match="tile"):
         StackedLoRA(stacked.a, stacked.b, stacked.ranks, ((1, 8),))
+
+
+@pytest.mark.parametrize("split", ["slots", "columns"])
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_its_place_nor_on_the_threads(weights, dtype, split) -> None:
+    """k and the slices not multiples of any vector width (the shrink's k tail; the expand's
+    columns fall in a vector with one thread and in the scalar tail with two) and odd ranks:
+    each row's result equals the same row's alone, in any order and thread count. Four adapters
+    of equal work (two threads take two slots each), or one adapter's rows, more than one pass
+    of the kernel (64; the threads split A's rows, then y's columns)."""
+    if split == "slots":
+        ranks, m = [[5, 16, 3]] * 4, 60
+        slots = torch.tensor([0, 1, 2, 3, -1] * (m // 5), dtype=torch.int32)
+    else:
+        ranks, m = [[5, 16, 3], [16, 0, 7]], 150
+        slots = torch.tensor([0, 0, -1, 0, 0] * (m // 5), dtype=torch.int32)
+    stacked = _stacked(100, [40, 72, 24], len(ranks), 16, ranks, weights=weights)
+    lora = lora_struct(stacked)
+    lora.min_work_per_thread = 0  # every call on all the threads it is given
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, 100, generator=gen).to(dtype)
+    y0 = torch.randn(m, 136, generator=gen).to(dtype)
+    perm = torch.randperm(m, generator=gen)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = y0.clone()
+            lora_add(default_kernels(), x, y, slots, lora)
+            outs.append(y)
+            y = y0[perm].clone()
+            lora_add(default_kernels(), x[perm].contiguous(), y, slots[perm].contiguous(), lora)
+            outs.append(torch.empty_like(y).index_copy_(0, perm, y))
+        torch.set_num_threads(1)
+        alone = y0.clone()
+        for t in range(0, m, 7):  # a few rows, each the only row of its call
+            lora_add(default_kernels(), x[t : t + 1], alone[t : t + 1], slots[t : t + 1], lora)
+    finally:
+        torch.set_num_threads(threads)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    for t in range(0, m, 7):
+        assert torch.equal(alone[t], outs[0][t])
+    expected = _reference(stacked, x, y0, slots.tolist())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[0].float(), expected, rtol=tol, atol=tol)
+    assert not torch.equal(outs[0], y0)

@@ -17,12 +17,15 @@ from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.lora_weights import StackedLoRA
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Multiply-adds worth a second thread. A layer's adapters run 120 times per step on a 30-layer
-# model, each call a few hundred thousand multiply-adds at 16 decode rows. Quiet 2-core Zen 5,
-# SmolLM2's 120 calls of a 16-row step over 4 rank-16 bf16 adapters: 8.6 ms on one thread
-# (threshold 2^22), 5.0 ms on two (2^17); 4 rows: 8.1 / 6.5 ms. On a loaded machine a fork/join
-# per call can cost more than it saves (18 vs 8.5 ms measured under load), as for every kernel
-# here; the threshold is chosen for a machine the server has to itself.
+# Multiply-adds worth a second thread (the kernel counts a slot's rows in whole register tiles
+# of 4, the work its weights' read costs). A layer's adapters run 120 times per step on a
+# 30-layer model, each call a few hundred thousand multiply-adds at 16 decode rows, and what
+# they cost is the ~38 MB of 4 adapters' bf16 weights read per step. Busy 2-core Zen 5,
+# SmolLM2's 120 calls of a 16-row step over 4 rank-16 bf16 adapters (ctypes calls, no Python
+# checks): 2.3 ms on one thread, 1.3 ms on two at 2^17 (the machine streams ~40 GB/s); 4 rows
+# (one per adapter): 1.9 / 1.2 ms. On a loaded machine a fork/join per call can cost more than
+# it saves, as for every kernel here; the threshold is chosen for a machine the server has to
+# itself.
 MIN_WORK_PER_THREAD = 1 << 17
 # wick_lora_add's refusals.
 _ERRORS = {
