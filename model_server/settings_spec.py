@@ -1003,7 +1003,8 @@ SETTINGS: tuple[Setting, ...] = (
         '"prompt_lookup_min": 2}\'. Only n-gram prompt lookup (no draft model). Output is the '
         "same as without speculation, greedy or seeded; requests with penalties, min_tokens "
         "still due or a grammar decode plainly, and only steps with fewer than "
-        "disable_by_batch_size (default 4) running requests speculate. Not with tensor "
+        "disable_by_batch_size (default 4) running requests speculate; a request whose drafts "
+        "keep being rejected proposes fewer, then none for a while. Not with tensor "
         "parallelism.",
         "engine",
         default_text="off",

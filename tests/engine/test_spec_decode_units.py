@@ -15,7 +15,12 @@ from model_server.engine.core.scheduler import Scheduler, SchedulerConfig, Sched
 from model_server.engine.outputs import ModelRunnerOutput
 from model_server.engine.spec_decode.metrics import SpecDecodingStats
 from model_server.engine.spec_decode.ngram_proposer import NgramProposer
-from model_server.engine.spec_decode.policy import batch_speculates, request_speculates
+from model_server.engine.spec_decode.policy import (
+    MAX_PAUSE_STEPS,
+    AcceptanceFeedback,
+    batch_speculates,
+    request_speculates,
+)
 from model_server.engine.spec_decode.verify import accept_drafts
 from model_server.sampling_params import SamplingParams
 
@@ -181,6 +186,43 @@ def test_policy() -> None:
     assert request_speculates(SamplingParams(temperature=0, min_tokens=3), 3, False)
 
 
+def test_acceptance_feedback_backs_off_a_request_whose_drafts_miss() -> None:
+    """Misses halve the drafts (at least 1) and, from the second in a row, pause proposals for
+    1, 2, 4, ... steps (at most MAX_PAUSE_STEPS), counted in output tokens; a full acceptance
+    doubles the limit back to k, a partial one keeps it, either ends the run of misses."""
+    fb = AcceptanceFeedback(4)
+    assert fb.max_drafts("a", 10) == 4  # never verified: k
+    fb.observe("a", 4, 0, 11)  # first miss: 2 drafts, no pause
+    assert fb.max_drafts("a", 11) == 2
+    fb.observe("a", 2, 0, 12)  # second: 1 draft after a pause of 1 step
+    assert fb.max_drafts("a", 12) == 0 and fb.max_drafts("a", 13) == 1
+    fb.observe("a", 1, 0, 14)  # third: a pause of 2
+    assert [fb.max_drafts("a", n) for n in (14, 15, 16)] == [0, 0, 1]
+    for _ in range(4, 12):  # misses 4..11: pauses 4, 8, 16, then capped
+        fb.observe("a", 1, 0, 100)
+    assert fb.max_drafts("a", 100 + MAX_PAUSE_STEPS - 1) == 0
+    assert fb.max_drafts("a", 100 + MAX_PAUSE_STEPS) == 1  # the pause is capped
+    fb.observe("a", 1, 1, 200)  # a hit: the run of misses ends, the limit doubles
+    assert fb.max_drafts("a", 200) == 2
+    fb.observe("a", 2, 1, 202)  # a partial hit keeps the limit
+    assert fb.max_drafts("a", 202) == 2
+    fb.observe("a", 2, 2, 205)
+    fb.observe("a", 4, 4, 210)
+    assert fb.max_drafts("a", 210) == 4  # never past k
+    fb.observe("a", 4, 0, 211)  # a miss after hits is a first miss again: no pause
+    assert fb.max_drafts("a", 211) == 2
+    assert fb.max_drafts("b", 0) == 4  # per request
+    fb.forget("a")
+    assert fb.max_drafts("a", 0) == 4
+
+
+def test_a_request_whose_drafts_land_keeps_k() -> None:
+    fb = AcceptanceFeedback(3)
+    for n in range(10):
+        fb.observe("a", 3, 3 if n % 2 else 2, 4 * n)  # every verification accepts something
+        assert fb.max_drafts("a", 4 * n) == 3
+
+
 # --------------------------------------------------------- scheduler with a scripted runner
 
 BS = 4
@@ -323,6 +365,45 @@ def test_trim_frees_whole_blocks_of_rejected_drafts() -> None:
     assert kv.num_free_blocks == free - 2
     kv.trim(req, 8)  # only position 7 kept
     assert len(req.block_ids) == 2 and kv.num_free_blocks == free
+
+
+class Contrarian:
+    """A 'model' over the tokens 3 and 4 whose token is never a request's first draft (the
+    other one), 3 where nothing was drafted: the lookup always finds a match, every draft is
+    rejected."""
+
+    def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        sampled: list[int | None] = []
+        for req, n in zip(out.scheduled_requests, out.num_scheduled_tokens, strict=True):
+            drafts = out.scheduled_spec_decode_tokens.get(req.request_id, [])
+            done = req.num_computed_tokens + n - len(drafts) >= req.num_tokens
+            sampled.append((7 - drafts[0] if drafts else 3) if done else None)
+        return ModelRunnerOutput(sampled, [None] * len(sampled), None, [[] for _ in sampled])
+
+
+def test_scheduler_backs_off_drafts_that_miss_and_keeps_those_that_land() -> None:
+    """Every draft rejected: after the first miss the request drafts 1 token, from the second
+    it pauses for 1, 2, 4, ... steps, so it verifies ever more rarely; the acceptance state is
+    dropped when it finishes. A request whose drafts land keeps k."""
+    s = make_scheduler(k=3)
+    req = make_request("a", [3, 4, 3, 3, 4, 4, 3], max_tokens=40)
+    s.add_request(req)
+    steps = run(s, Contrarian())
+    assert req.num_output_tokens == 40
+    verified = [len(o.scheduled_spec_decode_tokens.get("a", [])) for o, _ in steps[1:]]
+    stats = s.spec_decoding_stats
+    assert stats.num_accepted_tokens == 0
+    # Drafts at steps 0, 1 (halved), then after pauses of 1, 2, 4, 8, 16 plain steps.
+    assert MAX_PAUSE_STEPS == 16
+    assert [i for i, n in enumerate(verified) if n] == [0, 1, 3, 6, 11, 20, 37]
+    assert [n for n in verified if n] == [3, 1, 1, 1, 1, 1, 1]
+    assert "a" not in s.acceptance._requests
+    s = make_scheduler(k=3)
+    req = make_request("b", CYCLE + CYCLE[:3], max_tokens=25)
+    s.add_request(req)
+    steps = run(s, ScriptedRunner(CYCLE))
+    drafts = [len(o.scheduled_spec_decode_tokens["b"]) for o, _ in steps[1:]]
+    assert drafts[:-1] == [3] * (len(drafts) - 1)
 
 
 def test_drafts_never_pass_max_tokens_or_max_model_len_or_the_budget() -> None:

@@ -22,9 +22,10 @@ from model_server.kernels.cpu.panel_gemm import (
 )
 
 RUNNABLE = [i.name for i in isa_mod.supported_isas(isa_mod.cpu_flags())]
-# (M, N, K): 1-3 rows, 4-6, 7+ (several row tiles); N = 37: a short last group of panels; K odd.
-SHAPES = [(1, 576, 576), (2, 37, 33), (3, 100, 577), (5, 64, 64), (6, 200, 15), (7, 48, 1),
-          (13, 37, 130), (40, 96, 577), (300, 17, 64)]  # fmt: skip
+# (M, N, K): 1-2 rows, 3-6, 7+ (several row tiles); N = 37: a short last group of panels; N =
+# 200: 13 panels (a wide tile of 8, a unit of 4, one panel); K odd.
+SHAPES = [(1, 576, 576), (2, 37, 33), (2, 200, 33), (3, 100, 577), (5, 64, 64), (6, 200, 15),
+          (7, 48, 1), (13, 37, 130), (40, 96, 577), (300, 17, 64)]  # fmt: skip
 # fp32: sums in another order; bf16: one output rounding apart.
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-5},
@@ -157,16 +158,20 @@ def test_readers_of_shared_copies_are_spread_round_them(readers: int, copies: in
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_panel_matmul_is_row_invariant(kernels: native.NativeKernels, dtype: torch.dtype) -> None:
-    """A row's output is the same bits whatever the rows of the call and the tile it falls in
-    (linear_tuning.ROW_INVARIANT): speculative verification of k + 1 rows then computes each
-    row as its one-row decode. bf16 once summed 1-3 rows over two accumulator sets and 4+ over
-    one, so 2-5 rows of 16 differed."""
+    """A row's output is the same bits whatever the rows of the call, the tile it falls in and
+    the threads' split of the panels (linear_tuning.ROW_INVARIANT), fused SiLU included:
+    speculative verification of k + 1 rows then computes each row as its one-row decode. bf16
+    once summed 1-3 rows over two accumulator sets and 4+ over one, so 2-5 rows of 16
+    differed."""
     torch.manual_seed(7)
-    n, k = 100, 577  # a short last panel group, odd K
+    n, k = 416, 577  # 26 panels (13 gate panels): wide tiles, units, single panels; odd K
     panels = pack_panels(torch.randn(n, k).to(dtype), kernels)
     x = torch.randn(40, k).to(dtype)
     alone = torch.cat([panel_linear(x[i : i + 1], panels, None, kernels) for i in range(40)])
+    fused_alone = torch.cat([panel_silu_and_mul(x[i : i + 1], panels, kernels) for i in range(40)])
     for m in (2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 40):
         for min_work in (0, 1 << 40):
             got = panel_linear(x[:m], panels, None, kernels, min_work_per_thread=min_work)
             assert torch.equal(got, alone[:m]), f"{m} rows, min_work {min_work}"
+            fused = panel_silu_and_mul(x[:m], panels, kernels, min_work_per_thread=min_work)
+            assert torch.equal(fused, fused_alone[:m]), f"fused, {m} rows, min_work {min_work}"

@@ -25,7 +25,11 @@ from model_server.engine.core.request import Request, RequestStatus
 from model_server.engine.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from model_server.engine.spec_decode.metrics import SpecDecodingStats
 from model_server.engine.spec_decode.ngram_proposer import NgramProposer
-from model_server.engine.spec_decode.policy import batch_speculates, request_speculates
+from model_server.engine.spec_decode.policy import (
+    AcceptanceFeedback,
+    batch_speculates,
+    request_speculates,
+)
 
 if TYPE_CHECKING:
     from model_server.config import EngineConfig
@@ -151,6 +155,8 @@ class Scheduler:
         self.spec_decoding_stats = (
             None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
         )
+        # Per request: fewer drafts, or none for a while, after drafts that did not land.
+        self.acceptance = None if spec is None else AcceptanceFeedback(spec.num_speculative_tokens)
 
     # ----------------------------------------------------------------------------- queries
 
@@ -308,13 +314,15 @@ class Scheduler:
         """Drafts for a request with one token left to compute: none unless it is decoding (a
         prompt's last token samples its first output the plain way, with its prompt logprobs)
         and may speculate. Bounded so that the step's positions fit the budget and every token
-        it could emit (the drafts and one more) stays within max_tokens and max_model_len."""
-        assert self.proposer is not None
+        it could emit (the drafts and one more) stays within max_tokens and max_model_len, and
+        by what its recent drafts' acceptance earns (AcceptanceFeedback)."""
+        assert self.proposer is not None and self.acceptance is not None
         if not request.output_token_ids or not request_speculates(
             request.sampling_params, request.num_output_tokens, request.grammar is not None
         ):
             return []
-        limit = min(budget, self.config.max_model_len - request.num_tokens) - 1
+        earned = self.acceptance.max_drafts(request.request_id, request.num_output_tokens)
+        limit = min(budget - 1, self.config.max_model_len - request.num_tokens - 1, earned)
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
@@ -535,6 +543,10 @@ class Scheduler:
         # but the last (computed next step), or all of them when a stop cut the drafts short.
         request.num_computed_tokens = min(num_computed, request.num_tokens)
         kv.cache_blocks(request, request.num_computed_tokens)
+        assert self.acceptance is not None
+        self.acceptance.observe(
+            request.request_id, num_drafts, num_accepted, request.num_output_tokens
+        )
         if status is not None:
             request.status = status
             self._release(request)
@@ -594,6 +606,8 @@ class Scheduler:
         return finished
 
     def _release(self, request: Request) -> None:
+        if self.acceptance is not None:
+            self.acceptance.forget(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_since_schedule.append(request.request_id)

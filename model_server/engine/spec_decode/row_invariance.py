@@ -8,7 +8,9 @@ SmolLM2, each op alone, a row of an M-row call against the same row alone):
 - **The native panel matmul** (kernels/cpu/panel_gemm.c, every projection and the LM head the
   CPU plan gives it): 1-3 rows summed K over two accumulator sets, 4 or more rows over one, so
   rows of a 4-16-row call differed from their one-row result (2-5 rows of 16). Fixed in the
-  kernel: every tile shape sums K the same way, so a row's output no longer depends on M.
+  kernel: every tile sums each output in one chain over K, so a row's output no longer depends
+  on M. It must be the one tiling of plain and speculating servers alike: a variant for
+  speculation only would round the prefill differently from the plain server's.
 - **Paged attention** (kernels/cpu/paged_attention.c): a chunk's queries run the prefill tile
   path, a decode's query the decode path, which sum Q.K, softmax and P.V in other orders (46 of
   300 rows of 5-query chunks differed from their decodes, random data). Fixed by the metadata: a

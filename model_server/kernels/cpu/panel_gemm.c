@@ -31,8 +31,8 @@
 #endif
 
 #define PANEL 16 /* outputs per panel: one vector of fp32 lanes */
-#define MR 6     /* rows of x per register tile, at most: 6 rows x 2 panels x KS accumulators */
-#define NP 4     /* panels per register tile, at most (see tile_shape) */
+#define MR 12    /* rows of x per register tile, at most (see tile_shape) */
+#define NP 8     /* panels per register tile, at most */
 /* How far ahead of the pair being read each panel stream is prefetched into L2, in k-pairs
  * (64 bytes each): with few rows of x a call is bound by reading W, and the hardware prefetcher
  * alone left it 1.2-2.2x slower than gemm.c's prefetching kernel at 1-8 rows (Zen 4). */
@@ -77,100 +77,142 @@ static inline __m512bh broadcast_pair(const bf16_t *x, const int last) {
 }
 
 /* tile[i][j * 16 + l] = sum over k of x[i][k] * W[16 (p0 + j) + l][k], for mr rows of x and np
- * panels, with ks accumulators per output taking alternate k-pairs (2 keeps enough independent
- * vdpbf16ps chains in flight when mr * np is small). mr, np and ks are compile-time constants
- * after inlining, so the accumulators stay in registers. */
+ * panels: one accumulator per output, adding the k-pairs in order (the odd K's last column, whose
+ * pair's second half is zero in the panel and in x, last). mr and np are compile-time constants
+ * after inlining, so the accumulators stay in registers. Row invariance: every (mr, np) sums an
+ * output the same way, so a row's output is the same bits whatever M and the tile it falls in
+ * (see tile_shape). */
 static inline __attribute__((always_inline)) void panel_tile(
-    const int mr, const int np, const int ks, const bf16_t *restrict x, const int64_t xs,
-    const int64_t k, const bf16_t *restrict w, const int64_t panel_stride,
-    float tile[MR][NP * PANEL]) {
-  __m512 acc[2][MR][NP];
-  for (int s = 0; s < ks; s++)
-    for (int i = 0; i < mr; i++)
-      for (int j = 0; j < np; j++) acc[s][i][j] = _mm512_setzero_ps();
-  const int64_t full = k / 2, steps = full / ks * ks;
-  for (int64_t pair = 0; pair < steps; pair += ks)
-    for (int s = 0; s < ks; s++) {
-      for (int j = 0; j < np; j++)
-        __builtin_prefetch(w + j * panel_stride + (pair + s + PREFETCH_PAIRS) * 2 * PANEL, 0, 2);
-      __m512bh wv[NP];
-      for (int j = 0; j < np; j++)
-        wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + (pair + s) * 2 * PANEL);
-      for (int i = 0; i < mr; i++) {
-        const __m512bh xp = broadcast_pair(x + i * xs + 2 * (pair + s), 0);
-        for (int j = 0; j < np; j++) acc[s][i][j] = _mm512_dpbf16_ps(acc[s][i][j], xp, wv[j]);
-      }
-    }
-  /* The pairs left over from the unrolling, then the odd K's last column, whose pair's second
-   * half is zero in the panel and in x. */
-  for (int64_t pair = steps; pair < (k + 1) / 2; pair++) {
+    const int mr, const int np, const bf16_t *restrict x, const int64_t xs, const int64_t k,
+    const bf16_t *restrict w, const int64_t panel_stride, float tile[MR][NP * PANEL]) {
+  __m512 acc[MR][NP];
+  for (int i = 0; i < mr; i++)
+    for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
+  const int64_t full = k / 2;
+  for (int64_t pair = 0; pair < (k + 1) / 2; pair++) {
+    for (int j = 0; j < np; j++)
+      __builtin_prefetch(w + j * panel_stride + (pair + PREFETCH_PAIRS) * 2 * PANEL, 0, 2);
     __m512bh wv[NP];
     for (int j = 0; j < np; j++)
       wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + pair * 2 * PANEL);
     for (int i = 0; i < mr; i++) {
       const __m512bh xp = broadcast_pair(x + i * xs + 2 * pair, pair == full);
-      for (int j = 0; j < np; j++) acc[0][i][j] = _mm512_dpbf16_ps(acc[0][i][j], xp, wv[j]);
+      for (int j = 0; j < np; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xp, wv[j]);
     }
   }
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < np; j++)
-      _mm512_storeu_ps(&tile[i][j * PANEL],
-                       ks == 2 ? _mm512_add_ps(acc[0][i][j], acc[1][i][j]) : acc[0][i][j]);
+    for (int j = 0; j < np; j++) _mm512_storeu_ps(&tile[i][j * PANEL], acc[i][j]);
 }
 
-/* Register tiles by the rows of x a call has: few rows take more panels, so that at least
- * eight independent accumulators are in flight (one row by two panels was latency bound:
- * 1.5-2x slower than gemm.c at 1-8 rows); many rows take more rows per weight load.
- * Row invariance: every shape sums K the same way (KS accumulator sets over alternate
- * k-pairs, then their sum), so a row's output is the same bits whatever M and the tile it
- * falls in: a speculative verification chunk of k + 1 rows computes each row exactly as a
- * one-row decode does (engine/spec_decode/row_invariance.py relies on it). */
-#define KS 2
-typedef enum { SHAPE_FEW, SHAPE_MANY } TileShape;
+/* Register tiles by the rows of x a call has: few rows take more panels, so that enough
+ * independent vdpbf16ps chains are in flight (one row by two panels was latency bound: 1.5-2x
+ * slower than gemm.c at 1-8 rows), many rows more rows per weight load: 1-2 rows x 8 panels,
+ * 3-6 rows x 4, 7+ rows 12 x 2. Threads take whole units of panels (4, 4, 2), so a call's
+ * panels split as evenly as the narrower units allow; a thread's range runs wide tiles, then
+ * a unit, then single panels at the right edge.
+ * Row invariance: all tiles sum an output in one chain over K in order (panel_tile), so a
+ * speculative verification chunk of k + 1 rows computes each row exactly as a one-row decode
+ * does (engine/spec_decode/row_invariance.py relies on it). Two accumulator sets over
+ * alternate k-pairs for 1-3 rows (and one from 4) made rows depend on M; one set with 3 x 4
+ * tiles from 4 rows (two sets everywhere) cost plain decoding 3.5 % at 16 streams. */
+typedef enum { SHAPE_FEW, SHAPE_SOME, SHAPE_MANY } TileShape;
 
-static inline TileShape tile_shape(const int64_t m) { return m <= 3 ? SHAPE_FEW : SHAPE_MANY; }
-static inline int tile_panels(const TileShape shape) { return shape == SHAPE_MANY ? 2 : 4; }
-static inline int tile_rows(const TileShape shape) { return shape == SHAPE_FEW ? 3 : MR; }
+static inline TileShape tile_shape(const int64_t m) {
+  return m <= 2 ? SHAPE_FEW : m <= 6 ? SHAPE_SOME : SHAPE_MANY;
+}
+static inline int tile_rows(const TileShape shape) {
+  return shape == SHAPE_FEW ? 2 : shape == SHAPE_SOME ? 6 : MR;
+}
+static inline int tile_panels(const TileShape shape) {
+  return shape == SHAPE_FEW ? 8 : shape == SHAPE_SOME ? 4 : 2;
+}
+static inline int thread_unit(const TileShape shape) { return shape == SHAPE_MANY ? 2 : 4; }
 
-/* panel_tile for runtime mr (at most tile_rows(shape)) and np (tile_panels(shape), or 1 at the
- * right edge): one copy per combination. */
+/* panel_tile for runtime mr (at most tile_rows(shape)) and np (tile_panels(shape), its thread
+ * unit, or 1): one copy per combination. */
 static void panel_tile_any(const TileShape shape, const int mr, const int np, const bf16_t *x,
                            const int64_t xs, const int64_t k, const bf16_t *w,
                            const int64_t panel_stride, float tile[MR][NP * PANEL]) {
 #define ARGS x, xs, k, w, panel_stride, tile
-#define TILE(R, P, S)            \
-  case R:                        \
-    if (np == P)                 \
-      panel_tile(R, P, S, ARGS); \
-    else                         \
-      panel_tile(R, 1, S, ARGS); \
+#define TILE(R, P)            \
+  case R:                     \
+    if (np == P)              \
+      panel_tile(R, P, ARGS); \
+    else if (np == 4)         \
+      panel_tile(R, 4, ARGS); \
+    else                      \
+      panel_tile(R, 1, ARGS); \
     return;
   if (shape == SHAPE_FEW) {
     switch (mr) {
-      TILE(1, 4, KS)
-      TILE(2, 4, KS)
+      TILE(1, 8)
+      default:
+        if (np == 8)
+          panel_tile(2, 8, ARGS);
+        else if (np == 4)
+          panel_tile(2, 4, ARGS);
+        else
+          panel_tile(2, 1, ARGS);
+    }
+  } else if (shape == SHAPE_SOME) {
+    switch (mr) {
+      TILE(1, 4)
+      TILE(2, 4)
+      TILE(3, 4)
+      TILE(4, 4)
+      TILE(5, 4)
       default:
         if (np == 4)
-          panel_tile(3, 4, KS, ARGS);
+          panel_tile(6, 4, ARGS);
         else
-          panel_tile(3, 1, KS, ARGS);
+          panel_tile(6, 1, ARGS);
     }
   } else {
+#undef TILE
+#define TILE(R, P)            \
+  case R:                     \
+    if (np == P)              \
+      panel_tile(R, P, ARGS); \
+    else                      \
+      panel_tile(R, 1, ARGS); \
+    return;
     switch (mr) {
-      TILE(1, 2, KS)
-      TILE(2, 2, KS)
-      TILE(3, 2, KS)
-      TILE(4, 2, KS)
-      TILE(5, 2, KS)
+      TILE(1, 2)
+      TILE(2, 2)
+      TILE(3, 2)
+      TILE(4, 2)
+      TILE(5, 2)
+      TILE(6, 2)
+      TILE(7, 2)
+      TILE(8, 2)
+      TILE(9, 2)
+      TILE(10, 2)
+      TILE(11, 2)
       default:
         if (np == 2)
-          panel_tile(MR, 2, KS, ARGS);
+          panel_tile(MR, 2, ARGS);
         else
-          panel_tile(MR, 1, KS, ARGS);
+          panel_tile(MR, 1, ARGS);
     }
   }
 #undef TILE
 #undef ARGS
+}
+
+/* Panels [*p0, *p1) of thread t of `threads` over num_panels, in whole units of `unit`. */
+static inline void thread_panels(const int64_t num_panels, const int unit, const int t,
+                                 const int threads, int64_t *p0, int64_t *p1) {
+  const int64_t units = (num_panels + unit - 1) / unit;
+  *p0 = units * t / threads * unit;
+  const int64_t end = units * (t + 1) / threads * unit;
+  *p1 = end < num_panels ? end : num_panels;
+}
+
+/* The tile width at panel p of a thread's range ending at p1: wide tiles while they fit, then
+ * a unit, then one panel. */
+static inline int tile_width(const TileShape shape, const int64_t p, const int64_t p1) {
+  const int wide = tile_panels(shape), unit = thread_unit(shape);
+  return p1 - p >= wide ? wide : p1 - p >= unit ? unit : 1;
 }
 
 /* Rows [0, mr) of y (rows n apart, from its column n0 on) = tile (+ bias), rounded to bf16 (ties
@@ -227,26 +269,22 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
 #if defined(__AVX512BF16__)
   const int64_t num_panels = (n + PANEL - 1) / PANEL, panel_stride = (k + 1) / 2 * 2 * PANEL;
   const TileShape shape = tile_shape(m);
-  const int per_group = tile_panels(shape), rows = tile_rows(shape);
-  /* Rows split evenly over the tiles (8 rows: two of 4, not 6 and a latency-bound 2). */
-  const int64_t row_tiles = (m + rows - 1) / rows;
-  const int64_t groups = (num_panels + per_group - 1) / per_group;
+  const int rows = tile_rows(shape);
   const int threads = threads_for(m * n * k, min_work_per_thread, num_threads);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t first = g * per_group;
-    const int in_group = num_panels - first < per_group ? (int)(num_panels - first) : per_group;
-    /* A short last group runs its panels one at a time. */
-    const int np = in_group == per_group ? per_group : 1;
+  for (int t = 0; t < threads; t++) {
+    int64_t p, p1;
+    thread_panels(num_panels, thread_unit(shape), t, threads, &p, &p1);
     float tile[MR][NP * PANEL];
-    for (int64_t p0 = first; p0 < first + in_group; p0 += np)
-      for (int64_t t = 0; t < row_tiles; t++) {
-        const int64_t m0 = m * t / row_tiles;
-        const int mr = (int)(m * (t + 1) / row_tiles - m0);
-        panel_tile_any(shape, mr, np, x + m0 * x_stride, x_stride, k,
-                       panels + p0 * panel_stride, panel_stride, tile);
-        store_tile(mr, np, tile, bias, p0 * PANEL, n, y + m0 * n);
+    for (int np; p < p1; p += np) {
+      np = tile_width(shape, p, p1);
+      for (int64_t m0 = 0; m0 < m; m0 += rows) {
+        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+        panel_tile_any(shape, mr, np, x + m0 * x_stride, x_stride, k, panels + p * panel_stride,
+                       panel_stride, tile);
+        store_tile(mr, np, tile, bias, p * PANEL, n, y + m0 * n);
       }
+    }
   }
   return 0;
 #else
@@ -271,29 +309,25 @@ int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels
   const int64_t gate_panels = inter / PANEL, panel_stride = (k + 1) / 2 * 2 * PANEL;
   const bf16_t *up_panels = panels + gate_panels * panel_stride;
   const TileShape shape = tile_shape(m);
-  const int per_group = tile_panels(shape), rows = tile_rows(shape);
-  /* Rows split evenly over the tiles (8 rows: two of 4, not 6 and a latency-bound 2). */
-  const int64_t row_tiles = (m + rows - 1) / rows;
-  const int64_t groups = (gate_panels + per_group - 1) / per_group;
+  const int rows = tile_rows(shape);
   const int threads = threads_for(m * 2 * inter * k, min_work_per_thread, num_threads);
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
-  for (int64_t g = 0; g < groups; g++) {
-    const int64_t first = g * per_group;
-    const int in_group =
-        gate_panels - first < per_group ? (int)(gate_panels - first) : per_group;
-    const int np = in_group == per_group ? per_group : 1;
+  for (int t = 0; t < threads; t++) {
+    int64_t p, p1;
+    thread_panels(gate_panels, thread_unit(shape), t, threads, &p, &p1);
     float gate[MR][NP * PANEL], up[MR][NP * PANEL];
-    for (int64_t p0 = first; p0 < first + in_group; p0 += np)
-      for (int64_t t = 0; t < row_tiles; t++) {
-        const int64_t m0 = m * t / row_tiles;
-        const int mr = (int)(m * (t + 1) / row_tiles - m0);
+    for (int np; p < p1; p += np) {
+      np = tile_width(shape, p, p1);
+      for (int64_t m0 = 0; m0 < m; m0 += rows) {
+        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
         const bf16_t *xm = x + m0 * x_stride;
-        panel_tile_any(shape, mr, np, xm, x_stride, k, panels + p0 * panel_stride, panel_stride,
+        panel_tile_any(shape, mr, np, xm, x_stride, k, panels + p * panel_stride, panel_stride,
                        gate);
-        panel_tile_any(shape, mr, np, xm, x_stride, k, up_panels + p0 * panel_stride,
+        panel_tile_any(shape, mr, np, xm, x_stride, k, up_panels + p * panel_stride,
                        panel_stride, up);
-        store_silu_tile(mr, np, gate, up, p0 * PANEL, inter, y + m0 * inter);
+        store_silu_tile(mr, np, gate, up, p * PANEL, inter, y + m0 * inter);
       }
+    }
   }
   return 0;
 #else

@@ -7,6 +7,10 @@ vdpbf16ps reads (kernels/cpu/panel_gemm.c); fp32 weights, and bf16 ones elsewher
 one vector of outputs per k, multiplied in fp32 (kernels/cpu/panel_gemm_f32.c).
 `panel_linear(x, panels, bias)` is F.linear's contract on them: x [M, K] @ W^T + bias -> a new
 [M, N] in the weight's dtype (x and bias of that dtype), fp32 accumulation, inputs never written.
+
+Both layouts' kernels are row-invariant: an output row is the same bits whatever the rows of
+the call (each output sums K in one order in every register tile), which speculative
+verification relies on (engine/spec_decode/row_invariance.py).
 """
 
 from __future__ import annotations
