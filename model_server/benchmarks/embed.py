@@ -16,7 +16,9 @@ sentence-transformers runs in float32 (its default) unless `--baseline-dtype` sa
 With `--base-url URL` the same sentences go instead to a running server's OpenAI
 `/v1/embeddings` (a batch is one request of that many inputs, the first model /v1/models lists),
 nothing loads here: run it against `wick serve` and against another server (vLLM's pooling
-runner) in turn, one server at a time, to compare them through the same client.
+runner) in turn, one server at a time, to compare them through the same client. A server that
+is still loading (no answer, or 5xx) is retried for up to `--ready-check-timeout-sec` (as `bench
+serve`'s check); a refused request ends the run with the server's message.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 from model_server.config import EngineConfig
 
@@ -54,6 +57,13 @@ def add_embed_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Time a running server's /v1/embeddings (root URL, no /v1) instead of the engine "
         "in this process; no baseline.",
+    )
+    parser.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=60.0,
+        help="With --base-url: how long the first request may retry while the server starts "
+        "(no answer or 5xx); 0 sends it once.",
     )
     parser.add_argument(
         "--baseline-dtype",
@@ -87,25 +97,60 @@ def run_http_embed_benchmark(args: argparse.Namespace) -> int:
     import httpx
 
     base = args.base_url.rstrip("/")
+    deadline = time.monotonic() + max(0.0, args.ready_check_timeout_sec)
     with httpx.Client(base_url=base, timeout=600) as client:
-        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        models = _until_ready(lambda: client.get("/v1/models"), deadline)
+        model = models.json()["data"][0]["id"]
 
         def post(batch: list[str]) -> object:
             # Longer sentences are cut to the model's maximum, as the in-process run does.
             body = {"model": model, "input": batch, "truncate_prompt_tokens": -1}
-            response = client.post("/v1/embeddings", json=body)
-            response.raise_for_status()
-            data = response.json()["data"]
+            data = _answer(client.post("/v1/embeddings", json=body)).json()["data"]
             if len(data) != len(batch):
                 raise RuntimeError(f"{len(data)} embeddings for {len(batch)} inputs")
             return data
 
+        # The first request waits out a server that answers /v1/models while its model loads.
+        _until_ready(
+            lambda: client.post("/v1/embeddings", json={"model": model, "input": ["ready"]}),
+            deadline,
+        )
         texts = sentences(args.num_sentences, args.workload_seed)
         print(f"embed: {base}/v1/embeddings, model {model}, {len(texts)} sentences", flush=True)
         for batch in args.batch_sizes:
             rate = _rate(post, texts, batch, args.num_iters)
             print(f"batch {batch}: {base} {rate:.1f} sent/s", flush=True)
     return 0
+
+
+def _answer(response: Any) -> Any:
+    """`response` if it succeeded, else SystemExit naming the status and the server's message."""
+    if response.is_success:
+        return response
+    raise SystemExit(
+        f"{response.request.method} {response.request.url}: HTTP {response.status_code}: "
+        f"{response.text[:500]}"
+    )
+
+
+def _until_ready(request: Callable[[], Any], deadline: float) -> Any:
+    """`request()`'s successful response, retried once a second while the server seems to be
+    starting (refused connection or 5xx) until `deadline`; a 4xx, or the last try at the
+    deadline, ends the run with the server's message (`_answer`)."""
+    import httpx
+
+    while True:
+        try:
+            response = request()
+        except httpx.TransportError as exc:
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"no answer from the server: {exc}") from None
+        else:
+            if response.is_success or response.status_code < 500:
+                return _answer(response)
+            if time.monotonic() >= deadline:
+                return _answer(response)
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 def run_embed_benchmark(args: argparse.Namespace, config: EngineConfig) -> int:
