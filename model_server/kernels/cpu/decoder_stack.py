@@ -492,7 +492,7 @@ class CpuDecoderStack:
         arena = torch.empty(total, dtype=geo.dtype)
         base, esize = arena.data_ptr(), arena.element_size()
         step = abi.structure("WickStackStep")()
-        step.dtype = 1 if geo.dtype == torch.bfloat16 else 0
+        step.dtype = native.DTYPE_CODES[geo.dtype]
         step.num_threads = torch.get_num_threads()
         step.num_tokens, step.hidden = t, geo.hidden
         step.num_heads, step.num_kv_heads, step.head_dim = geo.heads, geo.kv_heads, geo.head_dim

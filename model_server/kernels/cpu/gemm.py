@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from model_server.kernels.cpu import native
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # wick_gemm's arguments, in its order, as wick_gemm_packed reads them.
 _ARGS = struct.Struct("=12q")
 # Multiply-adds that justify one more thread: smaller matmuls run on fewer threads than torch's.
@@ -41,7 +40,7 @@ def default_kernels() -> native.NativeKernels | None:
 def gemm_applies(weight: torch.Tensor, kernels: native.NativeKernels | None = None) -> bool:
     """Whether the native kernel runs for this weight (the dtype, the layout, a built library);
     builds the library on first call."""
-    if not weight.is_cpu or weight.dtype not in _DTYPE_CODES:
+    if not weight.is_cpu or weight.dtype not in native.DTYPE_CODES:
         return False
     if weight.dim() != 2 or not weight.is_contiguous():
         return False
@@ -65,7 +64,7 @@ def gemm_linear(
             x.reshape(-1, x.shape[-1]), weight, bias, kernels, min_work_per_thread, use_dpbf16
         )
         return out.view(*x.shape[:-1], weight.shape[0])
-    code = _DTYPE_CODES.get(x.dtype)
+    code = native.DTYPE_CODES.get(x.dtype)
     m, k = x.shape
     n = weight.shape[0]
     if (

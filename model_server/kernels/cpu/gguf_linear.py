@@ -33,7 +33,6 @@ from model_server.settings_spec import GGUF_INT8_DOT_MODES, resolve_setting
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Rows of x up to which the native kernel runs; above, dequantize-then-GEMM. Measured on a
 # 2-core Zen 4 (one thread, SmolLM2's Q4_1 gate and down projections, a loaded machine): in
 # fp32 the native kernel was ahead up to 32 rows and even at 64; in bf16 PyTorch's bf16 GEMM
@@ -72,7 +71,7 @@ def _native_gemm(
     """x [M, K] (fp32 or bf16) @ W^T + bias on the native entry point `entry_name` (the
     arguments of wick_gguf_gemm); the portable dequantize-then-matmul where it cannot run."""
     kernels = kernels or default_kernels()
-    code = _DTYPE_CODES.get(x.dtype)
+    code = native.DTYPE_CODES.get(x.dtype)
     if kernels is None or code is None or not x.is_cpu:
         return gguf_linear_dequant(x, blocks, ggml_type, bias)
     m, k = x.shape
@@ -152,7 +151,7 @@ def quantize_activations(
     codes = torch.empty((m, k), dtype=torch.int8)
     scales = torch.empty((m, k // 32), dtype=torch.float32)
     status = kernels.lib.wick_gguf_q8_quantize(
-        _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, codes.data_ptr(),
+        native.DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), m, k, codes.data_ptr(),
         scales.data_ptr(),
     )  # fmt: skip
     if status != 0:
@@ -169,7 +168,7 @@ def gguf_dequantize(
 ) -> torch.Tensor:
     """Rows blocks [R, row_bytes] -> [R, k] in `dtype` (fp32/bf16 natively, else portable)."""
     kernels = kernels or default_kernels()
-    code = _DTYPE_CODES.get(dtype)
+    code = native.DTYPE_CODES.get(dtype)
     if kernels is None or code is None or not blocks.is_cpu:
         return dequantize_rows(blocks, ggml_type, k, dtype)
     blocks = blocks.contiguous()
@@ -217,12 +216,12 @@ def gguf_linear(
     for up to Q8_MAX_ROWS rows of x (its types, `int8_dot` auto; always with on, never with
     off), else the float kernel up to GGUF_GEMM_MAX_ROWS rows, dequantize-then-GEMM above."""
     rows = x.shape[0]
-    q8 = int8_dot != "off" and ggml_type in Q8_TYPES and x.dtype in _DTYPE_CODES
+    q8 = int8_dot != "off" and ggml_type in Q8_TYPES and x.dtype in native.DTYPE_CODES
     if q8 and (int8_dot == "on" or rows <= Q8_MAX_ROWS[x.dtype]):
         return gguf_q8_gemm(x, blocks, ggml_type, bias)
     if rows <= GGUF_GEMM_MAX_ROWS.get(x.dtype, 0):
         return gguf_gemm(x, blocks, ggml_type, bias)
-    if x.dtype not in _DTYPE_CODES or not x.is_cpu:
+    if x.dtype not in native.DTYPE_CODES or not x.is_cpu:
         return gguf_linear_dequant(x, blocks, ggml_type, bias)
     return dequant_gemm(x, blocks, ggml_type, bias)
 

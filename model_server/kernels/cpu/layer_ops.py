@@ -18,7 +18,7 @@ from functools import cache, partial
 
 import torch
 
-from model_server.kernels.cpu.native import NativeKernels
+from model_server.kernels.cpu.native import DTYPE_CODES, NativeKernels
 from model_server.kernels.portable import (
     argmax_torch,
     fused_add_layer_norm_torch,
@@ -35,7 +35,6 @@ from model_server.kernels.table import KernelTable
 logger = logging.getLogger(__name__)
 
 # Values of the kernels' `dtype` argument (as in native.py).
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Elements (read or written) worth another thread: these ops stream 1-5 elements per
 # nanosecond, so 2^14 is 3-16 us of work, a few times a fork/join of threads that are still
 # spinning from the step's last matmul (GOMP_SPINCOUNT, model_server/openmp_env.py). Single
@@ -61,7 +60,7 @@ def _dtype_code(*tensors: torch.Tensor) -> int | None:
     """The kernels' dtype code when the tensors are CPU tensors of one dtype they take, else
     None (`_dtype_reason` then says why). Cheap: it runs on every call."""
     dtype = tensors[0].dtype
-    code = _DTYPE_CODES.get(dtype)
+    code = DTYPE_CODES.get(dtype)
     if code is None or not all(t.is_cpu and t.dtype == dtype for t in tensors):
         return None
     return code
@@ -73,7 +72,7 @@ def _dtype_reason(tensors: dict[str, torch.Tensor]) -> str | None:
     for name, t in tensors.items():
         if not t.is_cpu:
             return f"{name} is on {t.device.type}, not the CPU"
-    if first.dtype not in _DTYPE_CODES:
+    if first.dtype not in DTYPE_CODES:
         return f"dtype {first.dtype} is not supported (float32 and bfloat16 are)"
     for name, t in tensors.items():
         if t.dtype != first.dtype:

@@ -16,7 +16,6 @@ from model_server.kernels.cpu import abi, native
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.lora_weights import StackedLoRA
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds worth a second thread (the kernel counts a slot's rows in whole register tiles
 # of 4, the work its weights' read costs). A layer's adapters run 120 times per step on a
 # 30-layer model, each call a few hundred thousand multiply-adds at 16 decode rows, and what
@@ -44,7 +43,7 @@ def lora_struct(stack: StackedLoRA) -> ctypes.Structure:
         raise ValueError(f"LoRA: {len(stack.slices)} slices, the kernel takes {max_slices}")
     if any(not t.is_cpu or not t.is_contiguous() for t in tensors):
         raise ValueError("LoRA slots: the native kernel reads contiguous CPU tensors")
-    if stack.a.dtype not in _DTYPE_CODES or stack.b.dtype != stack.a.dtype:
+    if stack.a.dtype not in native.DTYPE_CODES or stack.b.dtype != stack.a.dtype:
         raise ValueError(
             f"LoRA slots: A {stack.a.dtype} and B {stack.b.dtype} (the native kernel reads both "
             "float32 or both bfloat16)"
@@ -57,14 +56,14 @@ def lora_struct(stack: StackedLoRA) -> ctypes.Structure:
     for i, (offset, size) in enumerate(stack.slices):
         out.slice_offset[i], out.slice_size[i] = offset, size
     out.min_work_per_thread = MIN_WORK_PER_THREAD
-    out.weight_dtype = _DTYPE_CODES[stack.a.dtype]
+    out.weight_dtype = native.DTYPE_CODES[stack.a.dtype]
     return out
 
 
 def lora_kernels(x: torch.Tensor) -> native.NativeKernels | None:
     """The build that runs `lora_add` on activations like `x`, or None (another dtype or
     device, or no native build)."""
-    if x.dtype not in _DTYPE_CODES or not x.is_cpu:
+    if x.dtype not in native.DTYPE_CODES or not x.is_cpu:
         return None
     return default_kernels()
 
@@ -90,7 +89,7 @@ def lora_add(
         raise ValueError(f"LoRA: token slots {tuple(token_slots.shape)} {token_slots.dtype}")
     slots = token_slots.contiguous()  # alive until the call returns
     status = kernels.lib.wick_lora_add(
-        _DTYPE_CODES[x.dtype],
+        native.DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
         y.data_ptr(),

@@ -14,20 +14,18 @@ import torch
 
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD as GEMM_MIN_WORK
 from model_server.kernels.cpu.layer_ops import MIN_ELEMENTS_PER_THREAD
-from model_server.kernels.cpu.native import NativeKernels
+from model_server.kernels.cpu.native import DTYPE_CODES, NativeKernels
 from model_server.kernels.fused_moe_torch import (
     fused_experts_grouped,
     shared_expert_add,
     softmax_topk,
 )
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
 
 def _code(*tensors: torch.Tensor) -> int | None:
     """wick_moe.h's dtype of these tensors when all are CPU tensors of one dtype it takes."""
     first = tensors[0]
-    code = _DTYPE_CODES.get(first.dtype)
+    code = DTYPE_CODES.get(first.dtype)
     if code is None or any(not t.is_cpu or t.dtype != first.dtype for t in tensors):
         return None
     return code

@@ -88,8 +88,9 @@ _THREADING: tuple[tuple[str, ...], ...] = (("-fopenmp",), ())
 BUILD_TIMEOUT_S = 120
 # Scratch rows are head_dim floats per query row; larger heads are untested and refused.
 MAX_HEAD_DIM = 512
-# Values of the kernel's `dtype` argument: q, k, v and out all of this type.
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Values of every entry point's `dtype` argument (wick_cpu.h: 0 fp32, 1 bf16), declared once for
+# all the Python wrappers; the attention kernel's q, k, v and out are all of this type.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Values of its `kv_format` (wick_kv.h) by cache dtype: a cache in q's dtype passes `dtype`.
 _KV_FORMATS = {
     torch.float32: 0,
@@ -226,7 +227,7 @@ def unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, head_dim: int) ->
     """Why `paged_attention` cannot run these inputs, or None when it can."""
     if q.device.type != "cpu":
         return f"runs on the CPU only, not {q.device.type}"
-    if q.dtype not in _DTYPE_CODES:
+    if q.dtype not in DTYPE_CODES:
         return f"dtype {q.dtype} is not supported (float32 and bfloat16 are)"
     if k_cache.dtype not in _KV_FORMATS or (
         k_cache.dtype == torch.float32 and q.dtype != torch.float32
@@ -344,7 +345,7 @@ def paged_attention(
         scales = (k_scales.data_ptr(), v_scales.data_ptr())
     # ctypes drops the GIL for the call, so the HTTP event loop keeps running meanwhile.
     status = entry(
-        _DTYPE_CODES[q.dtype],
+        DTYPE_CODES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

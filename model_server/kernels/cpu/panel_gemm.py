@@ -22,7 +22,6 @@ import torch
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD, default_kernels
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 PANEL = 16  # outputs per panel of the pair layout (panel_gemm.c)
 
 
@@ -53,7 +52,7 @@ def pack_panels(weight: torch.Tensor, kernels: native.NativeKernels | None = Non
     kernels = kernels or default_kernels()
     if kernels is None:
         raise ValueError("the panel matmul needs the native kernels")
-    code = _DTYPE_CODES.get(weight.dtype)
+    code = native.DTYPE_CODES.get(weight.dtype)
     if code is None or weight.dim() != 2 or not weight.is_cpu:
         raise ValueError(
             f"the panel matmul takes a 2-D fp32 or bf16 CPU weight, not {weight.dtype} "
@@ -115,7 +114,7 @@ def panel_linear(
         )  # fmt: skip
     else:
         status = kernels.lib.wick_panel_f32_gemm(
-            _DTYPE_CODES[dtype], x.data_ptr(), row_stride, panels.data.data_ptr(), bias_ptr,
+            native.DTYPE_CODES[dtype], x.data_ptr(), row_stride, panels.data.data_ptr(), bias_ptr,
             out.data_ptr(), m, panels.n, k, threads, min_work_per_thread,
         )  # fmt: skip
     _check(status)
@@ -179,7 +178,7 @@ def panel_silu_and_mul(
         )  # fmt: skip
     else:
         status = kernels.lib.wick_panel_f32_gemm_silu(
-            _DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), panels.data.data_ptr(),
+            native.DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), panels.data.data_ptr(),
             out.data_ptr(), m, inter, panels.k, threads, min_work_per_thread,
         )  # fmt: skip
     _check(status)

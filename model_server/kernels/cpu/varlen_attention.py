@@ -14,7 +14,6 @@ from model_server.kernels.cpu import native
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.varlen_attention import varlen_attention_torch
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Multiply-adds worth another thread (~0.1 ms of this kernel on one Zen 5 thread): a sentence of
 # 70 tokens (MiniLM: 3.8M per layer) stays on the calling thread. On a loaded 2-core box its
 # fork/join took 1.06 ms against 0.10 ms on one thread (busy-machine figures).
@@ -42,7 +41,7 @@ def varlen_attention(
     """See the module docstring; on up to torch's thread count (fewer for a small step)."""
     kernels = kernels or default_kernels()
     dtype = q.dtype
-    if kernels is None or not q.is_cpu or dtype not in _DTYPE_CODES:
+    if kernels is None or not q.is_cpu or dtype not in native.DTYPE_CODES:
         return varlen_attention_torch(q, k, v, cu_seqlens, num_heads, num_kv_heads, scale, causal)
     if k.dtype != dtype or v.dtype != dtype:
         raise ValueError(f"varlen attention: q, k and v must share a dtype ({dtype})")
@@ -62,7 +61,7 @@ def varlen_attention(
         raise ValueError(f"varlen attention: cu_seqlens must lie within the {q.shape[0]} rows")
     out = q.new_empty((q.shape[0], num_heads * d))
     status = kernels.lib.wick_varlen_attention(
-        _DTYPE_CODES[dtype], q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(),
+        native.DTYPE_CODES[dtype], q.data_ptr(), q_stride, k.data_ptr(), k_stride, v.data_ptr(),
         v_stride, out.data_ptr(), out.stride(0), cu_seqlens.data_ptr(), cu_seqlens.shape[0] - 1,
         num_heads, num_kv_heads, d, float(scale), int(causal), torch.get_num_threads(),
         min_work_per_thread,

@@ -20,7 +20,6 @@ from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear import _BLOCK_BYTES, skinny_linear
 from model_server.kernels.portable import WNA16_BLOCK, dequantize_wna16
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ARGS = struct.Struct("=15q")
 # Multiply-adds that justify one more thread (as gemm.py's, for the same reasons).
 MIN_WORK_PER_THREAD = 1 << 17
@@ -53,7 +52,7 @@ def wna16_native_linear(
     """The native kernel (x fp32 or bf16); other inputs go to `wna16_dequantized_linear`."""
     m, k = x.shape
     n = codes.shape[0]
-    code = _DTYPE_CODES.get(x.dtype)
+    code = native.DTYPE_CODES.get(x.dtype)
     kernels = kernels or default_kernels()
     if (
         code is None
@@ -133,7 +132,7 @@ def wna16_dequantized_linear(
     kernels = default_kernels()
     native_ok = (
         kernels is not None
-        and x.dtype in _DTYPE_CODES
+        and x.dtype in native.DTYPE_CODES
         and codes.is_cpu
         and codes.is_contiguous()
         and scales.dtype == offsets.dtype == torch.float32
@@ -150,7 +149,7 @@ def wna16_dequantized_linear(
         assert kernels is not None
         w = _scratch.rows(end - start, k, x.dtype)
         status = kernels.lib.wick_wna16_dequantize(
-            _DTYPE_CODES[x.dtype],
+            native.DTYPE_CODES[x.dtype],
             codes[start].data_ptr(),
             scales[start].data_ptr(),
             offsets[start].data_ptr(),
