@@ -89,13 +89,19 @@ class KVEventsConfig:
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """vLLM's SpeculativeConfig, n-gram prompt lookup only (`--speculative-config`)."""
+    """vLLM's SpeculativeConfig (`--speculative-config`): n-gram prompt lookup, or a draft
+    model (engine/execution/draft_model.py)."""
 
-    method: str  # "ngram"
+    method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int  # k: drafts verified per step and request
-    prompt_lookup_min: int  # the shortest suffix n-gram matched
-    prompt_lookup_max: int  # the longest
+    prompt_lookup_min: int  # the shortest suffix n-gram matched (ngram)
+    prompt_lookup_max: int  # the longest (ngram)
     disable_by_batch_size: int  # speculate only while fewer requests than this run
+    model: str | None = None  # the draft model's path or hub id (draft_model); None: ngram
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def parse(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -213,7 +219,8 @@ class EngineConfig:
         if SpeculativeConfig.parse(self.speculative_config) and self.tensor_parallel_size > 1:
             raise ValueError(
                 "--speculative-config is not supported with tensor parallelism yet "
-                "(the ranks' LM-head collectives would need the verification rows)"
+                "(the ranks' LM-head collectives would need the verification rows, and a "
+                "draft model runs on one rank)"
             )
         self.kernel_options()  # a bad kernel setting or WICK_* variable: one error, before loading
         self._validate_lora()

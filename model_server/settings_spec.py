@@ -240,14 +240,19 @@ def parse_kv_events_config(text: str | dict[str, Any] | None) -> dict[str, Any] 
 # vLLM's SpeculativeConfig keys Wick takes (`--speculative-config`). `disable_by_batch_size`:
 # speculation runs in a step only while fewer requests than this are running (vLLM's meaning),
 # so that wide batches, which are compute-bound, keep their throughput.
+# `model` (method draft_model): a smaller model of the target's tokenizer that drafts
+# (engine/execution/draft_model.py); `draft_tensor_parallel_size` is taken only as 1.
 SPECULATIVE_KEYS = (
     "method",
+    "model",
     "num_speculative_tokens",
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "draft_tensor_parallel_size",
 )
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NGRAM_ONLY_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor _max is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 MAX_SPECULATIVE_TOKENS = 32
@@ -255,8 +260,10 @@ MAX_SPECULATIVE_TOKENS = 32
 
 def parse_speculative_config(text: str | dict[str, Any] | None) -> dict[str, Any] | None:
     """`--speculative-config` (a JSON object of vLLM's SpeculativeConfig keys) -> every key,
-    checked and defaulted; None when speculation is off. Methods other than ngram, unknown keys
-    and bad numbers are refused, each error naming the key."""
+    checked and defaulted; None when speculation is off. Methods other than ngram and
+    draft_model (implied by `model`), unknown keys, keys of the other method and bad numbers
+    are refused, each error naming the key. A draft model's own checks (vocabulary, context,
+    loading) are made when it loads (engine/execution/draft_model.py)."""
     if text is None or (isinstance(text, str) and not text.strip()):
         return None
     import json
@@ -271,16 +278,44 @@ def parse_speculative_config(text: str | dict[str, Any] | None) -> dict[str, Any
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
     method = value.get("method")
+    if method is None and value.get("model") is not None:
+        method = "draft_model"  # vLLM's reading of a config that names a model
     if method not in SPECULATIVE_METHODS:
         raise ValueError(
             f"speculative_config: method {method!r} is not supported; Wick speculates with "
-            f"{', '.join(SPECULATIVE_METHODS)} (prompt lookup) only, no draft model yet"
+            "ngram (prompt lookup) or draft_model (a smaller model of the same tokenizer, "
+            'named by "model")'
         )
     unknown = sorted(set(value) - set(SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(
             f"speculative_config: unsupported key(s) {unknown}; Wick takes {list(SPECULATIVE_KEYS)}"
         )
+    model = value.get("model")
+    if method == "ngram" and model is not None:
+        raise ValueError(
+            "speculative_config: model names a draft model, which method ngram does not use "
+            '(drop "model", or use method draft_model)'
+        )
+    if method == "ngram" and value.get("draft_tensor_parallel_size") is not None:
+        raise ValueError(
+            "speculative_config: draft_tensor_parallel_size is a draft model's; method ngram "
+            "has none"
+        )
+    if method == "draft_model":
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError(
+                'speculative_config: method draft_model needs "model": the draft\'s path or hub id'
+            )
+        given = sorted(set(NGRAM_ONLY_KEYS) & set(value))
+        if given:
+            raise ValueError(f"speculative_config: {given} are method ngram's, not draft_model's")
+        tp = value.get("draft_tensor_parallel_size", 1)
+        if tp != 1 or isinstance(tp, bool):
+            raise ValueError(
+                f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
+                f"the one rank that samples), got {tp!r}"
+            )
 
     def integer(key: str, low: int, high: int | None = None) -> int:
         v = value[key]
@@ -291,7 +326,7 @@ def parse_speculative_config(text: str | dict[str, Any] | None) -> dict[str, Any
 
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config: num_speculative_tokens is required")
-    config: dict[str, Any] = {"method": method}
+    config: dict[str, Any] = {"method": method, "model": model.strip() if model else None}
     config["num_speculative_tokens"] = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
     lo = integer("prompt_lookup_min", 1) if value.get("prompt_lookup_min") is not None else None
     hi = integer("prompt_lookup_max", 1) if value.get("prompt_lookup_max") is not None else None
@@ -1000,7 +1035,11 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "Speculative decoding as vLLM's --speculative-config: a JSON object, e.g. "
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}\'. Only n-gram prompt lookup (no draft model). Output is the '
+        '"prompt_lookup_min": 2}\' (n-gram prompt lookup), or a draft model: '
+        '\'{"model": "PATH_OR_HUB_ID", "num_speculative_tokens": 4}\' (method draft_model: a '
+        "smaller model of the same tokenizer and vocabulary size, loaded as the target is, in "
+        "its dtype, its KV cache sharing the target's block budget; "
+        "draft_tensor_parallel_size 1 only). Output is the "
         "same as without speculation, greedy or seeded; requests with penalties, min_tokens "
         "still due or a grammar decode plainly, and only steps with fewer than "
         "disable_by_batch_size (default 4) running requests speculate; a request whose drafts "

@@ -78,9 +78,7 @@ class EngineCore:
             raise
         self.config = dataclasses.replace(config, max_model_len=max_model_len)
         kv_dtype = self.model_runner.kv_dtype
-        kv_bytes = self.model_runner.kv_groups.cache_bytes(
-            self.num_blocks, self.model_runner.layer_block_bytes()
-        )
+        kv_bytes = self.model_runner.kv_cache_bytes(self.num_blocks)
         self.cache_config_info = CacheConfigInfo(
             block_size=config.block_size,
             num_gpu_blocks=self.num_blocks,

@@ -115,7 +115,6 @@ def test_config_defaults_as_vllm() -> None:
 @pytest.mark.parametrize(
     ("value", "names"),
     [
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3}, "method"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "method"),
         ({"num_speculative_tokens": 3}, "method"),
         ({**NGRAM, "model": "HuggingFaceTB/SmolLM2-135M"}, "model"),

@@ -9,6 +9,7 @@ real code path (static inputs, padding rows, bucket choice, output slicing). Wit
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -359,3 +360,166 @@ def test_capture_guard_flags_what_a_real_capture_rejects() -> None:
     with CaptureGuard() as guard:  # static-shape device work is fine
         torch.where(x > 2, x, 0.0).softmax(0)[torch.arange(3)]
     assert guard.violations == []
+
+
+# ---- speculative verification steps (rows = tokens) ---------------------------------------
+
+
+def test_capture_sizes_reach_the_verification_rows() -> None:
+    assert capture_sizes(6, verification_rows=15) == [1, 2, 4, 8, 16]
+    assert capture_sizes(256, verification_rows=15) == capture_sizes(256)  # no graph added
+    assert capture_sizes(4, verification_rows=0) == [1, 2, 4]
+    assert capture_sizes(4, verification_rows=5000)[-1] == 512  # MAX_CAPTURE_SIZE still caps
+
+
+def _verify(token_ids: list[int], start: int, blocks: list[int]) -> SeqChunk:
+    """A request's last token then its drafts, attending as decodes (as prepare_step builds)."""
+    return SeqChunk(token_ids, start, blocks, attend_as_decodes=True)
+
+
+def test_verification_bucket_choice() -> None:
+    runner = CUDAGraphRunner(
+        lambda ids, positions, md: torch.zeros(ids.shape[0], 4),
+        RerunCapturer(),
+        sizes=[1, 2, 4, 8, 16],
+        block_size=4,
+        max_model_len=64,
+        device=torch.device("cpu"),
+        context_bounds=lambda rows: [8, 16, 64],
+    )
+    runner.capture()
+    decode = SeqChunk([5], 3, [0])  # context 4
+    three = _verify([5, 6, 7], 3, [0, 1])  # 3 rows, last context 6
+    five = _verify([5, 6, 7, 8, 9], 10, [0, 1, 2, 3])  # 5 rows, last context 15
+    assert runner.bucket_for([three]) == GraphKey(4, 8)
+    assert runner.bucket_for([decode, three]) == GraphKey(4, 8)  # 1 + 3 rows
+    # Mixed draft counts: 1 + 3 + 5 rows; the last draft's context (15) sets the bound.
+    assert runner.bucket_for([decode, three, five]) == GraphKey(16, 16)
+    assert runner.bucket_for([_verify([5, 6], 6, [0, 1])]) == GraphKey(2, 8)  # context 8
+    assert runner.bucket_for([_verify([5, 6], 7, [0, 1, 2])]) == GraphKey(2, 16)  # context 9
+    assert runner.bucket_for([five] * 3) == GraphKey(16, 16)
+    assert runner.bucket_for([five] * 4) is None  # 20 rows: more than the largest bucket
+    # A multi-token chunk that does not attend as decodes is a prefill: eager.
+    assert runner.bucket_for([three, SeqChunk([1, 2], 0, [1])]) is None
+
+
+def test_verification_rows_are_staged_one_per_token() -> None:
+    forward = RecordingForward()
+    runner = CUDAGraphRunner(
+        forward, RerunCapturer(), sizes=[1, 2, 4, 8], block_size=4, max_model_len=32,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    runner.capture()
+    # A decode (no drafts), a verification of 2 drafts crossing a block, one of 1 draft.
+    chunks = [
+        SeqChunk([11], 5, [7, 3]),
+        _verify([12, 13, 14], 2, [9, 4]),
+        _verify([15, 16], 0, [6]),
+    ]
+    key = runner.bucket_for(chunks)
+    assert key.batch_size == 8
+    hidden = runner.run(chunks, key)
+    assert hidden.shape == (6, 4)  # the real rows only, in the eager path's flat order
+    assert runner.token_inputs.tolist() == [
+        [11, 12, 13, 14, 15, 16, 0, 0],
+        [5, 2, 3, 4, 0, 1, 0, 0],
+        [3 * 4 + 1, 9 * 4 + 2, 9 * 4 + 3, 4 * 4 + 0, 6 * 4 + 0, 6 * 4 + 1, -1, -1],
+    ]
+    # Each token attends as its decode: its own position + 1; padding rows read nothing.
+    assert runner.seq_lens.tolist() == [6, 3, 4, 5, 1, 2, 0, 0]
+    tables = runner.block_tables.tolist()
+    assert tables[0][:2] == [7, 3]
+    assert [tables[r][:2] for r in (1, 2, 3)] == [[9, 4]] * 3  # the request's table per row
+    assert tables[4][0] == tables[5][0] == 6
+    # A decode step after it: the verification rows become padding again.
+    runner.run(chunks[:1], runner.bucket_for(chunks[:1]))
+    assert runner.token_inputs[2, :1].tolist() == [3 * 4 + 1]
+    assert runner.seq_lens[:1].tolist() == [6]
+
+
+SPEC = json.dumps(
+    {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 3,
+    }
+)
+# Repetitive prompts, so the n-gram proposer drafts from the first decode on.
+SPEC_PROMPTS = [[1, 2, 3, 4] * 4, [9, 8, 7] * 4 + [9]]
+# Logprobs too: the dummy-weight model's greedy tokens barely depend on attention (it repeats
+# its last token), its logprobs do.
+SPEC_PARAMS = [
+    SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2) for n in (9, 6)
+]
+
+
+def _tokens_and_logprobs(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    outputs = [o.outputs[0] for o in llm.generate(SPEC_PROMPTS, SPEC_PARAMS)]
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
+
+
+def _assert_same(got, expected) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, expected, strict=True):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+
+
+def test_speculative_greedy_identical_with_verification_graphs(
+    tmp_path, rerun_graphs, monkeypatch
+) -> None:
+    """n-gram speculation with graphs on: verification steps replay graphs (some in buckets
+    only they reach), and the greedy output and its logprobs equal speculation with graphs off
+    and no speculation at all."""
+    plain = _llm(tmp_path, "llama-gqa", max_num_seqs=2, enforce_eager=True)
+    expected = _tokens_and_logprobs(plain)
+    del plain
+    eager = _llm(tmp_path, "llama-gqa", max_num_seqs=2, enforce_eager=True, speculative_config=SPEC)
+    _assert_same(_tokens_and_logprobs(eager), expected)
+    del eager
+
+    widths: list[tuple[GraphKey, tuple[int, ...]]] = []
+    run = CUDAGraphRunner.run
+
+    def spy(self, chunks, key):
+        widths.append((key, tuple(len(c.token_ids) for c in chunks)))
+        return run(self, chunks, key)
+
+    monkeypatch.setattr(CUDAGraphRunner, "run", spy)
+    llm = _llm(tmp_path, "llama-gqa", max_num_seqs=2, speculative_config=SPEC)
+    # 2 requests x (1 + 3) rows = 8 verification rows: buckets beyond max_num_seqs' 2.
+    assert rerun_graphs.captured == [8, 4, 2, 1]
+    _assert_same(_tokens_and_logprobs(llm), expected)
+    verifications = [(key, w) for key, w in widths if max(w) > 1]
+    assert verifications, widths  # verification steps replayed graphs
+    for key, w in verifications:
+        assert sum(w) <= key.batch_size
+    assert any(key.batch_size > 2 for key, _ in verifications)  # a bucket only they use
+
+
+def test_verification_step_with_mixed_draft_counts(tmp_path, rerun_graphs) -> None:
+    """A decode and two verifications of 2 and 1 drafts in one graph step (6 rows, bucket 8):
+    the logits, their order and the drafts are the eager step's, and only the six real
+    tokens' KV slots are written (the two padding rows write nothing)."""
+    runner = _llm(tmp_path, "llama-gqa").engine.core.model_runner
+    step = StepInput(
+        [SeqChunk([11], 4, [2]), _verify([12, 13, 14], 9, [0, 5]), _verify([15, 16], 3, [7])],
+        [True, True, True],
+        num_drafts=[0, 2, 1],
+    )
+    before = [c.clone() for c in runner.kv_caches]
+    graph_out = runner.execute_step(step)
+    assert rerun_graphs.replays == 1
+    bs = runner.block_size
+    expected_slots = {2 * bs + 4, 5 * bs + 1, 5 * bs + 2, 5 * bs + 3, 7 * bs + 3, 7 * bs + 4}
+    for layer_before, layer_after in zip(before, runner.kv_caches, strict=True):
+        changed = (layer_before != layer_after).flatten(3).any(-1).any(0).flatten()
+        assert set(changed.nonzero().flatten().tolist()) == expected_slots
+    graph_runner, runner.graph_runner = runner.graph_runner, None
+    eager_out = runner.execute_step(step)
+    runner.graph_runner = graph_runner
+    assert rerun_graphs.replays == 1  # the second step ran eagerly
+    assert graph_out.sample_indices == eager_out.sample_indices == [0, 1, 1, 1, 2, 2]
+    assert graph_out.drafts == eager_out.drafts == {1: [13, 14], 2: [16]}
+    torch.testing.assert_close(graph_out.logits, eager_out.logits)

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# A draft the model runner's draft model fills in (vLLM's placeholder id): never a token.
+DRAFT_PLACEHOLDER = -1
+
+
 @dataclass(slots=True, frozen=True, kw_only=True)
 class SchedulerConfig:
     """Scheduling limits (defaults: EngineConfig's). `max_num_seqs` bounds the running requests,
@@ -49,7 +53,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     block_size: int
-    # Speculative decoding (n-gram prompt lookup); None: off.
+    # Speculative decoding (n-gram prompt lookup or a draft model); None: off.
     speculative: SpeculativeConfig | None
     # --max-loras with --enable-lora: distinct adapters among the running requests (None: no
     # LoRA, no limit). The model runner has that many device slots.
@@ -104,6 +108,11 @@ class SchedulerOutput:
     computes `n = 1 + len(d)` positions, its last token then the drafts (not in
     `all_token_ids`), and samples at each of them: the target's token after every prefix
     (`req.num_computed_tokens + n - len(d) == req.num_tokens`).
+
+    With a draft model the scheduler only reserves the positions: `d` holds
+    `DRAFT_PLACEHOLDER`s, which the model runner's draft model overwrites in place with its
+    drafts before the target's forward (engine/execution/draft_model.py), so
+    `update_from_output` counts and verifies the drafts that were run.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -145,9 +154,10 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._finished_since_schedule: list[str] = []
         spec = config.speculative
+        # None with a draft model: the runner's draft model proposes (DRAFT_PLACEHOLDER).
         self.proposer = (
             None
-            if spec is None
+            if spec is None or spec.uses_draft_model
             else NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
             )
@@ -315,8 +325,9 @@ class Scheduler:
         prompt's last token samples its first output the plain way, with its prompt logprobs)
         and may speculate. Bounded so that the step's positions fit the budget and every token
         it could emit (the drafts and one more) stays within max_tokens and max_model_len, and
-        by what its recent drafts' acceptance earns (AcceptanceFeedback)."""
-        assert self.proposer is not None and self.acceptance is not None
+        by what its recent drafts' acceptance earns (AcceptanceFeedback). A draft model always
+        drafts that many: placeholders here, its tokens filled in by the runner."""
+        assert self.acceptance is not None
         if not request.output_token_ids or not request_speculates(
             request.sampling_params, request.num_output_tokens, request.grammar is not None
         ):
@@ -327,6 +338,9 @@ class Scheduler:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
             return []
+        if self.proposer is None:
+            assert self.config.speculative is not None
+            return [DRAFT_PLACEHOLDER] * min(limit, self.config.speculative.num_speculative_tokens)
         return self.proposer.propose(request.all_token_ids, limit)
 
     def lora_adapter_names(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from model_server.config import SpeculativeConfig
 from model_server.distributed.parallel_state import get_tensor_model_parallel_rank
 from model_server.engine.core.kv_cache_manager import SlidingWindowSpec
 from model_server.engine.core.request import Request
 from model_server.engine.core.scheduler import SchedulerOutput
 from model_server.engine.execution.cuda_graph import CUDAGraphRunner, capture_sizes
+from model_server.engine.execution.draft_model import DraftModelProposer, prepare_draft_model
 from model_server.engine.execution.input_batch import SeqChunk, build_model_inputs
 from model_server.engine.execution.kv_cache_groups import KVCacheGroups
 from model_server.engine.execution.memory_profiler import (
@@ -27,6 +29,7 @@ from model_server.engine.execution.memory_profiler import (
 from model_server.engine.execution.model_preparation import PreparedModel
 from model_server.engine.execution.step_input import PromptLogprobsRows, StepInput
 from model_server.engine.outputs import ModelRunnerOutput, TokenLogprobs
+from model_server.engine.spec_decode.row_invariance import verification_rows
 from model_server.engine.spec_decode.verify import accept_drafts
 from model_server.kernels.kv_cache_dtype import (
     KVCacheDtype,
@@ -65,8 +68,8 @@ class StepOutput:
 class ModelRunner:
     """One rank's prepared model (engine/execution/model_preparation.py), its KV cache, its
     step (the native decoder step where the platform gave one, else the modules; CUDA graphs
-    for decodes) and (rank 0) the sampler. `self.config` is the engine's with `max_model_len`
-    resolved (the same on every rank, so their rotary caches match)."""
+    for decodes and verifications) and (rank 0) the sampler. `self.config` is the engine's
+    with `max_model_len` resolved (the same on every rank, so their rotary caches match)."""
 
     def __init__(self, prepared: PreparedModel, platform: Platform) -> None:
         self.prepared = prepared
@@ -130,6 +133,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor | QuantizedKVCache] = []
         # Set by `capture_graphs` once the KV cache exists (None: every step runs eagerly).
         self.graph_runner: CUDAGraphRunner | None = None
+        # --speculative-config with a draft model: it fills the scheduler's placeholder drafts
+        # before each step (engine/execution/draft_model.py); its cache mirrors this one's.
+        self.drafter: DraftModelProposer | None = None
+        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        if spec is not None and spec.uses_draft_model:
+            if self.kv_groups.hybrid:
+                raise ValueError(
+                    "speculative_config: a draft model needs a target without a sliding-window "
+                    "block pool (its cache mirrors the target's one block table)"
+                )
+            draft = prepare_draft_model(self.config, spec, self.hf_config, self.dtype, platform)
+            self.drafter = DraftModelProposer(ModelRunner(draft, platform))
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -156,8 +171,20 @@ class ModelRunner:
         return math.prod(shape) * elem + scales
 
     def bytes_per_block(self) -> int:
-        """One block of every layer (what a token range costs without sliding-window groups)."""
-        return self.model.num_layers * self.layer_block_bytes()
+        """One block of every layer (what a token range costs without sliding-window groups),
+        the draft model's block included: its cache has a block for each of ours."""
+        draft = self.drafter.bytes_per_block() if self.drafter is not None else 0
+        return self.model.num_layers * self.layer_block_bytes() + draft
+
+    def kv_cache_bytes(self, num_blocks: int) -> int:
+        """This rank's KV caches for `num_blocks` blocks: every layer's, the draft's included."""
+        draft = self.drafter.bytes_per_block() * num_blocks if self.drafter is not None else 0
+        return self.kv_groups.cache_bytes(num_blocks, self.layer_block_bytes()) + draft
+
+    def _num_blocks_for_budget(self, budget: int) -> int:
+        if self.drafter is not None:  # never with sliding-window groups (refused)
+            return budget // self.bytes_per_block()
+        return self.kv_groups.num_blocks_for_budget(budget, self.layer_block_bytes())
 
     def sliding_window_spec(self, num_blocks: int) -> SlidingWindowSpec | None:
         """The sliding-window pool that goes with `num_blocks` full-group blocks, if any."""
@@ -175,19 +202,16 @@ class ModelRunner:
         default budget. Every rank calls this at the same time: the profile holds collectives.
         """
         bytes_per_block = self.bytes_per_block()
-        layer_bytes = self.layer_block_bytes()
         if kv_cache_memory:
-            return self.kv_groups.num_blocks_for_budget(kv_cache_memory, layer_bytes)
+            return self._num_blocks_for_budget(kv_cache_memory)
         if not self.platform.can_profile_memory():
             budget = self.platform.default_kv_cache_memory(bytes_per_block)
-            return self.kv_groups.num_blocks_for_budget(budget, layer_bytes)
+            return self._num_blocks_for_budget(budget)
         assert self.memory_baseline is not None  # taken in __init__ where memory can be profiled
         utilization = self.config.gpu_memory_utilization
         profile = profile_memory(self.platform, self.profile_run, self.memory_baseline, utilization)
         self.memory_profile = profile
-        num_blocks = self.kv_groups.num_blocks_for_budget(
-            max(0, profile.kv_cache_memory), layer_bytes
-        )
+        num_blocks = self._num_blocks_for_budget(max(0, profile.kv_cache_memory))
         if profile.capped:
             logger.warning(
                 "gpu_memory_utilization %.2f asks for more than was free when the engine "
@@ -215,6 +239,8 @@ class ModelRunner:
             )
             for i in range(m.num_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks)
         self.capture_graphs()  # the graphs hold the caches' addresses: capture after allocating
 
     def check_num_blocks(self, num_blocks: int) -> None:
@@ -278,10 +304,23 @@ class ModelRunner:
             and self.lora_manager is None  # the adapters' row groups change every step
         )
 
+    def graph_verification_rows(self) -> int:
+        """The most rows a verification step can have (0: speculation off), so that the graphs'
+        row buckets reach it: `verification_rows`, bounded by the running requests (at most
+        max_num_seqs, each its last token and k drafts) and by the step's token budget."""
+        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        if spec is None:
+            return 0
+        rows = min(
+            verification_rows(spec), self.config.max_num_seqs * (spec.num_speculative_tokens + 1)
+        )
+        budget = self.config.max_num_batched_tokens
+        return rows if budget is None else min(rows, budget)
+
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture the decode graphs (after `allocate_kv_cache`; every rank at the same time,
-        since the forward holds collectives). A no-op when graphs are disabled."""
+        """Capture the decode and verification graphs (after `allocate_kv_cache`; every rank at
+        the same time, since the forward holds collectives). A no-op when graphs are disabled."""
         if not self.graphs_enabled():
             return
         max_len = self.model.max_position
@@ -301,7 +340,9 @@ class ModelRunner:
         self.graph_runner = CUDAGraphRunner(
             lambda ids, positions, md: self.model(ids, positions, self.kv_caches, md),
             self.platform.graph_capturer(),
-            sizes=capture_sizes(self.config.max_num_seqs),
+            sizes=capture_sizes(
+                self.config.max_num_seqs, verification_rows=self.graph_verification_rows()
+            ),
             block_size=self.block_size,
             max_model_len=max_len,
             device=self.device,
@@ -313,7 +354,10 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> StepInput:
-        """Rank 0: what each scheduled request computes this step."""
+        """Rank 0: what each scheduled request computes this step (with a draft model, which
+        first fills the placeholder drafts in `scheduled_spec_decode_tokens`)."""
+        if self.drafter is not None:
+            self.drafter.propose(scheduler_output)
         chunks: list[SeqChunk] = []
         sample: list[bool] = []
         prompt_logprobs: list[PromptLogprobsRows | None] = []
@@ -347,6 +391,12 @@ class ModelRunner:
             loras=_step_loras(scheduler_output.scheduled_requests),
         )
 
+    def forward_chunks(
+        self, chunks: list[SeqChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """The forward alone, as `_forward` returns it (no adapters): a draft model's passes."""
+        return self._forward(chunks)
+
     def _forward(
         self, chunks: list[SeqChunk], loras: list[LoRARequest | None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -355,8 +405,14 @@ class ModelRunner:
         in `chunks`). `loras`: parallel to chunks, each one's adapter (empty: none)."""
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner else None
         if bucket is not None:
-            # Decodes only: one token per request, batch order = chunk order.
-            return self.graph_runner.run(chunks, bucket), None, list(range(len(chunks)))
+            # Decodes and verifications only: every chunk attends as decodes, so the batch
+            # order is the chunk order and the rows are each chunk's tokens in turn, as eager.
+            hidden = self.graph_runner.run(chunks, bucket)
+            if hidden.shape[0] == len(chunks):
+                return hidden, None, list(range(len(chunks)))
+            ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+            last = torch.tensor([e - 1 for e in ends], dtype=torch.int64).to(self.device)
+            return hidden, last, list(range(len(chunks)))
         inputs = build_model_inputs(chunks, self.block_size, self.device)
         if not loras:
             hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
@@ -555,7 +611,10 @@ class ModelRunner:
         return self.sample(scheduler_output.scheduled_requests, out)
 
     def release(self, request_ids: list[str]) -> None:
-        """Drop the per-request sampler state (seeded generators) of finished requests."""
+        """Drop the per-request sampler state (seeded generators) and draft state of finished
+        requests."""
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
         if self.sampler is not None:
             for request_id in request_ids:
                 self.sampler.release(request_id)
