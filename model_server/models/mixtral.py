@@ -53,9 +53,9 @@ class SparseMoEBlock(nn.Module):
 
     def stack_moe(self) -> tuple[StackMoE, nn.Module | None] | str:
         """This block for a native decoder step (models/decoder_parts.py's `describe_layer`):
-        (its description, the shared expert's MLP or None), or what it has instead."""
-        if self.experts.quant_method is not None:
-            return "GPTQ/AWQ experts kept quantized (native: float experts)"
+        (its description, the shared expert's MLP or None), or what it has instead. Experts
+        kept quantized (GPTQ / AWQ) are described as they are: the platform says whether it runs
+        them."""
         moe = StackMoE(
             router=self.gate,
             w13=self.experts.w13_weight,

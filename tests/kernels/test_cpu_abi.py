@@ -258,7 +258,14 @@ def test_layout_check_passes_on_the_real_build() -> None:
     compiled = abi.compiled_layout(lib)
     mirrored = abi.ctypes_layout(abi.structures())
     assert compiled == mirrored
-    assert set(compiled) == {"WickLoRA", "WickLinear", "WickMoE", "WickLayer", "WickStackStep"}
+    assert set(compiled) == {
+        "WickLoRA",
+        "WickLinear",
+        "WickExpertsWNA16",
+        "WickMoE",
+        "WickLayer",
+        "WickStackStep",
+    }
 
 
 def test_decoder_stack_takes_its_structs_and_constants_from_the_header() -> None:
@@ -280,7 +287,7 @@ def test_decoder_stack_takes_its_structs_and_constants_from_the_header() -> None
 def _header_copy(tmp_path: Path, old: str, new: str) -> Path:
     """wick_stack.h (with what it includes and abi_layout.c) copied to tmp_path, `old`
     replaced by `new` in the copy."""
-    for name in ("wick_cpu.h", "wick_lora.h", "abi_layout.c"):
+    for name in ("wick_cpu.h", "wick_lora.h", "wick_moe_wna16.h", "abi_layout.c"):
         shutil.copy(CPU_DIR / name, tmp_path / name)
     text = (CPU_DIR / "wick_stack.h").read_text()
     assert text.count(old) == 1

@@ -87,6 +87,33 @@ def test_grouped_experts_match_the_pytorch_path(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tensor_parallel_slices_sum_to_the_whole_experts(dtype: torch.dtype, tp: int) -> None:
+    """Each rank's experts as FusedMoE slices them (gate and up rows, down columns, at
+    r * I / tp): moe.c's partial outputs, summed as the all-reduce sums them, are the whole
+    experts' output (the native step's MoE layers under tensor parallelism)."""
+    x, w13, w2, logits = _case(13, 2, dtype, seed=tp, skew=True)
+    weights, ids = softmax_topk(logits, 2, True)
+    part = INTER // tp
+    total = torch.zeros(x.shape[0], H, dtype=torch.float32)
+    for r in range(tp):
+        rows = slice(r * part, (r + 1) * part)
+        gate, up = w13[:, :INTER][:, rows], w13[:, INTER:][:, rows]
+        w13_r = torch.cat([gate, up], dim=1).contiguous()
+        w2_r = w2[:, :, rows].contiguous()
+        out = native_fused_experts(default_kernels(), x, w13_r, w2_r, weights, ids, TORCH_KERNELS)
+        ref = fused_experts_grouped(x, w13_r, w2_r, weights, ids, TORCH_KERNELS)
+        atol, rtol = TOLERANCES[dtype]
+        torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)  # a rank's own slice
+        total += out.float()
+    whole = fused_experts_grouped(x, w13, w2, weights, ids, TORCH_KERNELS).float()
+    assert whole.abs().max() > 0.05
+    # fp32: the partial sums' order; bf16: each rank's output rounds before the sum
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(total, whole, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_experts_bits_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     """The native step and the modules may run a step on different thread counts' splits (a
     small matmul stays on one thread): each output is computed whole by one thread."""

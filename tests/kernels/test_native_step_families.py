@@ -350,6 +350,72 @@ def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
         torch.testing.assert_close(logprobs_2, logprobs_1, atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for this module's TP cases, holding this process's build of the kernels: the
+    spawned rank finds it there instead of compiling its own (minutes on a loaded machine)."""
+    import shutil
+
+    cache = tmp_path_factory.mktemp("tp-cache")
+    kernels = default_kernels()
+    assert kernels is not None
+    built = Path(kernels.lib._name)
+    (cache / "kernels").mkdir()
+    shutil.copy2(built, cache / "kernels" / built.name)
+    return cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("qwen3-moe", "float32"), ("qwen2-moe", "float32"), ("qwen3-moe", "bfloat16"),
+     ("qwen2-moe", "bfloat16")],
+)  # fmt: skip
+def test_tensor_parallel_ranks_run_moe_layers_natively(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    shared_cache_dir: Path,
+    family: str,
+    dtype: str,
+) -> None:
+    """MoE layers under TP=2: each rank's native step runs its slices of every expert (and of
+    Qwen2-MoE's shared expert), the partial sums all-reduced between calls as the modules
+    reduce them. Rank 0 with the step gives rank 0 without it (the modules) the same bits, and
+    TP=1's greedy tokens, its logprobs up to the order of the partial sums."""
+    from model_server.kernels.cpu import linear_tuning
+
+    monkeypatch.setenv("WICK_CACHE_DIR", str(shared_cache_dir))
+    force(monkeypatch, NATIVE_GEMM)
+    monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
+    folder = _folder(tmp_path / "model", NATIVE[family])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = _engine(folder, dtype, num_threads=1)
+    try:
+        assert llm.engine.core.model_runner.native_step is not None
+        one_rank = _outputs(llm.generate(MIXED_PROMPTS, params))
+    finally:
+        llm.shutdown()
+    llm = _engine(folder, dtype, tensor_parallel_size=2, num_threads=1)
+    step = llm.engine.core.model_runner.native_step
+    assert step is not None and step.all_reduce is not None
+    assert any(layer.moe is not None and layer.tp_size == 2 for layer in step.layers)
+    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
+    assert native == modules
+    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one_rank, native, strict=True):
+        assert tokens_2 == tokens_1 and len(tokens_1) == 8
+        tol = 1e-4 if dtype == "float32" else 0.1
+        torch.testing.assert_close(
+            [lp for lp, _ in logprobs_2], [lp for lp, _ in logprobs_1], atol=tol, rtol=tol
+        )
+
+
+def _outputs(outs: list) -> list:
+    return [
+        (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
+        for o in outs
+    ]
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, method: str
@@ -482,9 +548,9 @@ def test_moe_layers_are_described_and_what_the_step_lacks_is_named() -> None:
         changed = (dataclasses.replace(layers[0], **changes), *layers[1:])
         return decoder_stack._native_reason(changed, torch.float32, lambda t: t)
 
-    assert reason(tp_size=2) == ("layer 0: MoE experts under tensor parallelism (native: one rank)")
+    assert reason(tp_size=2) is None  # each rank's slices of the experts (decoder_stack._run)
     assert reason(moe=dataclasses.replace(moe, w13=object())) == (
-        "layer 0: experts kept quantized (native: float experts)"
+        "layer 0: experts kept as object (native: float or GPTQ/AWQ codes)"
     )
     assert reason(moe=dataclasses.replace(moe, shared_gate=None)) == (
         "layer 0: a shared expert without its gate, or a gate without the expert"

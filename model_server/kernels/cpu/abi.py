@@ -37,6 +37,7 @@ _HERE = Path(__file__).parent
 ABI_HEADERS: tuple[Path, ...] = (
     _HERE / "wick_entry.h",
     _HERE / "wick_moe.h",
+    _HERE / "wick_moe_wna16.h",
     _HERE / "wick_stack.h",
 )
 # abi_layout.c's entry point (declared in wick_stack.h).

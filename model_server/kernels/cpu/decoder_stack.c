@@ -42,6 +42,7 @@
 #include "wick_entry.h"
 #include "wick_lora.h"
 #include "wick_moe.h"
+#include "wick_moe_wna16.h"
 #include "wick_stack.h"
 
 /* Error codes: (layer << 4) | STAGE_*, negated; the failing kernel's own code goes to
@@ -150,7 +151,8 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
 
 /* A MoE layer's scratch (s->moe_scratch), carved in this order, each part 64-byte aligned:
  * router logits [T, E], weights [T, k] fp32, ids [T, k] int64, the shared expert's gate
- * logit [T] and output [T, hidden], then wick_moe_experts' own. Returns the bytes; fills
+ * logit [T] and output [T, hidden], then the experts' own (wick_moe_experts' or, for GPTQ /
+ * AWQ codes, wick_moe_wna16_experts'). Returns the bytes; fills
  * `parts` when given. */
 typedef struct {
   void *logits, *gate, *shared, *experts;
@@ -176,6 +178,8 @@ static int64_t moe_parts(const WickStackStep *s, const WickMoE *m, MoEParts *par
     parts->ids = (int64_t *)starts[2], parts->gate = starts[3], parts->shared = starts[4];
     parts->experts = at + total;
   }
+  if (m->experts_kind == MOE_EXPERTS_WNA16)
+    return total + wick_moe_wna16_scratch_bytes(s->dtype, T, m->top_k, s->hidden, m->inter);
   return total + wick_moe_scratch_bytes(s->dtype, T, m->top_k, s->hidden, m->inter);
 }
 
@@ -187,7 +191,9 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
 
 /* y [T, hidden] = the layer's MoE block of x (moe.c, as the CPU kernel table's MoE slots run
  * it under the modules): router, softmax top-k, routed experts; with a shared expert its MLP
- * (gate_up, down) and gate, then routed + sigmoid(gate) * shared. */
+ * (gate_up, down) and gate, then routed + sigmoid(gate) * shared. Under tensor parallelism
+ * (split_shared_add) the routed and shared partial sums stay apart, in `sandwich` and y, the
+ * gate logits in the scratch, for the caller's all-reduces and wick_stack_moe_shared_add. */
 static int run_moe(const WickStackStep *s, const WickLayer *l, const void *x, void *y) {
   const WickMoE *m = &l->moe;
   const int64_t T = s->num_tokens;
@@ -199,17 +205,32 @@ static int run_moe(const WickStackStep *s, const WickLayer *l, const void *x, vo
                                  m->renormalize, p.weights, p.ids);
   if (status != 0) return status;
   void *routed = m->has_shared ? s->sandwich : y;
-  status = wick_moe_experts(s->dtype, x, T, s->hidden, m->w13, m->w2, m->num_experts, m->inter,
-                            p.weights, p.ids, m->top_k, routed, p.experts, s->num_threads,
-                            m->gemm_min_work, s->norm_min_work);
+  if (m->experts_kind == MOE_EXPERTS_WNA16) /* GPTQ / AWQ codes: moe_wna16.c */
+    status = wick_moe_wna16_experts(s->dtype, x, T, &m->w13_wna16, &m->w2_wna16, m->num_experts,
+                                    p.weights, p.ids, m->top_k, routed, p.experts,
+                                    s->num_threads, s->norm_min_work);
+  else
+    status = wick_moe_experts(s->dtype, x, T, s->hidden, m->w13, m->w2, m->num_experts, m->inter,
+                              p.weights, p.ids, m->top_k, routed, p.experts, s->num_threads,
+                              m->gemm_min_work, s->norm_min_work);
   if (status != 0 || !m->has_shared) return status;
   status = run_linear(s, &m->shared_gate, x, p.gate);
   if (status != 0) return status;
   status = run_mlp_in(s, l, x);
   if (status != 0) return status;
+  if (m->split_shared_add) return run_linear(s, &l->down, s->mid, y);
   status = run_linear(s, &l->down, s->mid, p.shared);
   if (status != 0) return status;
   return wick_moe_shared_expert_add(s->dtype, routed, p.gate, p.shared, y, T, s->hidden);
+}
+
+int wick_stack_moe_shared_add(const WickStackStep *s, const WickLayer *layer) {
+  const WickMoE *m = &layer->moe;
+  if (m->num_experts == 0 || !m->has_shared) return -1;
+  MoEParts p;
+  moe_parts(s, m, &p);
+  return wick_moe_shared_expert_add(s->dtype, s->sandwich, p.gate, s->hidden_out, s->hidden_out,
+                                    s->num_tokens, s->hidden);
 }
 
 /* y [T, n] = rms_norm(x [T, n]) * weight, rows contiguous (the module path's RMSNorm on a
@@ -382,7 +403,8 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
       residual = next_residual;
       next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
       /* 7-8. the MLP (its sandwich norm: on the reduced output, by the next half's caller
-       * under tensor parallelism, here on one rank), or the MoE block (one rank) */
+       * under tensor parallelism, here on one rank), or the MoE block (a rank's partial sums
+       * under tensor parallelism: run_moe) */
       if (l->moe.num_experts > 0) {
         STAGE(run_moe(s, l, s->normed, s->hidden_out), STAGE_MLP);
         continue;

@@ -14,15 +14,18 @@ over the whole head or its leading dims, causal attention (sliding windows in th
 pool, soft caps, quantized caches) on the native CPU backend, o_proj, a gated MLP (SiLU or
 GELU tanh) or a plain one (fc1 -> GELU erf or tanh -> fc2, biases allowed), or an MoE block
 (`StackMoE`: the router's linear, softmax top-k renormalised or not, float experts in the
-activation dtype, optionally Qwen2-MoE's shared expert MLP scaled by sigmoid of its gate; the
+activation dtype or GPTQ / AWQ experts kept in their codes (kernels/cpu/moe_wna16.c),
+optionally Qwen2-MoE's shared expert MLP scaled by sigmoid of its gate; the
 CPU table's MoE slots and the step both run kernels/cpu/moe.c), the MLP after the attention
 or beside it from the same norm (Phi-2, StableLM's parallel residual: x + (attn + mlp)); under
-tensor parallelism one call per half layer with the all-reduce between (parallel layers and
-MoE layers: one rank only). Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3,
-GLM-4, InternLM2, Baichuan, Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE. Not
-yet: experts kept quantized (GPTQ/AWQ), MoE under tensor parallelism, DeepSeek (latent
-attention, grouped top-k routing), StableLM's per-head q/k LayerNorm (its modules refuse it
-too), the gated exact GELU.
+tensor parallelism one call per half layer with the all-reduce between (parallel layers: one
+rank only; an MoE layer's experts each a slice of their intermediate dim, routing replicated,
+the routed and shared experts' partial sums reduced apart as the modules reduce them).
+Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3, GLM-4, InternLM2, Baichuan,
+Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE. Not yet: act-order GPTQ experts
+and GPTQ / AWQ experts under tensor parallelism,
+DeepSeek (latent attention, grouped top-k routing), StableLM's per-head q/k LayerNorm (its
+modules refuse it too), the gated exact GELU.
 
 Per row bucket every matmul must have a native kernel as the planned weights say
 (kernels/planned_weight.py): dense or panel kernels for float weights, the GGUF or wNa16
@@ -48,6 +51,7 @@ from model_server.kernels.cpu.gguf_linear import MIN_WORK_PER_THREAD as GGUF_MIN
 from model_server.kernels.cpu.gguf_linear import gguf_gemm, gguf_q8_gemm
 from model_server.kernels.cpu.linear_tuning import NATIVE, WNA16_NATIVE
 from model_server.kernels.cpu.lora import lora_struct
+from model_server.kernels.cpu.moe_wna16 import experts_reason, experts_struct
 from model_server.kernels.cpu.panel_gemm import MIN_WORK_PER_THREAD as PANEL_MIN_WORK
 from model_server.kernels.cpu.panel_gemm import Panels
 from model_server.kernels.cpu.wna16 import MIN_WORK_PER_THREAD as WNA16_MIN_WORK
@@ -333,6 +337,8 @@ class CpuDecoderStack:
                     setattr(s, name, linear)
             if layer.moe is not None:
                 _describe_moe(s.moe, layer.moe)
+                # the ranks' partial sums reduced apart, as the modules do (`_run`)
+                s.moe.split_shared_add = int(self.all_reduce is not None and s.moe.has_shared)
             # The module path fuses the SiLU wherever the planned weight can (GatedMLP).
             gate_up = None if layer.gate_up is None else layer.gate_up.weight
             if isinstance(gate_up, PlannedWeight):
@@ -536,7 +542,9 @@ class CpuDecoderStack:
         else:
             # One call per half layer; each half's partial sum is all-reduced between calls,
             # then its bias added and (MLP) its sandwich norm, as RowParallelLinear and the
-            # layer's modules do.
+            # layer's modules do. An MoE layer with a shared expert: the routed experts' sum
+            # (`sandwich`, FusedMoE's all-reduce), then the shared expert's (its down
+            # projection's), then their gated add in C.
             proj, out = view("proj"), view("hidden_out")
             for i, layer in enumerate(self.layers):
                 self._call(step, plan, (i, 0, i, 0), which, geo)
@@ -544,14 +552,27 @@ class CpuDecoderStack:
                 if layer.o.bias is not None:
                     proj += layer.o.bias
                 self._call(step, plan, (i, 1, i, 1), which, geo)
+                split = plan[i].moe.split_shared_add
+                if split:
+                    self.all_reduce(view("sandwich"))
                 self.all_reduce(out)
-                if layer.down.bias is not None:
+                if layer.down is not None and layer.down.bias is not None:
                     out += layer.down.bias
+                if split:
+                    self._shared_add(step, plan, i)
                 if layer.mlp_out_norm is not None:
                     out.copy_(layer_ops.rms_norm(self.kernels, out, layer.mlp_out_norm, geo.eps))
         # alive until here: the calls read them
         del keep, positions, starts, lens, lora_slots, moe_scratch
         return view("hidden_out"), view("residual_a" if which.value == 0 else "residual_b")
+
+    def _shared_add(self, step: Any, plan: ctypes.Array[Any], i: int) -> None:
+        """hidden_out = routed + sigmoid(gate) * shared of layer i's reduced partial sums."""
+        status = self.kernels.lib.wick_stack_moe_shared_add(
+            ctypes.addressof(step), ctypes.addressof(plan[i])
+        )
+        if status != 0:
+            raise RuntimeError(f"native decoder stack: layer {i}'s shared expert add failed")
 
     def _call(
         self,
@@ -594,7 +615,12 @@ def _describe_moe(out: Any, moe: StackMoE) -> None:
     out.num_experts, out.top_k = int(w13.shape[0]), moe.top_k
     out.renormalize, out.has_shared = int(moe.renormalize), int(moe.shared_gate is not None)
     out.inter = int(w2.shape[2])
-    out.w13, out.w2 = w13.data_ptr(), w2.data_ptr()
+    if isinstance(w13, torch.Tensor):
+        out.experts_kind = abi.constant("MOE_EXPERTS_FLOAT")
+        out.w13, out.w2 = w13.data_ptr(), w2.data_ptr()
+    else:  # GPTQ / AWQ codes, their layout checked by `_moe_reason`: moe_wna16.c
+        out.experts_kind = abi.constant("MOE_EXPERTS_WNA16")
+        out.w13_wna16, out.w2_wna16 = experts_struct(w13), experts_struct(w2)
     out.gemm_min_work = GEMM_MIN_WORK
 
 
@@ -654,15 +680,19 @@ def _native_reason(
 
 
 def _moe_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
-    """What of the layer's MoE block decoder_stack.c (moe.c) lacks, or None."""
+    """What of the layer's MoE block decoder_stack.c (moe.c, moe_wna16.c) lacks, or None."""
     moe = layer.moe
     assert moe is not None
-    if layer.tp_size != 1:
-        return "MoE experts under tensor parallelism (native: one rank)"
     experts = (moe.w13, moe.w2)
-    if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in experts):
-        return "experts kept quantized (native: float experts)"
-    if any(w.dtype != dtype or not w.is_contiguous() or not w.is_cpu for w in experts):
+    if not all(isinstance(w, torch.Tensor) for w in experts):
+        if layer.tp_size != 1:  # the ranks' slices of the codes: not checked against TP=1 yet
+            return "GPTQ / AWQ experts under tensor parallelism (native: one rank)"
+        reason = experts_reason(moe.w13, moe.w2, dtype)  # GPTQ / AWQ codes (moe_wna16.c)
+        if reason is not None:
+            return reason
+    elif any(
+        w.dim() != 3 or w.dtype != dtype or not w.is_contiguous() or not w.is_cpu for w in experts
+    ):
         return f"experts that are not contiguous {dtype} CPU tensors"
     if moe.w13.shape[1] != 2 * moe.w2.shape[2] or moe.router.weight.shape[0] != moe.w13.shape[0]:
         return "experts of mismatched shapes"

@@ -3,7 +3,8 @@
 
 The native decoder step (decoder_stack.c) runs an MoE layer through these same C functions with
 the same arguments, so the modules and the step give the same bits. Inputs the C code does not
-take (another dtype or device, experts kept quantized) run the portable PyTorch functions.
+take (another dtype or device, act-order experts) run the portable PyTorch functions;
+GPTQ / AWQ experts run kernels/cpu/moe_wna16.c.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD as GEMM_MIN_WORK
 from model_server.kernels.cpu.layer_ops import MIN_ELEMENTS_PER_THREAD
+from model_server.kernels.cpu.moe_wna16 import native_wna16_experts
 from model_server.kernels.cpu.native import DTYPE_CODES, NativeKernels
 from model_server.kernels.fused_moe_torch import (
     fused_experts_grouped,
@@ -62,8 +64,13 @@ def native_fused_experts(
     table: Any,
 ) -> torch.Tensor:
     """`fused_experts_grouped`'s contract (kernels/fused_moe_torch.py) on moe.c: float experts
-    in x's dtype; quantized experts (`WNA16Experts`) and other dtypes run the grouped PyTorch
-    path on `table`'s kernels."""
+    in x's dtype; GPTQ / AWQ experts (`WNA16Experts`) on moe_wna16.c (kernels/cpu/
+    moe_wna16.py); act-order experts and other dtypes run the grouped PyTorch path on `table`'s
+    kernels."""
+    if not isinstance(w13, torch.Tensor):  # GPTQ / AWQ codes: moe_wna16.c, where it applies
+        out = native_wna16_experts(kernels, x, w13, w2, topk_weights, topk_ids)
+        if out is not None:
+            return out
     float_experts = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
     code = _code(x, w13, w2) if float_experts else None
     if code is None or x.dim() != 2:

@@ -58,6 +58,7 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "gguf_q8.c",
     _HERE / "lora.c",
     _HERE / "moe.c",
+    _HERE / "moe_wna16.c",
     _HERE / "decoder_stack.c",
     _HERE / "abi_layout.c",
 )
@@ -69,6 +70,7 @@ HEADERS: tuple[Path, ...] = (
     _HERE / "wick_entry.h",
     _HERE / "wick_lora.h",
     _HERE / "wick_moe.h",
+    _HERE / "wick_moe_wna16.h",
     _HERE / "wick_stack.h",
     _HERE / "wick_vmath.h",
 )

@@ -37,7 +37,7 @@ int wick_moe_experts(int dtype, const void *x, int64_t num_tokens, int64_t hidde
 
 /* out [T, H] = routed + sigmoid(gate) * shared, gate [T] (one column), each op rounded to the
  * dtype as PyTorch rounds `routed + torch.sigmoid(gate) * shared` (Qwen2-MoE's shared
- * expert). out may be routed. */
+ * expert). out may be routed or shared (each element is read before its own is written). */
 int wick_moe_shared_expert_add(int dtype, const void *routed, const void *gate,
                                const void *shared, void *out, int64_t num_tokens,
                                int64_t hidden);

@@ -17,6 +17,7 @@
 
 #include "wick_cpu.h"
 #include "wick_lora.h"
+#include "wick_moe_wna16.h"
 
 /* How a linear layer multiplies (decoder_stack.py's LINEAR_* values). */
 enum {
@@ -27,6 +28,8 @@ enum {
   LINEAR_WNA16 = 4        /* wna16_gemm.c on GPTQ/AWQ codes (`data`) with their scales, offsets */
 };
 #define MAX_SEGMENTS 4
+/* What a WickMoE's routed experts hold (WickMoE.experts_kind; decoder_stack.py's values). */
+enum { MOE_EXPERTS_FLOAT = 0, MOE_EXPERTS_WNA16 = 1 };
 
 typedef struct {
   int32_t kind;     /* LINEAR_* */
@@ -51,14 +54,24 @@ typedef struct {
 /* A mixture-of-experts block in place of the MLP (num_experts > 0; moe.c's calls, in the order
  * the modules run them): router logits, softmax top-k, the routed experts; with a shared
  * expert (Qwen2-MoE) the layer's gate_up/down MLP of the same input, added scaled by
- * sigmoid(shared_gate(x)). The experts' weights are float, in the activation dtype. */
+ * sigmoid(shared_gate(x)). The experts' weights are float, in the activation dtype, or GPTQ /
+ * AWQ codes (experts_kind). */
 typedef struct {
   int32_t num_experts, top_k, renormalize, has_shared;
-  int64_t inter;                /* each expert's intermediate size I */
+  /* Tensor parallelism with a shared expert (each rank holds a slice of every expert's I and
+   * of the shared expert's): the half stops before the add, leaving the routed experts' partial
+   * sum in `sandwich` and the shared expert's in hidden_out for the caller to all-reduce (as
+   * FusedMoE and the shared expert's down projection do), then wick_stack_moe_shared_add. */
+  int32_t split_shared_add;
+  int64_t inter;                /* each expert's intermediate size I (this rank's slice) */
   const void *w13, *w2;         /* [E, 2I, hidden], [E, hidden, I] */
   WickLinear router;            /* [E, hidden] */
   WickLinear shared_gate;       /* [1, hidden] (has_shared) */
   int64_t gemm_min_work;        /* the experts' matmuls' (gemm.py's MIN_WORK_PER_THREAD) */
+  /* MOE_EXPERTS_FLOAT: w13, w2 above (moe.c); MOE_EXPERTS_WNA16: GPTQ / AWQ codes, w13_wna16
+   * and w2_wna16 (moe_wna16.c; w13 and w2 unused). */
+  int32_t experts_kind;
+  WickExpertsWNA16 w13_wna16, w2_wna16;
 } WickMoE;
 
 /* The MLP's activation (WickLayer.activation): ACT_GELU is the exact (erf) one. */
@@ -148,6 +161,12 @@ int wick_decoder_stack(WickStackStep *s, const WickLayer *layers, int num_layers
 /* decoder_stack.c: the bytes of `moe_scratch` layer `layer` needs at the step's num_tokens,
  * dtype and hidden (0 for a layer without experts). */
 int64_t wick_stack_moe_bytes(const WickStackStep *s, const WickLayer *layer);
+
+/* decoder_stack.c: after a split_shared_add MoE half and the all-reduces of `sandwich` (routed)
+ * and hidden_out (shared): hidden_out = sandwich + sigmoid(gate) * hidden_out, the gate logits
+ * the half left in moe_scratch (wick_moe_shared_expert_add). Returns 0, or -1 for a layer
+ * without a shared expert. */
+int wick_stack_moe_shared_add(const WickStackStep *s, const WickLayer *layer);
 
 /* abi_layout.c: the compiled layout of the structs above, one row per struct (field "": its
  * sizeof at values[2 i + 1]) and per field (offsetof at values[2 i], sizeof at values[2 i + 1]),
