@@ -9,7 +9,9 @@ within the bound the rounding allows (|x - xq| <= scale / 2 per value, so each o
 by at most sum |W| * scale / 2). Every type it takes, on every ISA path this machine runs
 (AVX-512 VNNI, AVX-512 and AVX2 forced on an AVX-512 machine, generic), fp32 and bf16 x,
 odd row counts (tiles of 4 end short), odd N, K an odd number of blocks (not a multiple of 256
-for the 32-value formats: the blocks after the last group of 8 take their own path)."""
+for the 32-value formats: the blocks after the last group of 8 take their own path). And a
+row's outputs must have the same bits alone and in any batch, on every path (row-invariance:
+a request's tokens never depend on its batch)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from tests.kernels.gguf_packing import ALL_TYPES, block_shape, dequantize, rando
 
 RUNNABLE = [i.name for i in isa_mod.supported_isas(isa_mod.cpu_flags())]
 TYPES = sorted(Q8_TYPES)
-ROWS = [1, 3, 4, 5, 9, 17]
+ROWS = [1, 3, 4, 5, 9, 17]  # 17: the column panels of the VNNI build (from 10 rows)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -152,6 +154,42 @@ def test_every_isa_and_thread_count_agree(qtype: int) -> None:
     first = next(iter(results.values()))
     for out in results.values():
         torch.testing.assert_close(out, first, atol=1e-5 * first.abs().max().item(), rtol=1e-5)
+
+
+# Batch sizes crossing every path: 1-2 rows decode W in registers, more rows unpack each W row
+# once (tiles of 4 end short), and from 10 rows the VNNI build's column panels (16 W rows,
+# tiles of 4 x rows) take over.
+BATCHES = [1, 2, 3, 5, 8, 13, 16, 33]
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(
+    isa: str, qtype: int, dtype: torch.dtype
+) -> None:
+    """Each row's activations are rounded on their own and every output summed in one order
+    whatever the row count, the path (registers, row buffer, column panels) or the threads:
+    a request's tokens never depend on its batch."""
+    kernels = _kernels(isa)
+    n = 45  # two panels and 13 columns: odd, short of a panel
+    blocks, _, k = _case(qtype, n, seed=qtype + 100)
+    gen = torch.Generator().manual_seed(qtype)
+    x = torch.randn(max(BATCHES), k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    alone = torch.cat(
+        [gguf_q8_gemm(x[i : i + 1], blocks, qtype, bias, kernels) for i in range(len(x))]
+    )
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in BATCHES:
+                for start in (0, len(x) - m):  # two different batches holding each row
+                    got = gguf_q8_gemm(x[start : start + m], blocks, qtype, bias, kernels)
+                    assert torch.equal(got, alone[start : start + m]), (m, start, threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("isa", RUNNABLE)

@@ -28,11 +28,16 @@
  * vpmaddwd (vpdpwssd on VNNI). Q8_0 without VNNI multiplies |w| by qx with w's signs
  * (vpmaddubsw would saturate on w + 128); with VNNI its codes are w + 128.
  * The generic build does the same sums in plain integer loops, block by block.
+ * The AVX-512 VNNI build, from PANEL_MIN_ROWS rows of x, unpacks 16 W rows at a time into
+ * column panels (lane c of each vector: W row c; see q8_panels_range), which serve every row
+ * of x without horizontal sums, and adds the very same terms in the very same order as the
+ * paths above: every build gives a row of x the same output bits whatever the batch.
  *
  * Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (wick_gguf_q8_supports); others (Q2_K,
  * Q3_K, floats) return -1 and run the float kernels of gguf_gemm.c.
  *
- * Threads: contiguous ranges of W's rows, so W is read once per call in its packed size.
+ * Threads: contiguous ranges of W's rows (of panels), so W is read once per call in its packed
+ * size.
  */
 #include <math.h>
 #include <stdint.h>
@@ -583,7 +588,221 @@ static int q8_rows_range(const int type, const int dtype, const uint8_t *w, cons
   return 0;
 }
 
+#if Q8_VNNI && defined(__AVX512F__)
+#define Q8_PANEL 1
+/* ---- AVX-512 VNNI build, PANEL_MIN_ROWS or more rows of x: column panels --------------------
+ * W's rows are unpacked PANEL at a time into a panel: chunk j (64 bytes) of 32-value block b
+ * holds in lane c the bytes 4j..4j+3 of W row c's block b, so vpdpbusd with 4 bytes of x
+ * broadcast leaves column c's partial sum in lane c: every output column in its own lane, no
+ * horizontal sums, each unpacked panel reused by every row of x.
+ * The sums are direct_row's, in its order, so a row's outputs have the same bits alone (1 or
+ * 2 rows: direct_row) or in any batch: its 8 lanes (one per block position b % 8 of each
+ * group of 8 blocks) become 8 accumulators per row here, acc[b % 8] += float(isum_b) * (a_b *
+ * dx_b) and off[b % 8] += o_b * sx_b (Q6_K: per 16 values, off[h % 8] for half h), the blocks
+ * after the last group add each 4-byte chunk's partial sum to acc[chunk] (and their offsets
+ * to one scalar tail in order), and the 8 lanes meet as hsum8 adds them:
+ * ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)) + tail, v_i = acc_i + off_i. */
+#define PANEL 16
+/* Rows of x from which the panels run; fewer take q8_rows_range (direct_row or a row buffer).
+ * Measured (busy 2-core Zen 5, one thread, Gemma 3 270M's shapes): the panels' unpacking
+ * (16 rows staged, then transposed) costs more than the row buffer's up to 9 rows, and their
+ * rows cost about half as much above. */
+#define PANEL_MIN_ROWS 10
+/* Rows of x per tile (each block's codes loaded once for them). */
+#define PANEL_ROWS 4
+
+/* W rows [0, rows) (rows <= PANEL; missing lanes are zero) of nblocks ggml blocks at w, each
+ * row_bytes apart -> codes [nbp][8][PANEL][4] u8, a [nbp][PANEL], o [halves * nbp][PANEL]
+ * (halves: Q6_K 2, per 16 values, else 1), and for Q6_K sc [2 nbp][PANEL] int32 (the scale of
+ * each 16 values). Each W row is decoded in order into stage [PANEL][nbp * 32] (W read
+ * sequentially), then every block's 16 rows are transposed into lanes. */
+static inline __attribute__((always_inline)) void unpack_panel(
+    const int type, const uint8_t *restrict w, const int64_t row_bytes, const int64_t nblocks,
+    const int rows, uint8_t *restrict stage, uint8_t *restrict codes, float *restrict a,
+    float *restrict o, int32_t *restrict sci) {
+  int elems = 32, bytes = 0;
+  block_shape(type, &elems, &bytes);
+  const int per = elems / 32, q6 = type == T_Q6_K, halves = q6 ? 2 : 1;
+  const int64_t nbp = nblocks * per;
+  for (int r = 0; r < PANEL; r++) {
+    uint8_t *restrict st = stage + r * 32 * nbp;
+    if (r >= rows) {
+      memset(st, 0, (size_t)(32 * nbp));
+      for (int64_t i = 0; i < nbp; i++) a[PANEL * i + r] = 0.f;
+      for (int64_t i = 0; i < halves * nbp; i++) {
+        o[PANEL * i + r] = 0.f;
+        if (q6) sci[PANEL * i + r] = 0;
+      }
+      continue;
+    }
+    const uint8_t *restrict wr = w + r * row_bytes;
+    for (int64_t b = 0; b < nblocks; b++) {
+      __m256i c[8], sg[8];
+      float dw[8], ow[16];
+      int16_t sc[8 * 16];
+      decode_block(type, wr + b * bytes, c, sg, dw, ow, sc);
+      for (int i = 0; i < per; i++) {
+        const int64_t blk = b * per + i;
+        store32(st + 32 * blk, c[i]);
+        a[PANEL * blk + r] = dw[i];
+        for (int e = 0; e < halves; e++) {
+          o[PANEL * (halves * blk + e) + r] = ow[halves * i + e];
+          if (q6) sci[PANEL * (2 * blk + e) + r] = sc[16 * i + 8 * e];
+        }
+      }
+    }
+  }
+  for (int64_t blk = 0; blk < nbp; blk++) {
+    __m256i lo[8], hi[8];
+    for (int r = 0; r < 8; r++)
+      lo[r] = load32(stage + r * 32 * nbp + 32 * blk),
+      hi[r] = load32(stage + (8 + r) * 32 * nbp + 32 * blk);
+    transpose8(lo), transpose8(hi); /* lo[j]: dword j of rows 0..7 */
+    for (int j = 0; j < 8; j++)
+      _mm512_storeu_si512(codes + 512 * blk + 64 * j,
+                          _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1));
+  }
+}
+
+/* Rows t0 .. t0 + MT of x against one unpacked panel -> out[t], lane c: column c's output
+ * (before the bias). Each block's codes are loaded once for the MT rows. */
+static inline __attribute__((always_inline)) void panel_tile(
+    const int type, const int MT, const uint8_t *restrict codes, const float *restrict a,
+    const float *restrict o, const int32_t *restrict sci, const xq_t *xq, const int64_t t0,
+    __m512 *out) {
+  const int64_t nbp = xq->nb, kp = xq->k, groups = nbp / 8 * 8;
+  const int q6 = type == T_Q6_K;
+  __m512 acc[PANEL_ROWS][8], off[PANEL_ROWS][8], tail[PANEL_ROWS];
+  for (int t = 0; t < MT; t++) {
+    tail[t] = _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++) acc[t][i] = off[t][i] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < groups; b++) {
+    const int i = (int)(b & 7); /* the block's lane in direct_row */
+    __m512i z[8];
+    for (int j = 0; j < 8; j++) z[j] = _mm512_loadu_si512(codes + 512 * b + 64 * j);
+    const __m512 ab = _mm512_loadu_ps(a + PANEL * b);
+    for (int t = 0; t < MT; t++) {
+      const int8_t *xb = xq->q + (t0 + t) * kp + 32 * b;
+      __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+      for (int j = 0; j < 4; j++) { /* chunks 0-3: the first 16 values; 4-7 the second */
+        int32_t x0, x1;
+        memcpy(&x0, xb + 4 * j, 4), memcpy(&x1, xb + 16 + 4 * j, 4);
+        i0 = _mm512_dpbusd_epi32(i0, z[j], _mm512_set1_epi32(x0));
+        i1 = _mm512_dpbusd_epi32(i1, z[4 + j], _mm512_set1_epi32(x1));
+      }
+      __m512i isum;
+      if (q6) { /* exact: sc * (sum of 16 code products) per half, as vpmaddwd */
+        const __m512i sc0 = _mm512_loadu_si512(sci + PANEL * 2 * b);
+        const __m512i sc1 = _mm512_loadu_si512(sci + PANEL * (2 * b + 1));
+        isum = _mm512_add_epi32(_mm512_mullo_epi32(i0, sc0), _mm512_mullo_epi32(i1, sc1));
+      } else {
+        isum = _mm512_add_epi32(i0, i1);
+      }
+      const __m512 sc = _mm512_mul_ps(ab, _mm512_set1_ps(xq->d[(t0 + t) * nbp + b]));
+      acc[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[t][i]);
+      if (q6) { /* direct_row: off += ow[0..8] sx16[0..8] then ow[8..16] sx16[8..16] */
+        const float *sx = xq->s16 + (t0 + t) * 2 * nbp + 2 * b;
+        const int h = 2 * i; /* halves 2i, 2i + 1 of the group: lanes 2i % 8, (2i + 1) % 8 */
+        off[t][h % 8] = _mm512_fmadd_ps(_mm512_loadu_ps(o + PANEL * 2 * b), _mm512_set1_ps(sx[0]),
+                                        off[t][h % 8]);
+        off[t][(h + 1) % 8] = _mm512_fmadd_ps(_mm512_loadu_ps(o + PANEL * (2 * b + 1)),
+                                              _mm512_set1_ps(sx[1]), off[t][(h + 1) % 8]);
+      } else {
+        off[t][i] = _mm512_fmadd_ps(_mm512_loadu_ps(o + PANEL * b),
+                                    _mm512_set1_ps(xq->s[(t0 + t) * nbp + b]), off[t][i]);
+      }
+    }
+  }
+  for (int64_t b = groups; b < nbp; b++) { /* 32-value formats only: each chunk to its lane */
+    __m512i z[8];
+    for (int j = 0; j < 8; j++) z[j] = _mm512_loadu_si512(codes + 512 * b + 64 * j);
+    const __m512 ab = _mm512_loadu_ps(a + PANEL * b), ob = _mm512_loadu_ps(o + PANEL * b);
+    for (int t = 0; t < MT; t++) {
+      const int8_t *xb = xq->q + (t0 + t) * kp + 32 * b;
+      const __m512 sc = _mm512_mul_ps(ab, _mm512_set1_ps(xq->d[(t0 + t) * nbp + b]));
+      for (int j = 0; j < 8; j++) {
+        int32_t xj;
+        memcpy(&xj, xb + 4 * j, 4);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z[j], _mm512_set1_epi32(xj));
+        acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[t][j]);
+      }
+      tail[t] = _mm512_add_ps(tail[t],
+                              _mm512_mul_ps(ob, _mm512_set1_ps(xq->s[(t0 + t) * nbp + b])));
+    }
+  }
+  for (int t = 0; t < MT; t++) {
+    __m512 v[8];
+    for (int i = 0; i < 8; i++) v[i] = _mm512_add_ps(acc[t][i], off[t][i]);
+    const __m512 s0 = _mm512_add_ps(v[0], v[4]), s1 = _mm512_add_ps(v[1], v[5]);
+    const __m512 s2 = _mm512_add_ps(v[2], v[6]), s3 = _mm512_add_ps(v[3], v[7]);
+    out[t] = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3)), tail[t]);
+  }
+}
+
+/* W rows [p0 * PANEL, min(n, p1 * PANEL)) against every row of x, a panel at a time. */
+static inline __attribute__((always_inline)) int panels_range_t(
+    const int type, const int dtype, const uint8_t *w, const int64_t row_bytes,
+    const int64_t nblocks, const xq_t *xq, const int64_t m, const void *bias, void *y,
+    const int64_t n, const int64_t p0, const int64_t p1) {
+  const int64_t nbp = xq->nb;
+  /* codes [nbp * 512] | stage [nbp * 512] | a [nbp * PANEL] | o [2 nbp * PANEL] | sc [2 nbp
+   * * PANEL] */
+  char *buf = malloc((size_t)(1024 * nbp) + sizeof(float) * (size_t)(5 * PANEL * nbp) + 64);
+  if (buf == NULL) return -2;
+  uint8_t *codes = (uint8_t *)buf, *stage = codes + 512 * nbp;
+  float *a = (float *)(buf + 1024 * nbp), *o = a + PANEL * nbp;
+  int32_t *sci = (int32_t *)(o + 2 * PANEL * nbp);
+  for (int64_t p = p0; p < p1; p++) {
+    const int64_t j0 = p * PANEL;
+    const int cols = n - j0 < PANEL ? (int)(n - j0) : PANEL;
+    unpack_panel(type, w + j0 * row_bytes, row_bytes, nblocks, cols, stage, codes, a, o, sci);
+    float bj[PANEL];
+    for (int c = 0; c < cols; c++) bj[c] = load_bias(bias, dtype, j0 + c);
+    for (int64_t t0 = 0; t0 < m; t0 += PANEL_ROWS) {
+      const int mt = m - t0 < PANEL_ROWS ? (int)(m - t0) : PANEL_ROWS;
+      __m512 out[PANEL_ROWS];
+      switch (mt) {
+        case 1: panel_tile(type, 1, codes, a, o, sci, xq, t0, out); break;
+        case 2: panel_tile(type, 2, codes, a, o, sci, xq, t0, out); break;
+        case 3: panel_tile(type, 3, codes, a, o, sci, xq, t0, out); break;
+        default: panel_tile(type, PANEL_ROWS, codes, a, o, sci, xq, t0, out); break;
+      }
+      for (int t = 0; t < mt; t++) {
+        float v[PANEL];
+        _mm512_storeu_ps(v, out[t]);
+        for (int c = 0; c < cols; c++) store(y, dtype, (t0 + t) * n + j0 + c, v[c] + bj[c]);
+      }
+    }
+  }
+  free(buf);
+  return 0;
+}
+
+static int q8_panels_range(const int type, const int dtype, const uint8_t *w,
+                           const int64_t row_bytes, const int64_t nblocks, const xq_t *xq,
+                           const int64_t m, const void *bias, void *y, const int64_t n,
+                           const int64_t p0, const int64_t p1) {
+#define PANELS(TYPE) \
+  return panels_range_t(TYPE, dtype, w, row_bytes, nblocks, xq, m, bias, y, n, p0, p1)
+  switch (type) {
+    case T_Q4_0: PANELS(T_Q4_0);
+    case T_Q4_1: PANELS(T_Q4_1);
+    case T_Q5_0: PANELS(T_Q5_0);
+    case T_Q5_1: PANELS(T_Q5_1);
+    case T_Q8_0: PANELS(T_Q8_0);
+    case T_Q4_K: PANELS(T_Q4_K);
+    case T_Q5_K: PANELS(T_Q5_K);
+    default: PANELS(T_Q6_K);
+  }
+#undef PANELS
+}
 #else
+#define Q8_PANEL 0
+#endif /* Q8_VNNI && __AVX512F__ */
+
+#else
+#define Q8_PANEL 0
 /* ---- generic build: the same sums in integer loops ---------------------------------------- */
 
 /* Codes of one 32-value block as ints c[32] with w = a[e / 16] * c[e] + o: callers pass the
@@ -721,6 +940,30 @@ int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int6
   float *d = (float *)(scratch + ((m * kp + 63) & ~(int64_t)63)), *s = d + m * nbp;
   float *s16 = s + m * nbp;
   quantize_x(dtype, x, x_stride, m, k, kp, q, d, s, s16);
+#if Q8_PANEL
+  if (m >= PANEL_MIN_ROWS) { /* many rows: column panels (same sums, same order) */
+    const xq_t xq = {q, d, s, s16, kp, nbp};
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+    const int threads = threads_for(n * k * (m < Q8_TILE ? m : Q8_TILE), min_work_per_thread,
+                                    num_threads);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      int tid = 0, count = 1;
+#ifdef _OPENMP
+      tid = omp_get_thread_num(), count = omp_get_num_threads();
+#endif
+      /* contiguous ranges of panels (PANEL W rows each) */
+      const int64_t p0 = panels * tid / count, p1 = panels * (tid + 1) / count;
+      if (q8_panels_range(type, dtype, w, row_bytes, nblocks, &xq, m, bias, y, n, p0, p1) != 0) {
+#pragma omp atomic write
+        failed = 1;
+      }
+    }
+    free(scratch);
+    return failed ? -2 : 0;
+  }
+#endif
 #if defined(__AVX2__)
   if (m > DIRECT_MAX_ROWS) /* the row-buffer path reads x's groups transposed */
     for (int64_t i = 0; i < m; i++) transpose_groups(q + i * kp, nbp / 8);
