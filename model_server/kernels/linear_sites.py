@@ -36,6 +36,7 @@ class LinearSite:
     group_size: int = 0  # wNa16 only
     ggml_type: int | None = None  # GGUF only
     k: int = 0  # GGUF only
+    lm_head: bool = False  # the LM head: outside the decoder layers' native step
     module: str = ""
     holder: Any = None
 

@@ -203,6 +203,31 @@ def test_a_shared_weight_runs_its_packed_copy_wherever_it_beats_dense(
     assert any(f"rows 1-8 {PANELS}, 9-16 {TORCH} [packed + dense" in line for line in report.lines)
 
 
+@pytest.mark.parametrize(
+    ("panels", "lm_head", "chosen"),
+    [(1.05, False, PANELS), (1.3, False, PACKED), (1.05, True, PACKED)],
+    ids=["decoder-near-tie", "decoder-clear-loss", "lm-head"],
+)
+def test_the_decoder_layers_keep_a_kernel_the_native_step_calls_unless_another_clearly_wins(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache, panels: float, lm_head: bool, chosen: str
+) -> None:
+    """oneDNN's packed kernel times 5 % faster than the panels at every bucket: a decoder
+    layer's weight still runs the panels (a matmul without a native kernel would send the
+    whole step through the modules; NATIVE_STEP_MARGIN), the LM head (outside the step) runs
+    the faster kernel, and a kernel 30 % faster wins in the layers too."""
+    if default_kernels() is None:  # the panels cannot pack without the native build
+        pytest.skip("the native kernels did not build on this machine")
+
+    def fake(calls, pair_budget_s=0.0):
+        return {name: {PANELS: panels, PACKED: 1.0}.get(name, 3.0) for name in calls}
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    w = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16), requires_grad=False)
+    site = LinearSite(w, 16, exclusive=True, lm_head=lm_head)
+    report = Planned([site], torch.bfloat16, cache).report
+    assert any(f"rows 1-16 {chosen} [packed]" in line for line in report.lines), report.lines
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["exclusive", "shared"])
 def test_speculation_keeps_the_verification_buckets_on_one_row_invariant_kernel(
     monkeypatch: pytest.MonkeyPatch, cache: TuningCache, shared: bool

@@ -91,7 +91,10 @@ def linear_sites(model: nn.Module, max_rows: int, max_head_rows: int) -> list[Li
                 sites.append(site)
         elif isinstance(weight, torch.Tensor):
             exclusive = uses.get(id(weight), 0) == 1
+            lm_head = isinstance(module, ParallelLMHead)
             sites.append(
-                LinearSite(weight, rows, exclusive, None, name, module=name, holder=weight)
+                LinearSite(
+                    weight, rows, exclusive, None, name, module=name, holder=weight, lm_head=lm_head
+                )
             )
     return sites

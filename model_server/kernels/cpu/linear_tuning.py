@@ -512,6 +512,36 @@ def _runnable_times(group: _Group) -> BucketTimes:
     return runnable
 
 
+# The kernels the native decoder step (kernels/cpu/decoder_stack.c) calls. One decoder matmul
+# without such a kernel at a row bucket sends every layer at that bucket through the modules,
+# which costs more than a few percent on that one matmul (the step ran 1.08-1.29x the modules'
+# speed, docs/benchmarks.md; a 3 % faster oneDNN kernel for Gemma 3's qkv once kept the whole
+# model off the step at every bucket). So in the decoder layers another kernel is chosen over
+# these only when it beats them by NATIVE_STEP_MARGIN.
+STEP_KERNELS: frozenset[str] = frozenset({NATIVE, PANELS, WNA16_NATIVE})
+NATIVE_STEP_MARGIN = 0.10
+
+
+def _step_preferred_times(group: _Group, times: BucketTimes) -> BucketTimes:
+    """`times` with every kernel the native step cannot call charged NATIVE_STEP_MARGIN more, in
+    the buckets where a step kernel was timed (the decoder layers' weights only: the LM head
+    runs outside the step)."""
+    if group.int8 or group.gguf or all(site.lm_head for site in group.sites):
+        return times
+    out: BucketTimes = []
+    for bucket in times:
+        if not STEP_KERNELS.intersection(bucket):
+            out.append(bucket)
+            continue
+        out.append(
+            {
+                name: t if name in STEP_KERNELS else t * (1 + NATIVE_STEP_MARGIN)
+                for name, t in bucket.items()
+            }
+        )
+    return out
+
+
 def _row_invariant_times(group: _Group, times: BucketTimes, rows: int) -> tuple[BucketTimes, bool]:
     """`times` with the buckets that hold 1..`rows` rows (0: none) left to the row-invariant
     kernels (one, the fastest over those buckets in all), so that a row computes the same at
@@ -760,7 +790,7 @@ def tune_cpu_linears(
     plans: list[SitePlan] = []
     for group in groups.values():
         group.times, invariant = _row_invariant_times(
-            group, _runnable_times(group), row_invariant_rows
+            group, _step_preferred_times(group, _runnable_times(group)), row_invariant_rows
         )
         if group.gguf and twins:
             text = _plan_gguf_float_kernel(group, plans)
