@@ -50,7 +50,9 @@ def test_bench_embed_against_a_running_server(capsys: pytest.CaptureFixture[str]
 
         import httpx
 
-        while httpx.get(f"{url}/health").status_code != 200:
+        deadline = time.monotonic() + 120
+        while (health := httpx.get(f"{url}/health")).status_code != 200:
+            assert time.monotonic() < deadline and health.json()["phase"] != "error", health.text
             time.sleep(0.05)
         args = build_parser().parse_args(
             ["bench", "embed", "--base-url", url, "--num-sentences", "12", "--batch-sizes", "1",

@@ -26,13 +26,16 @@ POOLING_MAX_NUM_BATCHED_TOKENS = 8192
 # Engine flags that belong to the paged KV cache, generation or the generative model's kernels:
 # a pooling model keeps no KV cache, generates nothing and runs unquantized on one device (its
 # linear layers planned as a decoder's: --cpu-linear-tuning and its budget apply), so asking
-# for them (anything but their defaults) is refused rather than ignored.
+# for them (anything but their defaults) is refused rather than ignored. --cpu-isa and
+# --cpu-flags are not among them: they configure the process (the native library a pooling
+# model's kernels load too), and a WICK_CPU_ISA exported for a machine must not stop its
+# embedding server.
 _GENERATIVE_ONLY = (
     "quantization", "kv_cache_dtype", "tensor_parallel_size", "kv_cache_memory", "load_format",
     "block_size", "enable_prefix_caching", "enable_chunked_prefill", "attention_backend",
     "enforce_eager", "gguf_weights", "kv_events_config", "distributed_executor_backend",
     "speculative_config",
-    "cpu_auto_dtype", "cpu_isa", "cpu_flags",
+    "cpu_auto_dtype",
     "gguf_int8_dot", "gguf_weight_cache",
 )  # fmt: skip
 

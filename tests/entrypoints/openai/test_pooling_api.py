@@ -283,6 +283,39 @@ def test_a_pooling_engine_that_cannot_start_reports_why(tiny_cross_encoder: Path
         assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead"
 
 
+def test_a_pooling_model_runs_on_the_native_build_cpu_isa_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--cpu-isa (WICK_CPU_ISA) is a process setting the pooling kernels honour too: exported
+    for the machine, it must not stop an embedding server (it once did: refused as a
+    generative-only flag), and the embeddings equal the default build's."""
+    from model_server.engine.pooling.engine import PoolingEngine
+    from model_server.engine.pooling.params import PoolingParams
+    from model_server.engine.pooling.request import PoolingRequest
+    from model_server.kernels.cpu.isa import choose_isas
+
+    model = minilm_path()
+    want = PoolingEngine(ServerSettings(model=model, dtype="float32").engine_config())
+    monkeypatch.setenv("WICK_CPU_ISA", "avx2")
+    if choose_isas()[0].name != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    engine = PoolingEngine(ServerSettings(model=model, dtype="float32").engine_config())
+    texts = ["the cat sat on the mat", "a longer sentence about kernels and instruction sets"]
+
+    def embed(e: PoolingEngine) -> torch.Tensor:
+        requests = [
+            PoolingRequest(f"r{i}", e.tokenizer.encode(t), PoolingParams())
+            for i, t in enumerate(texts)
+        ]
+        return torch.tensor([o.embedding for o in e.encode(requests)])
+
+    torch.testing.assert_close(embed(engine), embed(want), rtol=1e-4, atol=1e-5)
+    from model_server.kernels.cpu.native import load_kernels
+
+    native = load_kernels()  # what the pooling model's CPU kernels load under the variable
+    assert native is None or native.isa == "avx2"
+
+
 def test_generation_settings_are_refused_for_a_pooling_model() -> None:
     from model_server.entrypoints.openai.pooling_server import check_pooling_settings
 
