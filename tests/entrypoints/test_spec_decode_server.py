@@ -86,8 +86,8 @@ def test_spec_decode_counters_in_metrics(tiny_config: Path) -> None:
 
 
 def test_bad_config_never_starts_a_server(tiny_config: Path) -> None:
-    bad = json.dumps({"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
-    with pytest.raises(ValidationError, match="method 'draft_model' is not supported"):
+    bad = json.dumps({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValidationError, match="method 'eagle' is not supported"):
         tiny_settings(tiny_config, speculative_config=bad)
     # The command line: exit code 2 and one line naming the key, before anything loads.
     port = free_port()
