@@ -96,11 +96,16 @@ def test_each_command_has_its_groups_flags_with_the_declared_defaults() -> None:
     assert all(getattr(args, s.name) is None for s in SETTINGS)
 
 
-def test_engine_config_fields_and_defaults_are_the_engine_settings() -> None:
+def test_engine_config_fields_and_defaults_are_the_engine_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     engine = settings_of("engine")
     fields = dataclasses.fields(EngineConfig)
     assert [f.name for f in fields] == [s.name for s in engine]
     assert [f.default for f in fields] == [s.default for s in engine]
+    for s in SETTINGS:  # the defaults, not this machine's exports (WICK_CPU_ISA=avx2 runs)
+        for env in s.env_names:
+            monkeypatch.delenv(env, raising=False)
     assert ServerSettings().engine_config() == EngineConfig()
 
 
