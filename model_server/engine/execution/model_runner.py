@@ -136,7 +136,8 @@ class ModelRunner:
         # --speculative-config with a draft model: it fills the scheduler's placeholder drafts
         # before each step (engine/execution/draft_model.py); its cache mirrors this one's.
         self.drafter: DraftModelProposer | None = None
-        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        # --speculative-config, parsed once (None: off); the graphs' row buckets read it too.
+        self.speculative = spec = SpeculativeConfig.parse(self.config.speculative_config)
         if spec is not None and spec.uses_draft_model:
             if self.kv_groups.hybrid:
                 raise ValueError(
@@ -308,7 +309,7 @@ class ModelRunner:
         """The most rows a verification step can have (0: speculation off), so that the graphs'
         row buckets reach it: `verification_rows`, bounded by the running requests (at most
         max_num_seqs, each its last token and k drafts) and by the step's token budget."""
-        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        spec = self.speculative
         if spec is None:
             return 0
         rows = min(
