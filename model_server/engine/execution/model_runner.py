@@ -393,17 +393,11 @@ class ModelRunner:
         )
 
     def forward_chunks(
-        self, chunks: list[SeqChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """The forward alone, as `_forward` returns it (no adapters): a draft model's passes."""
-        return self._forward(chunks)
-
-    def _forward(
         self, chunks: list[SeqChunk], loras: list[LoRARequest | None] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Hidden states [T, hidden], the flat index of each request's last token [B] in batch
         order (None: token i is request i's only one) and the batch order (batch row -> index
-        in `chunks`). `loras`: parallel to chunks, each one's adapter (empty: none)."""
+        in `chunks`). `loras`: parallel to chunks, each one's adapter (empty or None: none)."""
         bucket = self.graph_runner.bucket_for(chunks) if self.graph_runner else None
         if bucket is not None:
             # Decodes and verifications only: every chunk attends as decodes, so the batch
@@ -460,7 +454,7 @@ class ModelRunner:
     def execute_step(self, step: StepInput) -> StepOutput:
         """Every rank: the forward pass, and the logits of the sampling rows ([N, vocab] on rank
         0, None elsewhere; the LM head's gather is a collective, so every rank calls it)."""
-        hidden, last_token_indices, order = self._forward(step.chunks, step.loras)
+        hidden, last_token_indices, order = self.forward_chunks(step.chunks, step.loras)
         prompt_logprobs = (
             self._prompt_logprobs(hidden, step, order) if step.prompt_logprobs else None
         )
