@@ -151,20 +151,36 @@ def test_self_draft_accepted_and_identical(self_drafted: LLM, plain: LLM, prompt
     assert all_blocks_free(self_drafted)
 
 
-def test_prefix_cache_hit_catches_the_draft_up(self_drafted: LLM, prompts, reference) -> None:
-    # The repeated prompt's blocks come from the cache: the draft, new to the request, computes
-    # its K/V over them before drafting.
+def test_prefix_cache_hit_catches_the_draft_up(
+    self_drafted: LLM, prompts, reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The repeated prompt's blocks come from the cache, and so does the draft's K/V in them
+    # (the draft wrote it for the same tokens the first time): the draft's catch-up starts at
+    # the first uncached position, not at 0.
     kv = self_drafted.engine.core.kv_cache_manager
     stats = self_drafted.engine.core.scheduler.spec_decoding_stats
+    drafter = self_drafted.engine.core.model_runner.drafter
+    block_size = self_drafted.engine.core.model_runner.block_size
+    samples(self_drafted.generate(prompts[:1], greedy(32)))  # cached, whatever ran before
     hits, drafted, accepted = (
         kv.prefix_cache_hits,
         stats.num_draft_tokens,
         stats.num_accepted_tokens,
     )
+    starts: list[int] = []
+    forward = drafter.runner.forward_chunks
+
+    def spy(chunks):
+        starts.extend(chunk.num_computed_tokens for chunk in chunks)
+        return forward(chunks)
+
+    monkeypatch.setattr(drafter.runner, "forward_chunks", spy)
     got = samples(self_drafted.generate(prompts[:1], greedy(32)))
     assert kv.prefix_cache_hits > hits
     assert_same_greedy("float32", reference[:1], got)
     assert stats.num_accepted_tokens - accepted > 0.8 * (stats.num_draft_tokens - drafted)
+    cached = (len(prompts[0]) - 1) // block_size * block_size
+    assert cached > 0 and starts and min(starts) >= cached, (cached, starts[:4])
 
 
 @pytest.mark.parametrize("which", ["random", "self"])

@@ -13,8 +13,9 @@ Per step (`DraftModelProposer.propose`, on rank 0 before the target's forward):
 1. One forward of the draft over every request that drafts or runs a prefill chunk: its tokens
    from where the draft's K/V stops being valid (`_DraftState`) to the end of the step's own
    tokens. Prefill chunks thus keep the draft in step; a request that decoded plainly for a
-   while, hit the prefix cache, was forked or lost drafts catches up here. The last row of a
-   drafting request gives its first draft (argmax).
+   while, was forked or lost drafts catches up here; one that hit the prefix cache catches up
+   only from the first cached block whose draft K/V the draft did not write for those tokens
+   (`_full_blocks`). The last row of a drafting request gives its first draft (argmax).
 2. `n - 1` more one-token forwards, each feeding the previous draft: drafts 1 .. n - 1.
 
 The drafts overwrite the scheduler's placeholders (scheduler.DRAFT_PLACEHOLDER) in place. A
@@ -104,6 +105,7 @@ class _DraftState:
 
     num_computed: int = 0
     num_preemptions: int = 0
+    num_remembered_blocks: int = 0  # its leading full blocks entered in `_full_blocks`
 
 
 @dataclass(slots=True)
@@ -112,6 +114,13 @@ class DraftModelProposer:
 
     runner: ModelRunner
     _states: dict[str, _DraftState] = field(default_factory=dict)
+    # Block id -> the prefix-cache hash of the full block whose draft K/V it holds, written by
+    # the draft for that block's real tokens. A request finding the block in the prefix cache
+    # under that hash (same tokens, same positions: the hash chains the whole prefix) needs no
+    # catch-up over it. An entry goes when the draft writes into the block again (a freed and
+    # reused block then holds other K/V); a block the target alone rewrote (plain decodes)
+    # gets a new hash unless its tokens are the same, and then the draft's K/V still is theirs.
+    _full_blocks: dict[int, int] = field(default_factory=dict)
 
     def bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()
@@ -151,7 +160,11 @@ class DraftModelProposer:
                 continue  # a plain decode: caught up when it next drafts
             state = self._state(request)
             valid = min(state.num_computed, start)
+            self._remember_full_blocks(request, state, valid)
+            if valid < start:  # new to the draft, or behind: from the cache where it can
+                valid = max(valid, self._cached_prefix(request, start))
             end = start + own
+            self._forget_blocks(request, valid, end + max(len(drafts or ()) - 1, 0))
             if drafts:
                 drafting.append((len(chunks), request, drafts))
             chunks.append(SeqChunk(request.all_token_ids[valid:end], valid, request.block_ids))
@@ -189,6 +202,30 @@ class DraftModelProposer:
             tokens = self._greedy(
                 hidden if last_token_indices is None else hidden[last_token_indices]
             )
+
+    def _remember_full_blocks(self, request: Request, state: _DraftState, valid: int) -> None:
+        """Enter the request's full, hashed blocks below `valid` (its draft K/V for its real
+        tokens there) in `_full_blocks`."""
+        num = min(valid // self.runner.block_size, len(request.block_hashes))
+        for i in range(state.num_remembered_blocks, num):
+            self._full_blocks[request.block_ids[i]] = request.block_hashes[i]
+        state.num_remembered_blocks = max(state.num_remembered_blocks, num)
+
+    def _cached_prefix(self, request: Request, start: int) -> int:
+        """How many of the request's leading positions (at most `start`) lie in blocks whose
+        draft K/V `_full_blocks` vouches for under the block's own hash."""
+        i = 0
+        for block_id, block_hash in zip(request.block_ids, request.block_hashes, strict=False):
+            if self._full_blocks.get(block_id) != block_hash:
+                break
+            i += 1
+        return min(i * self.runner.block_size, start)
+
+    def _forget_blocks(self, request: Request, begin: int, end: int) -> None:
+        """The draft writes positions [begin, end) of the request: their blocks' entries go."""
+        size = self.runner.block_size
+        for i in range(begin // size, min(-(-end // size), len(request.block_ids))):
+            self._full_blocks.pop(request.block_ids[i], None)
 
     def _greedy(self, hidden: torch.Tensor) -> list[int]:
         """The draft's argmax token for each row of `hidden` [R, hidden_size]."""
