@@ -138,5 +138,6 @@ def test_every_kernel_table_slot_is_one_op() -> None:
         "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "rotary_embedding",
         "fused_experts", "argmax", "layer_norm", "fused_add_layer_norm", "gelu",
         "varlen_attention", "moe_softmax_topk", "shared_expert_add", "lora_add",
+        "moe_grouped_topk",
     }  # fmt: skip
     assert {f.name for f in dataclasses.fields(KernelTable)} == one_op_slots

@@ -3,7 +3,10 @@
 At small batches a decode step is bound by memory bandwidth: it must stream every weight once
 (and the KV cache of every sequence) from device memory, whatever the kernels do. So
 `bandwidth / bytes per step` steps per second is the ceiling; the benchmark prints how close the
-engine gets, against two bandwidths: the device's datasheet figure and a measured device copy.
+engine gets, against three bandwidths: the device's datasheet figure, a measured device copy
+(bytes read plus bytes written) and a measured read. A decode step reads its weights and writes
+almost nothing, so the read is the roof it can reach; the copy, whose writes cost the memory
+more than reads (and on CPUs a read for ownership), is a lower one.
 """
 
 from __future__ import annotations
@@ -47,6 +50,19 @@ GB = 1e9
 # and to make launch and timer overheads negligible.
 GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 256 << 20
+# The read buffer on CPUs, and the streams each thread reads interleaved (kernels/cpu/
+# memory_read.c): a GEMV at one row keeps several weight rows or panels in flight per core (the
+# bf16 panels: 8), and one stream per core stays latency bound. On a 2-core Zen 5, 1, 2, 4 and 8
+# streams read within the run-to-run noise of each other (~20 %, busy box); 4 is the middle.
+CPU_READ_BYTES = 256 << 20
+CPU_READ_STREAMS = 4
+# Each timed trial lasts at least this long (several passes over a small or fast buffer), so
+# that the timer and synchronize overheads stay small against it.
+MIN_TRIAL_S = 0.02
+# Timed trials of the read, of which the best counts: twice the copy's, since on a loaded
+# machine (a neighbour's burst, a descheduled thread) a short trial reads low far more often
+# than it reads high (2 cores, load 4: best of 5 ranged 25-39 GB/s between runs).
+READ_TRIALS = 10
 
 
 def peak_bandwidth_gbs(device_name: str | None) -> float | None:
@@ -177,6 +193,80 @@ def measure_copy_bandwidth(
         synchronize()
         best = min(best, (time.perf_counter() - start) / repeats)
     return 2 * nbytes / best
+
+
+@dataclass(slots=True)
+class ReadBandwidth:
+    """A measured read bandwidth and how it was measured (printed beside it)."""
+
+    bytes_per_s: float
+    method: str  # "native 2 threads x 4 streams, 256 MiB, best of 5", "torch sum, 1 GiB, ..."
+
+
+def measure_read_bandwidth(
+    device: torch.device,
+    synchronize: Callable[[], None],
+    nbytes: int | None = None,
+    trials: int = READ_TRIALS,
+    *,
+    host_memory: bool = False,
+    num_threads: int | None = None,
+    streams: int = CPU_READ_STREAMS,
+) -> ReadBandwidth:
+    """Achieved read bandwidth in bytes/s: `nbytes` read once per pass over the best of `trials`
+    timings (the best, as for the copy: the bound is what the memory can give, and a loaded
+    machine only ever slows a pass down; on a quiet one the median is within a few percent).
+
+    On the host CPU (`host_memory`) the native read kernel (kernels/cpu/memory_read.c) reads a
+    filled buffer of `nbytes` (default CPU_READ_BYTES) on `num_threads` threads (default torch's
+    count, which the engine set for its kernels), `streams` interleaved streams each; where the
+    native kernels cannot be built, torch sums the buffer (method says which). On accelerators a
+    torch sum over a 1 GiB float32 buffer: it reads every byte and writes one value."""
+    import torch
+
+    if nbytes is None:
+        nbytes = CPU_READ_BYTES if host_memory else GPU_COPY_BYTES
+    threads = num_threads or torch.get_num_threads()
+    if host_memory:
+        from model_server.kernels.cpu.native import load_kernels
+
+        native = load_kernels()
+    else:
+        native = None
+    size = f"{nbytes / (1 << 20):g} MiB"
+    if native is not None:
+        import ctypes
+
+        # Filled, not empty: untouched pages would all read the shared zero page.
+        buf = torch.full((nbytes,), 1, dtype=torch.uint8)
+        checksum = ctypes.c_uint64()
+        address = buf.data_ptr()
+        read_once = lambda: native.lib.wick_memory_read(  # noqa: E731
+            address, nbytes, streams, threads, ctypes.addressof(checksum)
+        )
+        if read_once() != 0:
+            raise ValueError(f"cannot read {nbytes} bytes as {threads} threads x {streams} streams")
+        method = f"native {threads} threads x {streams} streams, {size}"
+    else:
+        buf = torch.full((nbytes // 4,), 1.0, dtype=torch.float32, device=device)
+        read_once = buf.sum
+        method = f"torch sum, {size}"
+        read_once()  # first-launch costs
+    synchronize()
+    start = time.perf_counter()
+    read_once()
+    synchronize()
+    single = time.perf_counter() - start
+    repeats = max(1, min(50, math.ceil(MIN_TRIAL_S / max(single, 1e-9))))
+    best = single
+    for _ in range(trials):
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            read_once()
+        synchronize()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return ReadBandwidth(nbytes / best, f"{method}, best of {trials}")
 
 
 def bound_tokens_per_s(bandwidth_bytes_per_s: float, step: StepBytes, batch_size: int) -> float:

@@ -55,6 +55,8 @@ class LatencyFigures:
     spec_pct: float | None = None
     spec_bound_tps: float | None = None
     spec_gbs: float | None = None
+    read_pct: float | None = None  # absent from outputs older than the measured read
+    read_bound_tps: float | None = None
     hf_decode_tps: float | None = None
     decode_ratio: float | None = None
 
@@ -101,6 +103,9 @@ def parse_latency(text: str) -> LatencyFigures | None:
     if bound[3] is not None:
         figures.spec_pct, figures.spec_bound_tps = float(bound[3]), float(bound[4])
         figures.spec_gbs = float(bound[5])
+    read = _search(rf"^decode: .*; {_NUM}% of the {_NUM} tok/s measured-read bound", text)
+    if read is not None:
+        figures.read_pct, figures.read_bound_tps = float(read[1]), float(read[2])
     hf = _search(rf"^transformers decode: {_NUM} ms/token, {_NUM} tok/s per sequence", text)
     if hf is not None:
         figures.hf_decode_tps = float(hf[2]) * figures.batch_size
@@ -177,6 +182,11 @@ def format_summary(
             (
                 "  % of the measured-copy bound",
                 f"{figures.copy_pct:.1f}% of {figures.copy_bound_tps:.1f}",
+                "",
+            ),
+            (
+                "  % of the measured-read bound",
+                f"{_num(figures.read_pct, '.1f', '%')} of {_num(figures.read_bound_tps)}",
                 "",
             ),
         ]

@@ -20,6 +20,7 @@ their `expert_linear`, the table's `wna16_linear` on that expert's codes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,99 @@ def softmax_topk(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+@dataclass(slots=True, frozen=True)
+class GroupedTopk:
+    """DeepSeek's router (models/deepseek.py's `DeepseekRouter`): its weight and how it routes,
+    `grouped_topk`'s arguments. The CPU routes natively on it (kernels/cpu/moe_routing.py)."""
+
+    weight: torch.Tensor  # [E, hidden] float32: HF scores x.float() @ weight.float()^T
+    correction_bias: torch.Tensor | None  # [E] float32 (V3's e_score_correction_bias)
+    top_k: int
+    scoring: str  # "softmax" (V2) | "sigmoid" (V3)
+    topk_method: str  # "greedy" | "group_limited_greedy" (softmax) | "noaux_tc" (sigmoid)
+    n_group: int | None
+    topk_group: int | None
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """[T, G] group scores -> [T, E] bool: the experts of each token's `topk_group` best groups."""
+    num_groups = group_scores.shape[-1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores)
+    mask.scatter_(1, group_idx, 1)
+    per_group = num_experts // num_groups
+    return mask.unsqueeze(-1).expand(-1, num_groups, per_group).reshape(-1, num_experts).bool()
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str,
+    topk_method: str,
+    n_group: int | None,
+    topk_group: int | None,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+    correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek routing (HF's arithmetic). router_logits [T, E] float32 -> (weights [T, k]
+    float32, ids [T, k] in torch.topk's unsorted order).
+
+    scoring "softmax" (V2: topk_method greedy | group_limited_greedy; `norm_topk_prob` is not
+    applied, as in HF's V2) or "sigmoid" (V3, noaux_tc: `correction_bias` [E] picks the experts,
+    `norm_topk_prob` renormalises).
+    """
+    num_experts = router_logits.shape[-1]
+    if scoring == "softmax":
+        scores = router_logits.softmax(dim=-1, dtype=torch.float32)
+        if topk_method == "group_limited_greedy":
+            assert n_group is not None and topk_group is not None
+            group_scores = scores.view(-1, n_group, num_experts // n_group).max(dim=-1).values
+            scores = scores.masked_fill(~_group_mask(group_scores, topk_group, num_experts), 0.0)
+        elif topk_method != "greedy":
+            raise ValueError(f"unsupported DeepSeek topk_method {topk_method!r}")
+        weights, ids = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+        return weights * routed_scaling_factor, ids
+    if scoring != "sigmoid":
+        raise ValueError(f"unsupported DeepSeek scoring function {scoring!r}")
+    scores = router_logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group and topk_group and n_group > 1:
+        group_scores = choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(-1)
+        choice = choice.masked_fill(
+            ~_group_mask(group_scores, topk_group, num_experts), float("-inf")
+        )
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def grouped_topk_of(x: torch.Tensor, router: GroupedTopk) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, hidden] -> `grouped_topk` of the router's fp32 logits (F.linear(x.float(),
+    weight.float()), as HF scores): the kernel table's portable `moe_grouped_topk`."""
+    return route_grouped(torch.nn.functional.linear(x.float(), router.weight.float()), router)
+
+
+def route_grouped(logits: torch.Tensor, router: GroupedTopk) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouped_topk` of router logits [T, E] fp32 with the router's settings."""
+    return grouped_topk(
+        logits,
+        router.top_k,
+        scoring=router.scoring,
+        topk_method=router.topk_method,
+        n_group=router.n_group,
+        topk_group=router.topk_group,
+        routed_scaling_factor=router.routed_scaling_factor,
+        norm_topk_prob=router.norm_topk_prob,
+        correction_bias=router.correction_bias,
+    )
 
 
 def shared_expert_add(

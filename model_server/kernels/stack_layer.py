@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from model_server.kernels.fused_moe_torch import GroupedTopk
 from model_server.kernels.lora_weights import StackedLoRA
 
 
@@ -20,16 +21,44 @@ class StackMoE:
     """A layer's mixture-of-experts block in place of its MLP, as the block describes itself
     (models/mixtral.py's `SparseMoEBlock.stack_moe`): router logits `router`(y) -> softmax, its
     top `top_k` (renormalised when `renormalize`) -> the routed experts of y, the kernel table's
-    `moe_softmax_topk` and `fused_experts`; with a shared expert (Qwen2-MoE) its MLP (the
-    layer's `gate_up`/`down`) added, scaled by sigmoid(`shared_gate`(y)): `shared_expert_add`."""
+    `moe_softmax_topk` and `fused_experts`; or, with `grouped` (DeepSeek), the kernel table's
+    `moe_grouped_topk` of y in its place (its own fp32 router weight; `router` and
+    `renormalize` unused). With a shared expert its MLP (the layer's `gate_up`/`down`) added:
+    `shared_add` "gated", scaled by sigmoid(`shared_gate`(y)) (Qwen2-MoE: `shared_expert_add`),
+    or "plain", routed + shared (DeepSeek's shared experts; no `shared_gate`)."""
 
     router: nn.Module  # [E, hidden], no bias
     w13: Any  # [E, 2I, hidden]: gate rows then up rows of each expert (float, or quantized)
     w2: Any  # [E, hidden, I]
     top_k: int
     renormalize: bool
-    shared_gate: nn.Module | None = None  # [1, hidden]; None: no shared expert
+    shared_gate: nn.Module | None = None  # [1, hidden]; None: no gated shared expert
     tp_size: int = 1
+    grouped: GroupedTopk | None = None  # DeepSeek's router, replicated on every rank
+    shared_add: str = "gated"  # "gated" | "plain": how the shared expert's MLP is added
+
+
+@dataclass(slots=True, frozen=True)
+class StackMLA:
+    """A layer's multi-head latent attention (DeepSeek-V2/V3; models/deepseek.py's
+    `DeepseekAttention.stack_mla`) in place of the fused q/k/v attention: q = q_b(RMSNorm(q_a(x)))
+    (or q_proj(x) without a q LoRA), [latent, k_pe] = kv_a(x) (the layer's `qkv`), latent
+    RMSNorm'd, neox rotary on q's and k_pe's rope dims (the layer's cos_sin_cache; DeepSeek's
+    interleaved rope rows are de-interleaved at load), [latent, k_pe] stored in the latent cache
+    [blocks, block_size, L + R], absorbed attention through `w_kv_b` for every row
+    (kernels/cpu/mla_attention.c), then the layer's `o`."""
+
+    q_a: nn.Module | None  # q_a_proj [q_lora_rank, hidden]; None: `q_b` is q_proj
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_a_eps: float
+    q_b: nn.Module  # q_b_proj [H (Dn + R), q_lora_rank], or q_proj [H (Dn + R), hidden]
+    kv_a_norm: torch.Tensor  # [L]
+    kv_a_eps: float
+    w_kv_b: torch.Tensor  # [H (Dn + Dv), L]: each head's W_uk rows, then its W_uv rows
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,7 +68,7 @@ class StackLayer:
     x -> x + attn_out_norm?(o(attn(rotary(qk_norm?(qkv(norm(x))))))) ->
          x + mlp_out_norm?(mlp(norm(x))),
     mlp gated, down(act(gate(y)) * up(y)), or plain, down(act(fc1(y))) with biases, or an MoE
-    block (`moe`: routed experts, optionally beside a gated shared expert); or, with
+    block (`moe`: routed experts, optionally beside a shared expert, gated or not); or, with
     `parallel_residual`, x -> x + (attn(norm(x)) + mlp(norm(x))) from the one input norm.
     Norms RMSNorm (Gemma's hold 1 + w) or LayerNorm (`norm`, with biases or not); q/k norms
     RMSNorm. Rotary neox over each head's first `rotary_dim` dims (the others pass through;
@@ -82,7 +111,11 @@ class StackLayer:
     # use_parallel_residual): x + (attn + mlp), in that order of the adds.
     parallel_residual: bool = False
     mlp: str = "gated"  # "gated" (gate_up -> act-and-mul -> down) | "plain" (fc1 -> act -> fc2)
-    moe: StackMoE | None = None  # routed experts instead of the MLP (Mixtral, Qwen2/3-MoE)
+    # routed experts instead of the MLP (Mixtral, Qwen2/3-MoE, DeepSeek)
+    moe: StackMoE | None = None
+    # Latent attention instead of the q/k/v one (DeepSeek): `qkv` is then kv_a_proj_with_mqa
+    # [L + R, hidden], num_kv_heads 1, head_dim the cache entry L + R, rotary_dim R.
+    mla: StackMLA | None = None
 
 
 class StepMetadata(Protocol):

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from model_server.kernels.batched_lora_torch import LoRARows, lora_add_torch
 from model_server.kernels.fused_moe_torch import (
+    GroupedTopk,
     fused_experts_grouped,
+    grouped_topk_of,
     shared_expert_add,
     softmax_topk,
 )
@@ -96,6 +98,9 @@ FusedExpertsFn = Callable[..., torch.Tensor]
 # (router_logits [T, E], top_k, renormalize) -> (weights [T, k] float32, ids [T, k] int64): the
 # softmax top-k router of Mixtral and Qwen2/3-MoE (kernels/fused_moe_torch.py)
 SoftmaxTopkFn = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+# (x [T, H], the router) -> (weights [T, k] float32, ids [T, k] int64): DeepSeek's grouped
+# top-k router on its fp32 logits (kernels/fused_moe_torch.py's `grouped_topk_of`)
+GroupedTopkFn = Callable[[torch.Tensor, GroupedTopk], tuple[torch.Tensor, torch.Tensor]]
 # (routed [T, H], gate [T, 1], shared [T, H]) -> routed + sigmoid(gate) * shared (Qwen2-MoE)
 SharedExpertAddFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -132,6 +137,7 @@ class KernelTable:
     rotary_embedding: RotaryFn = rotary_embedding_torch
     fused_experts: FusedExpertsFn = fused_experts_grouped  # MoE layers (layers/fused_moe/)
     moe_softmax_topk: SoftmaxTopkFn = softmax_topk  # their router (models/mixtral.py)
+    moe_grouped_topk: GroupedTopkFn = grouped_topk_of  # DeepSeek's router (models/deepseek.py)
     shared_expert_add: SharedExpertAddFn = shared_expert_add  # models/qwen_moe.py
     argmax: ArgmaxFn = argmax_torch  # the sampler's greedy rows
     # pooling models' attention over packed sequences (models/bert.py, decoder_embedding.py)

@@ -333,8 +333,9 @@ def describe_layer(
     """A pre-norm layer of these parts as a `StackLayer`, or in words what it has instead:
     RMSNorms or LayerNorms (`pre_mlp_norm` None: attention and MLP in parallel from the input
     norm, x + (attn + mlp)), QKVAttention (q/k RMSNorm, biases, window, soft cap allowed) with
-    neox rotary over whole heads or their leading dims, a gated MLP without gate/up bias or a
-    plain GELU one, or an MoE block that describes itself (`stack_moe()`: models/mixtral.py)."""
+    neox rotary over whole heads or their leading dims, or an attention that describes itself
+    (`stack_mla()`: models/deepseek.py's latent attention), a gated MLP without gate/up bias or
+    a plain GELU one, or an MoE block that describes itself (`stack_moe()`: models/mixtral.py)."""
     kind = _norm_kind(input_norm)
     if kind is None or _norm_kind(pre_mlp_norm) is None:
         return f"the {type(input_norm).__name__} norm (native: RMSNorm, LayerNorm)"
@@ -343,17 +344,12 @@ def describe_layer(
         return "an RMSNorm and a LayerNorm in one layer"
     if any(_norm_kind(n) != "rms" for n in sandwich) or (kind == "layer" and sandwich):
         return "sandwich norms other than RMSNorms after RMSNorms"
-    if type(attn).forward is not QKVAttention.forward:
-        return f"{type(attn).__name__} (not the fused q/k/v attention)"
-    if attn.qk_norm and not (_norm_kind(attn.q_norm) == _norm_kind(attn.k_norm) == "rms"):
-        return "a q/k norm other than RMSNorm"
-    rotary, rotary_dim = attn.rotary_emb, None
-    if type(rotary) is PartialRotaryEmbedding:  # the leading dims rotate, the rest pass
-        rotary, rotary_dim = rotary.rotary, rotary.rotary_dim
-    elif rotary.head_dim != attn.head_dim:
-        return f"{type(rotary).__name__} (a rotary over {rotary.head_dim} of {attn.head_dim} dims)"
-    if type(rotary).forward is not RotaryEmbedding.forward:
-        return f"{type(rotary).__name__} (a rotary scaled at runtime)"
+    # The attention's StackLayer fields: latent attention describes itself (`stack_mla()`:
+    # models/deepseek.py), the fused q/k/v attention is read here.
+    own_attention = getattr(attn, "stack_mla", None)
+    attention = own_attention() if own_attention is not None else _qkv_attention(attn)
+    if isinstance(attention, str):
+        return attention
     # An MoE block describes itself: its routed experts, and its shared expert's MLP (or None).
     moe, own_moe = None, getattr(mlp, "stack_moe", None)
     if own_moe is not None:
@@ -379,41 +375,26 @@ def describe_layer(
             return f"the {type(mlp.act_fn).__name__} activation"
     eps = _eps(input_norm)
     every = [n for n in (pre_mlp_norm, *sandwich) if n is not None]
-    if attn.qk_norm:
+    if getattr(attn, "qk_norm", False):
         every += [attn.q_norm, attn.k_norm]
     if any(_eps(n) != eps for n in every):
         return "norms with different eps"
-    impl = attn.attn.impl
-    backend = impl.name if getattr(impl, "kernels", True) is not None else f"{impl.name} (torch)"
     layer_norm = kind == "layer"
+    attention_tp = attention.pop("tp_size")  # the rest are StackLayer's fields
     return StackLayer(
         input_norm=input_norm.weight,
         post_attention_norm=None if pre_mlp_norm is None else pre_mlp_norm.weight,
         eps=eps,
-        qkv=attn.qkv_proj,
-        o=getattr(attn, attn.out_name),
         gate_up=gate_up,
         down=down,
-        num_heads=attn.num_heads,
-        num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
-        scale=attn.attn.scale,
-        cos_sin_cache=rotary.cos_sin_cache,
         activation=activation,
-        attention_backend=backend,
         tp_size=max(
-            attn.qkv_proj.tp_size,
+            attention_tp,
             1 if down is None else down.tp_size,
             1 if moe is None else moe.tp_size,
         ),
         attn_out_norm=None if attn_out_norm is None else attn_out_norm.weight,
         mlp_out_norm=None if mlp_out_norm is None else mlp_out_norm.weight,
-        q_norm=attn.q_norm.weight if attn.qk_norm else None,
-        k_norm=attn.k_norm.weight if attn.qk_norm else None,
-        sliding_window=attn.attn.sliding_window,
-        logits_soft_cap=getattr(impl, "logits_soft_cap", None),
-        kv_group=attn.attn.kv_group,
-        rotary_dim=rotary_dim,
         norm=kind,
         input_norm_bias=input_norm.bias if layer_norm else None,
         post_attention_norm_bias=(
@@ -422,7 +403,43 @@ def describe_layer(
         parallel_residual=pre_mlp_norm is None,
         mlp=mlp_kind,
         moe=moe,
+        **attention,
     )
+
+
+def _qkv_attention(attn: nn.Module) -> dict[str, Any] | str:
+    """A QKVAttention's StackLayer fields (and its `tp_size`), or in words what it is instead:
+    q/k RMSNorms, neox rotary over whole heads or their leading dims."""
+    if type(attn).forward is not QKVAttention.forward:
+        return f"{type(attn).__name__} (not the fused q/k/v attention)"
+    if attn.qk_norm and not (_norm_kind(attn.q_norm) == _norm_kind(attn.k_norm) == "rms"):
+        return "a q/k norm other than RMSNorm"
+    rotary, rotary_dim = attn.rotary_emb, None
+    if type(rotary) is PartialRotaryEmbedding:  # the leading dims rotate, the rest pass
+        rotary, rotary_dim = rotary.rotary, rotary.rotary_dim
+    elif rotary.head_dim != attn.head_dim:
+        return f"{type(rotary).__name__} (a rotary over {rotary.head_dim} of {attn.head_dim} dims)"
+    if type(rotary).forward is not RotaryEmbedding.forward:
+        return f"{type(rotary).__name__} (a rotary scaled at runtime)"
+    impl = attn.attn.impl
+    backend = impl.name if getattr(impl, "kernels", True) is not None else f"{impl.name} (torch)"
+    return {
+        "qkv": attn.qkv_proj,
+        "o": getattr(attn, attn.out_name),
+        "num_heads": attn.num_heads,
+        "num_kv_heads": attn.num_kv_heads,
+        "head_dim": attn.head_dim,
+        "scale": attn.attn.scale,
+        "cos_sin_cache": rotary.cos_sin_cache,
+        "attention_backend": backend,
+        "tp_size": attn.qkv_proj.tp_size,
+        "q_norm": attn.q_norm.weight if attn.qk_norm else None,
+        "k_norm": attn.k_norm.weight if attn.qk_norm else None,
+        "sliding_window": attn.attn.sliding_window,
+        "logits_soft_cap": getattr(impl, "logits_soft_cap", None),
+        "kv_group": attn.attn.kv_group,
+        "rotary_dim": rotary_dim,
+    }
 
 
 def describe_layers(layers: Iterable[nn.Module]) -> tuple[StackLayer, ...] | str:

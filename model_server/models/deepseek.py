@@ -17,9 +17,10 @@ checkpoints (past `num_hidden_layers`) are skipped.
 
 Tensor parallelism: attention heads split evenly (q_b_proj / kv_b_proj rows, o_proj columns;
 the latent projections and the latent cache are replicated on every rank), experts by their
-intermediate dim, shared experts and dense MLPs evenly. Attention backends: `torch` and `cpu`
-run the PyTorch MLA; `triton` stores latents and decodes with Triton kernels (prefills on the
-PyTorch path), see layers/attention/mla.py.
+intermediate dim, shared experts and dense MLPs evenly. Attention backends: `torch` runs the
+PyTorch MLA, `cpu` the native kernel (kernels/cpu/mla_attention.c, which the native decoder
+step runs too: `DeepseekAttention.stack_mla`); `triton` stores latents and decodes with Triton
+kernels (prefills on the PyTorch path), see layers/attention/mla.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import re
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model_server.distributed.parallel_state import (
@@ -36,16 +36,18 @@ from model_server.distributed.parallel_state import (
     get_tensor_model_parallel_world_size,
 )
 from model_server.distributed.partition import divide
+from model_server.kernels.fused_moe_torch import GroupedTopk
+from model_server.kernels.stack_layer import StackMLA, StackMoE
 from model_server.kernels.table import KernelTable
 from model_server.layers.attention.backend import AttentionBackend, AttentionMetadata
 from model_server.layers.attention.mla import MLAAttention
-from model_server.layers.fused_moe import FusedMoE, grouped_topk
+from model_server.layers.fused_moe import FusedMoE
 from model_server.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from model_server.layers.norm import RMSNorm
 from model_server.layers.quantization.base import linear_quant_method
 from model_server.layers.quantization.gguf import GGUFTensor
 from model_server.layers.quantization.wna16 import WNA16Config, WNA16Weight
-from model_server.layers.rotary import get_rope, rope_parameters_from_config
+from model_server.layers.rotary import RotaryEmbedding, get_rope, rope_parameters_from_config
 from model_server.layers.rotary_yarn import (
     ScaledRotaryEmbedding,
     yarn_parameters,
@@ -181,6 +183,54 @@ class DeepseekAttention(nn.Module):
         self.num_kv_heads = 1
         self.head_dim = self.mla.cache_entry_size
 
+    def stack_mla(self) -> dict[str, Any] | str:
+        """This attention's StackLayer fields for a native decoder step (models/decoder_parts.py's
+        `describe_layer`; `mla` a StackMLA, `tp_size` the ranks'), or in words why not: RMSNorm
+        latent norms and a neox rotary over the rope dims (a yarn-scaled cache is read as it
+        is), as `forward` runs them."""
+        norms = (self.kv_a_layernorm,) + (() if self.q_lora_rank is None else (self.q_a_layernorm,))
+        if any(type(n).forward is not RMSNorm.forward for n in norms):
+            return "latent attention with a norm other than RMSNorm"
+        rotary = self.rotary_emb
+        if type(rotary).forward not in (RotaryEmbedding.forward, ScaledRotaryEmbedding.forward):
+            return f"latent attention with {type(rotary).__name__} (a rotary scaled at runtime)"
+        if rotary.head_dim != self.qk_rope_head_dim:
+            return f"latent attention with a rotary over {rotary.head_dim} dims"
+        weight = self.kv_b_proj.weight
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            return "latent attention with a kv_b_proj weight that is not a float tensor"
+        lora = self.q_lora_rank is not None
+        q = self.q_b_proj if lora else self.q_proj
+        kernel = self.mla.decode_kernel
+        native = kernel == "cpu" and self.mla.kernels is not None
+        mla = StackMLA(
+            q_a=self.q_a_proj if lora else None,
+            q_a_norm=self.q_a_layernorm.weight if lora else None,
+            q_a_eps=self.q_a_layernorm.variance_epsilon if lora else 0.0,
+            q_b=q,
+            kv_a_norm=self.kv_a_layernorm.weight,
+            kv_a_eps=self.kv_a_layernorm.variance_epsilon,
+            w_kv_b=weight.data,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            kv_lora_rank=self.kv_lora_rank,
+        )
+        return {
+            "qkv": self.kv_a_proj_with_mqa,
+            "o": self.o_proj,
+            "num_heads": self.num_heads,
+            "num_kv_heads": 1,
+            "head_dim": self.mla.cache_entry_size,
+            "scale": self.mla.scale,
+            "cos_sin_cache": rotary.cos_sin_cache,
+            # the MLA the modules run: the native kernel's, or PyTorch's ("torch (MLA)", ...)
+            "attention_backend": "cpu" if native else f"{kernel} (MLA)",
+            "tp_size": max(q.tp_size, self.o_proj.tp_size),
+            "rotary_dim": self.qk_rope_head_dim,
+            "mla": mla,
+        }
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -206,42 +256,48 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """The router's weight [E, hidden] (and V3's `e_score_correction_bias` [E]), scored in
-    float32 as HF does."""
+    """The router's weight [E, hidden] (and V3's `e_score_correction_bias` [E]), held and scored
+    in float32 as HF does (its `_keep_in_fp32_modules_strict`), through the kernel table's
+    `moe_grouped_topk` (natively on the CPU: kernels/cpu/moe_routing.c)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: KernelTable) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.top_k = config.num_experts_per_tok
         self.weight = nn.Parameter(
-            torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False
+            torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32),
+            requires_grad=False,
         )
         self.v3 = _is_v3(config)
         if self.v3:
             self.e_score_correction_bias = nn.Parameter(
-                torch.empty(config.n_routed_experts), requires_grad=False
+                torch.empty(config.n_routed_experts, dtype=torch.float32), requires_grad=False
             )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+    def routing(self) -> GroupedTopk:
+        """The router as the kernel table's `moe_grouped_topk` (and a native step) reads it."""
         c = self.config
-        return grouped_topk(
-            logits,
-            self.top_k,
+        return GroupedTopk(
+            weight=self.weight,
+            correction_bias=self.e_score_correction_bias if self.v3 else None,
+            top_k=self.top_k,
             scoring="sigmoid" if self.v3 else "softmax",
             topk_method="noaux_tc" if self.v3 else (c.topk_method or "greedy"),
             n_group=c.n_group,
             topk_group=c.topk_group,
             routed_scaling_factor=float(c.routed_scaling_factor),
             norm_topk_prob=bool(c.norm_topk_prob),
-            correction_bias=self.e_score_correction_bias if self.v3 else None,
         )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.moe_grouped_topk(x, self.routing())
 
 
 class DeepseekMoE(nn.Module):
     def __init__(self, config: Any, kernels: KernelTable) -> None:
         super().__init__()
-        self.gate = DeepseekRouter(config)
+        self.gate = DeepseekRouter(config, kernels)
         self.experts = FusedMoE(
             config.n_routed_experts,
             config.hidden_size,
@@ -258,9 +314,21 @@ class DeepseekMoE(nn.Module):
                 kernels=kernels,
             )
 
-    def stack_moe(self) -> str:
-        """Not described for a native decoder step: what it has instead."""
-        return "DeepSeek's MoE block (grouped top-k routing in float32: not native)"
+    def stack_moe(self) -> tuple[StackMoE, nn.Module | None]:
+        """This block for a native decoder step (models/decoder_parts.py's `describe_layer`):
+        the grouped top-k router, the routed experts, and the shared experts' MLP (or None),
+        added without a gate."""
+        moe = StackMoE(
+            router=self.gate,
+            w13=self.experts.w13_weight,
+            w2=self.experts.w2_weight,
+            top_k=self.gate.top_k,
+            renormalize=False,
+            tp_size=self.experts.tp_size,
+            grouped=self.gate.routing(),
+            shared_add="plain",
+        )
+        return moe, self.shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -300,7 +368,8 @@ class DeepseekForCausalLM(MoECausalLM):
         attn_backend: type[AttentionBackend],
         kernels: KernelTable,
     ) -> tuple[nn.Module, nn.Module]:
-        decode_kernel = "triton" if attn_backend.name == "triton" else "torch"
+        # the backend's own MLA: Triton's decode kernel, the native CPU kernel, or PyTorch's
+        decode_kernel = attn_backend.name if attn_backend.name in ("triton", "cpu") else "torch"
         attn = DeepseekAttention(config, rotary_emb, kernels, decode_kernel)
         if layer_idx >= (config.first_k_dense_replace or 0):
             return attn, DeepseekMoE(config, kernels)

@@ -14,6 +14,7 @@ from model_server.config import KernelOptions
 from model_server.kernels.cpu import native
 from model_server.kernels.cpu.decoder_stack import CpuDecoderStack
 from model_server.kernels.cpu.dtype_choice import dtype_figures, forced_auto_dtype
+from model_server.kernels.cpu.experts_plan import install_expert_panels, plan_experts
 from model_server.kernels.cpu.gguf_linear import fixed_gguf_linear, gguf_dequantize
 from model_server.kernels.cpu.isa import cpu_flags as _cpu_flags
 from model_server.kernels.cpu.layer_ops import native_kernel_table
@@ -25,6 +26,7 @@ from model_server.kernels.cpu.moe import (
     native_shared_expert_add,
     native_softmax_topk,
 )
+from model_server.kernels.cpu.moe_routing import native_grouped_topk
 from model_server.kernels.cpu.onednn_cache import bound_onednn_caches
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.cpu.varlen_attention import varlen_attention as native_varlen_attention
@@ -201,6 +203,20 @@ class CpuPlatform(Platform):
             logger.info("cpu linear %s", line)
         return LinearPlan(planned_weights(plans, kernels, dtype), tuple(report.lines))
 
+    def plan_experts(
+        self, model: torch.nn.Module, dtype: torch.dtype, options: KernelOptions | None = None
+    ) -> str:
+        """Float experts packed into panels where the experts' plan says they win
+        (kernels/cpu/experts_plan.py); kept as loaded with --no-cpu-linear-tuning or no native
+        build (the fixed table's kernels)."""
+        options = options or KernelOptions.resolve()
+        kernels = native.load_kernels()
+        if not options.linear_tuning or kernels is None:
+            return ""
+        plan = plan_experts(dtype, kernels)
+        changed = install_expert_panels(model, plan, kernels)
+        return f"{changed} MoE layers' experts: {plan.reason}" if changed else ""
+
     def gguf_weights_layout(
         self, mode: str, options: KernelOptions, tp_size: int, dtype: torch.dtype
     ) -> str:
@@ -277,6 +293,7 @@ def _with_layer_ops(
         varlen_attention=partial(native_varlen_attention, kernels=kernels),
         # MoE layers on kernels/cpu/moe.c: the native decoder step runs the same calls
         moe_softmax_topk=partial(native_softmax_topk, kernels),
+        moe_grouped_topk=partial(native_grouped_topk, kernels),
         fused_experts=partial(native_fused_experts, kernels),
         shared_expert_add=partial(native_shared_expert_add, kernels),
     )

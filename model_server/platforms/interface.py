@@ -274,6 +274,14 @@ class Platform(ABC):
         None planned by default: every weight runs the table's slot."""
         return LinearPlan()
 
+    def plan_experts(
+        self, model: torch.nn.Module, dtype: torch.dtype, options: KernelOptions | None = None
+    ) -> str:
+        """Lay the loaded model's stacked float MoE experts out for this machine's kernels,
+        once (the platform's experts plan; the modules and a native step then read the same
+        holders), and say how; "" where nothing changed (the default: kept as loaded)."""
+        return ""
+
     def int8_weights_layout(self, options: KernelOptions) -> str:
         """How `-q int8` weights are held: "int8" (`Int8Weight`, the table's `int8_linear`)
         or "wna16" (the same values as 8-bit wNa16 codes, for native wNa16 kernels)."""

@@ -22,6 +22,7 @@ from model_server.benchmarks.bandwidth import (
     bound_tokens_per_s,
     decode_step_bytes,
     measure_copy_bandwidth,
+    measure_read_bandwidth,
     peak_bandwidth_gbs,
     weight_bytes_per_step,
 )
@@ -132,6 +133,49 @@ def test_copy_bandwidth_is_measured_with_the_device_synchronized() -> None:
     assert len(calls) >= 6  # around the single timing and every trial
 
 
+def test_read_bandwidth_is_measured_natively_on_the_host() -> None:
+    from model_server.kernels.cpu.native import load_kernels
+
+    calls = []
+    read = measure_read_bandwidth(
+        torch.device("cpu"),
+        lambda: calls.append(1),
+        nbytes=64 << 20,
+        trials=3,
+        host_memory=True,
+        num_threads=2,
+        streams=4,
+    )
+    # Plausible for host memory: above a slow disk, below any CPU's caches summed over cores.
+    assert 0.5 * GB < read.bytes_per_s < 2000 * GB, read
+    assert len(calls) >= 5  # around the single timing and every trial
+    if load_kernels() is not None:  # CI has a C compiler: the native kernel
+        assert read.method == "native 2 threads x 4 streams, 64 MiB, best of 3"
+    else:
+        assert read.method == "torch sum, 64 MiB, best of 3"
+
+
+def test_the_native_read_kernel_reads_every_line_once() -> None:
+    import ctypes
+
+    from model_server.kernels.cpu.native import load_kernels
+
+    native = load_kernels()
+    if native is None:
+        pytest.fail("the native CPU kernels did not build (CI has a C compiler)")
+    lines, threads = 2 * 3 * 5, 2
+    buf = torch.arange(lines * 8, dtype=torch.int64)  # eight int64 lanes per 64-byte line
+    checksum = ctypes.c_uint64()
+    for streams in (1, 3, 5):
+        rc = native.lib.wick_memory_read(
+            buf.data_ptr(), buf.numel() * 8, streams, threads, ctypes.addressof(checksum)
+        )
+        assert rc == 0 and checksum.value == int(buf.sum()), streams
+    # Out of range: nothing read.
+    assert native.lib.wick_memory_read(buf.data_ptr(), 64, 2, threads, None) == -1
+    assert native.lib.wick_memory_read(buf.data_ptr(), buf.numel() * 8, 9, 1, None) == -1
+
+
 # -- the figures ---------------------------------------------------------------------------------
 
 
@@ -146,16 +190,21 @@ def test_latency_result_medians() -> None:
 def test_format_bound() -> None:
     step = StepBytes(weights=15 * 10**9, kv_cache=10**9, mean_context=256.0)
     assert bound_tokens_per_s(3200 * GB, step, 1) == pytest.approx(200.0)
-    line = format_bound(180.0, 1, step, 3200.0, "spec", 2880 * GB)
+    line = format_bound(180.0, 1, step, 3200.0, "spec", 2880 * GB, 3000 * GB)
     assert line == (
         "decode: 180.0 tok/s at batch 1 = 90.0% of the 200.0 tok/s bound (3200 GB/s spec, "
-        "16 GB per step); 100.0% of the 180.0 tok/s measured-copy bound (2880 GB/s copy)"
+        "16 GB per step); 100.0% of the 180.0 tok/s measured-copy bound (2880 GB/s copy); "
+        "96.0% of the 187.5 tok/s measured-read bound (3000 GB/s read)"
     )
-    line = format_bound(90.0, 2, step, None, "spec", 1440 * GB)
+    line = format_bound(90.0, 2, step, None, "spec", 1440 * GB, 1600 * GB)
     assert line == (
         "decode: 90.0 tok/s at batch 2 = 50.0% of the 180.0 tok/s measured-copy bound "
-        "(1440 GB/s copy, 16 GB per step); no spec bandwidth"
+        "(1440 GB/s copy, 16 GB per step); 45.0% of the 200.0 tok/s measured-read bound "
+        "(1600 GB/s read); no spec bandwidth"
     )
+    figures = parse_latency(f"wick prefill: 1.00 ms (1.0 prompt tok/s)\n{line}\n")
+    assert figures is not None
+    assert (figures.copy_pct, figures.read_pct, figures.read_bound_tps) == (50.0, 45.0, 200.0)
 
 
 # -- a real run on the CPU -----------------------------------------------------------------------
@@ -212,6 +261,22 @@ def test_bench_latency_cli_on_cpu(
     assert figures.copy_pct == pytest.approx(
         100 * figures.decode_tps / figures.copy_bound_tps, rel=0.002, abs=0.06
     )
+    # The measured read: printed with its method (the native kernel on the engine's one
+    # thread), and the decode line's read-bound percentage agrees with it.
+    bandwidth = re.search(
+        r"^bandwidth: given 100 GB/s, measured copy ([\d.]+) GB/s, measured read ([\d.]+) GB/s "
+        r"\(native 1 threads x 4 streams, 256 MiB, best of 10\)$",
+        out,
+        re.MULTILINE,
+    )
+    assert bandwidth is not None, out
+    read_gbs = float(bandwidth[2])
+    assert 0.5 < read_gbs < 2000
+    assert figures.read_pct is not None and figures.read_bound_tps is not None
+    assert figures.read_bound_tps == pytest.approx(2 * read_gbs * 1e9 / (weights + kv), rel=0.01)
+    assert figures.read_pct == pytest.approx(
+        100 * figures.decode_tps / figures.read_bound_tps, rel=0.002, abs=0.06
+    )
 
     # The compute bound: the best GEMM at the batch's 2 rows over the tiny model's linear shapes.
     compute = re.search(
@@ -258,9 +323,11 @@ device: cuda (NVIDIA H100 80GB HBM3), bfloat16
 wick prefill: 25.31 ms (5057.2 prompt tok/s)
 wick decode: 5.515 ms/token, 181.3 tok/s per sequence, 181.3 tok/s at batch 1 (full run 1.432 s)
 step bytes: 15.05 GB per decode step (weights 15.01 GB + KV cache 0.0336 GB at mean context 256)
-bandwidth: spec 3350 GB/s, measured copy 2950.3 GB/s
+bandwidth: spec 3350 GB/s, measured copy 2950.3 GB/s, measured read 3010.2 GB/s (torch sum, \
+1024 MiB, best of 5)
 decode: 181.3 tok/s at batch 1 = 81.4% of the 222.6 tok/s bound (3350 GB/s spec, 15.05 GB per \
-step); 92.5% of the 196.0 tok/s measured-copy bound (2950 GB/s copy)
+step); 92.5% of the 196.0 tok/s measured-copy bound (2950 GB/s copy); 90.7% of the 200.0 tok/s \
+measured-read bound (3010 GB/s read)
 transformers prefill: 40.10 ms (3192.0 prompt tok/s)
 transformers decode: 25.000 ms/token, 40.0 tok/s per sequence, 40.0 tok/s at batch 1 (full \
 run 6.4 s)
@@ -284,6 +351,7 @@ def test_gpu_summary_parses_and_tabulates() -> None:
         222.6,
     )
     assert (lat.copy_pct, lat.hf_decode_tps, lat.decode_ratio) == (92.5, 40.0, 4.53)
+    assert (lat.read_pct, lat.read_bound_tps) == (90.7, 200.0)
     tp = parse_throughput(THROUGHPUT_LOG)
     assert tp is not None and (tp.wick_tps, tp.hf_tps, tp.hf_batch, tp.ratio) == (
         7200.0,
@@ -301,6 +369,7 @@ def test_gpu_summary_parses_and_tabulates() -> None:
     assert "gpu tests: 42 passed" in text
     assert "nano-vllm / vLLM 1.053x: goal met" in text
     assert "81.4% of 222.6  goal >= 85%: NOT met" in text
+    assert re.search(r"% of the measured-read bound +90\.7% of 200\.0", text), text
     assert "eager" in text and "120.0" in text
     assert "int8" not in text  # no int8 run: no int8 rows
     int8 = parse_latency(LATENCY_LOG.replace("181.3 tok/s at batch", "250.5 tok/s at batch"))

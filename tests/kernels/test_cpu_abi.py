@@ -262,7 +262,10 @@ def test_layout_check_passes_on_the_real_build() -> None:
         "WickLoRA",
         "WickLinear",
         "WickExpertsWNA16",
+        "WickExpertsPanels",
+        "WickGroupedTopk",
         "WickMoE",
+        "WickMLA",
         "WickLayer",
         "WickStackStep",
     }
@@ -287,7 +290,8 @@ def test_decoder_stack_takes_its_structs_and_constants_from_the_header() -> None
 def _header_copy(tmp_path: Path, old: str, new: str) -> Path:
     """wick_stack.h (with what it includes and abi_layout.c) copied to tmp_path, `old`
     replaced by `new` in the copy."""
-    for name in ("wick_cpu.h", "wick_lora.h", "wick_moe_wna16.h", "abi_layout.c"):
+    for name in ("wick_cpu.h", "wick_lora.h", "wick_moe.h", "wick_moe_wna16.h",
+                 "wick_moe_routing.h", "abi_layout.c"):  # fmt: skip
         shutil.copy(CPU_DIR / name, tmp_path / name)
     text = (CPU_DIR / "wick_stack.h").read_text()
     assert text.count(old) == 1

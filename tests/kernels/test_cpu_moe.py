@@ -7,9 +7,12 @@ give the modules' bits)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from model_server.kernels.cpu.experts_plan import pack_experts, plan_experts
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.moe import (
     native_fused_experts,
@@ -113,11 +116,24 @@ def test_tensor_parallel_slices_sum_to_the_whole_experts(dtype: torch.dtype, tp:
     torch.testing.assert_close(total, whole, atol=atol, rtol=atol)
 
 
+def _laid_out(w13: torch.Tensor, w2: torch.Tensor, layout: str) -> tuple[Any, Any]:
+    """The experts as loaded ("stacked") or packed by the experts' plan ("panels")."""
+    if layout == "stacked":
+        return w13, w2
+    kernels = default_kernels()
+    plan = plan_experts(w13.dtype, kernels)
+    return pack_experts(w13, plan, kernels), pack_experts(w2, plan, kernels)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "panels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_experts_bits_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
+def test_the_experts_bits_do_not_depend_on_the_thread_count(
+    dtype: torch.dtype, layout: str
+) -> None:
     """The native step and the modules may run a step on different thread counts' splits (a
     small matmul stays on one thread): each output is computed whole by one thread."""
     x, w13, w2, logits = _case(24, 2, dtype, seed=5)
+    w13, w2 = _laid_out(w13, w2, layout)
     weights, ids = softmax_topk(logits, 2, False)
     threads = torch.get_num_threads()
     outs = []
@@ -132,8 +148,10 @@ def test_the_experts_bits_do_not_depend_on_the_thread_count(dtype: torch.dtype) 
     assert torch.equal(outs[0], outs[1])
 
 
-def test_an_expert_id_out_of_range_is_refused() -> None:
+@pytest.mark.parametrize("layout", ["stacked", "panels"])
+def test_an_expert_id_out_of_range_is_refused(layout: str) -> None:
     x, w13, w2, logits = _case(3, 2, torch.float32, seed=1)
+    w13, w2 = _laid_out(w13, w2, layout)
     weights, ids = softmax_topk(logits, 2, True)
     ids[1, 0] = E
     with pytest.raises(IndexError, match="expert id"):

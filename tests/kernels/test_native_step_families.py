@@ -16,6 +16,7 @@ import transformers
 
 from model_server.engine.llm import LLM
 from model_server.kernels.cpu import decoder_stack
+from model_server.kernels.cpu.experts_plan import PanelExperts, plan_experts
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear_tuning import NATIVE as NATIVE_GEMM
 from model_server.kernels.cpu.linear_tuning import PANELS
@@ -103,6 +104,21 @@ NATIVE: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         norm_topk_prob=False,
         mlp_only_layers=[1],
     ),
+    # Latent attention (kernels/cpu/mla_attention.c) with a plain q_proj, a dense layer, then
+    # DeepSeek's MoE blocks (greedy softmax top-2 of 4, a shared expert added without a gate).
+    "deepseek-v2": lambda: transformers.DeepseekV2Config(
+        **_COMMON,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+    ),
     # q/k norms, top-3 of 8 renormalised.
     "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
         **_COMMON,
@@ -115,21 +131,10 @@ NATIVE: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 # What the step does not run yet, and the reason the plan gives.
 MODULES: dict[str, tuple[Callable[[], transformers.PretrainedConfig], str]] = {
-    "deepseek-v2": (
-        lambda: transformers.DeepseekV2Config(
-            **_COMMON,
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-        ),
-        "DeepseekAttention (not the fused q/k/v attention)",
+    # The gated MLP's exact (erf) GELU: the step's gated MLPs run SiLU and GELU tanh.
+    "llama-gelu-erf": (
+        lambda: transformers.LlamaConfig(**_COMMON, hidden_act="gelu"),
+        "the gelu activation in a gated MLP (native: silu, gelu_tanh)",
     ),
 }
 
@@ -219,6 +224,10 @@ def test_the_native_step_generates_the_modules_bits(
     # Sliding-window layers keep a KV pool of their own (their block tables, their slots).
     windowed = family.startswith(("gemma2", "gemma3", "mistral")) or family == "starcoder2"
     assert runner.kv_groups.hybrid == windowed
+    # Float experts as the experts' plan laid them out, read by both paths (experts_plan.py).
+    packed = plan_experts(getattr(torch, dtype), default_kernels()).layout == "panels"
+    for layer in step.layers:
+        assert layer.moe is None or isinstance(layer.moe.w13, PanelExperts) == packed
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
     modules, native = _with_and_without_the_step(monkeypatch, llm, params)
     assert native == modules

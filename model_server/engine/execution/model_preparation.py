@@ -410,6 +410,9 @@ def prepare_model(config: EngineConfig, source: ModelSource, platform: Platform)
         row_invariant_rows=invariant_rows,
     )
     install_planned_weights(model, plan)
+    experts_layout = platform.plan_experts(model, dtype, options)
+    if experts_layout:
+        logger.info("%s", experts_layout)
     kv_groups = group_kv_layers(model, config)
     kv_fixed_scales = _rank_kv_scales(resolved, model, config)
     decoder = getattr(model, "model", None)

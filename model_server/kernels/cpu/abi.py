@@ -36,8 +36,10 @@ _HERE = Path(__file__).parent
 # The headers whose prototypes are the library's entry points.
 ABI_HEADERS: tuple[Path, ...] = (
     _HERE / "wick_entry.h",
+    _HERE / "wick_mla.h",
     _HERE / "wick_moe.h",
     _HERE / "wick_moe_wna16.h",
+    _HERE / "wick_moe_routing.h",
     _HERE / "wick_stack.h",
 )
 # abi_layout.c's entry point (declared in wick_stack.h).

@@ -1,9 +1,10 @@
 /* A stack of pre-norm decoder layers in one call: RMSNorm or LayerNorm (with bias), fused
  * q/k/v (biases allowed), optional per-head q/k RMSNorm, neox rotary (a cache per layer),
  * paged attention (optional sliding window and logit soft cap, each layer in its KV cache
- * group), output projection, optional sandwich norms (Gemma 2/3), the norm with the residual
- * add, gated MLP (SiLU or GeGLU tanh) or plain fc1 -> GELU (erf or tanh) -> fc2 with biases,
- * or a mixture-of-experts block (router, softmax top-k, routed experts, optional gated shared
+ * group), or DeepSeek's latent attention (mla_half: mla_attention.c), output projection,
+ * optional sandwich norms (Gemma 2/3), the norm with the residual add, gated MLP (SiLU or
+ * GeGLU tanh) or plain fc1 -> GELU (erf or tanh) -> fc2 with biases, or a mixture-of-experts
+ * block (router, softmax top-k, routed experts, optional gated shared
  * expert: moe.c); or attention and MLP in parallel from the input norm (Phi-2: x + attn + mlp).
  *
  * Why: a batch-1 decode of SmolLM2-135M spends ~4 of its ~13 ms between the kernels, in Python
@@ -33,6 +34,8 @@
  *   hidden_out   the last layer's MLP output                    [T, hidden]
  *   moe_scratch  MoE layers' router logits, routing, shared expert and experts' scratch
  *                (`moe_parts`)
+ *   mla_scratch  latent attention layers' q, kv_a, norms, rotated parts and attention output
+ *                (`mla_parts`)
  * On return `*residual_out` says which residual buffer holds the stream before hidden_out. */
 
 #include <stdint.h>
@@ -41,7 +44,9 @@
 #include "wick_cpu.h"
 #include "wick_entry.h"
 #include "wick_lora.h"
+#include "wick_mla.h"
 #include "wick_moe.h"
+#include "wick_moe_routing.h"
 #include "wick_moe_wna16.h"
 #include "wick_stack.h"
 
@@ -150,10 +155,10 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
 }
 
 /* A MoE layer's scratch (s->moe_scratch), carved in this order, each part 64-byte aligned:
- * router logits [T, E], weights [T, k] fp32, ids [T, k] int64, the shared expert's gate
- * logit [T] and output [T, hidden], then the experts' own (wick_moe_experts' or, for GPTQ /
- * AWQ codes, wick_moe_wna16_experts'). Returns the bytes; fills
- * `parts` when given. */
+ * router logits [T, E] (grouped routing: wick_moe_grouped_topk's scratch instead), weights
+ * [T, k] fp32, ids [T, k] int64, the shared expert's gate logit [T] and output [T, hidden],
+ * then the experts' own (wick_moe_experts' or, for GPTQ / AWQ codes, wick_moe_wna16_experts').
+ * Returns the bytes; fills `parts` when given. */
 typedef struct {
   void *logits, *gate, *shared, *experts;
   float *weights;
@@ -164,7 +169,11 @@ static int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 static int64_t moe_parts(const WickStackStep *s, const WickMoE *m, MoEParts *parts) {
   const int64_t T = s->num_tokens, es = elem_size(s), k = m->top_k;
-  const int64_t sizes[5] = {aligned64(T * m->num_experts * es), aligned64(T * k * 4),
+  const int64_t routing =
+      m->routing == MOE_ROUTING_GROUPED_TOPK
+          ? wick_moe_grouped_topk_bytes(s->dtype, T, s->hidden, m->num_experts)
+          : T * m->num_experts * es;
+  const int64_t sizes[5] = {aligned64(routing), aligned64(T * k * 4),
                             aligned64(T * k * 8), aligned64(T * es), aligned64(T * s->hidden * es)};
   char *at = (char *)s->moe_scratch;
   void *starts[5];
@@ -188,10 +197,12 @@ int64_t wick_stack_moe_bytes(const WickStackStep *s, const WickLayer *layer) {
 }
 
 static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x);
+static void add_rows(const WickStackStep *s, const void *a, const void *b, void *y);
 
-/* y [T, hidden] = the layer's MoE block of x (moe.c, as the CPU kernel table's MoE slots run
- * it under the modules): router, softmax top-k, routed experts; with a shared expert its MLP
- * (gate_up, down) and gate, then routed + sigmoid(gate) * shared. Under tensor parallelism
+/* y [T, hidden] = the layer's MoE block of x (moe.c, moe_routing.c, as the CPU kernel table's
+ * MoE slots run it under the modules): router, softmax top-k (or the grouped top-k router),
+ * routed experts; with a shared expert its MLP (gate_up, down) and gate, then routed +
+ * sigmoid(gate) * shared (MOE_SHARED_PLAIN: routed + shared). Under tensor parallelism
  * (split_shared_add) the routed and shared partial sums stay apart, in `sandwich` and y, the
  * gate logits in the scratch, for the caller's all-reduces and wick_stack_moe_shared_add. */
 static int run_moe(const WickStackStep *s, const WickLayer *l, const void *x, void *y) {
@@ -199,34 +210,55 @@ static int run_moe(const WickStackStep *s, const WickLayer *l, const void *x, vo
   const int64_t T = s->num_tokens;
   MoEParts p;
   moe_parts(s, m, &p);
-  int status = run_linear(s, &m->router, x, p.logits);
-  if (status != 0) return status;
-  status = wick_moe_softmax_topk(s->dtype, p.logits, T, m->num_experts, m->top_k,
-                                 m->renormalize, p.weights, p.ids);
+  int status;
+  if (m->routing == MOE_ROUTING_GROUPED_TOPK) {
+    status = wick_moe_grouped_topk(s->dtype, x, T, s->hidden, &m->grouped, p.weights, p.ids,
+                                   p.logits, s->num_threads, m->gemm_min_work);
+  } else {
+    status = run_linear(s, &m->router, x, p.logits);
+    if (status != 0) return status;
+    status = wick_moe_softmax_topk(s->dtype, p.logits, T, m->num_experts, m->top_k,
+                                   m->renormalize, p.weights, p.ids);
+  }
   if (status != 0) return status;
   void *routed = m->has_shared ? s->sandwich : y;
   if (m->experts_kind == MOE_EXPERTS_WNA16) /* GPTQ / AWQ codes: moe_wna16.c */
     status = wick_moe_wna16_experts(s->dtype, x, T, &m->w13_wna16, &m->w2_wna16, m->num_experts,
                                     p.weights, p.ids, m->top_k, routed, p.experts,
                                     s->num_threads, s->norm_min_work);
+  else if (m->experts_kind == MOE_EXPERTS_PANELS) /* the experts' plan packed them: moe.c */
+    status = wick_moe_panel_experts(s->dtype, x, T, &m->w13_panels, &m->w2_panels,
+                                    m->num_experts, p.weights, p.ids, m->top_k, routed,
+                                    p.experts, s->num_threads, s->norm_min_work);
   else
     status = wick_moe_experts(s->dtype, x, T, s->hidden, m->w13, m->w2, m->num_experts, m->inter,
                               p.weights, p.ids, m->top_k, routed, p.experts, s->num_threads,
                               m->gemm_min_work, s->norm_min_work);
   if (status != 0 || !m->has_shared) return status;
-  status = run_linear(s, &m->shared_gate, x, p.gate);
-  if (status != 0) return status;
+  const int gated = m->shared_kind == MOE_SHARED_GATED;
+  if (gated) {
+    status = run_linear(s, &m->shared_gate, x, p.gate);
+    if (status != 0) return status;
+  }
   status = run_mlp_in(s, l, x);
   if (status != 0) return status;
   if (m->split_shared_add) return run_linear(s, &l->down, s->mid, y);
   status = run_linear(s, &l->down, s->mid, p.shared);
   if (status != 0) return status;
+  if (!gated) { /* DeepSeek's `routed + shared`, one add in the dtype */
+    add_rows(s, routed, p.shared, y);
+    return 0;
+  }
   return wick_moe_shared_expert_add(s->dtype, routed, p.gate, p.shared, y, T, s->hidden);
 }
 
 int wick_stack_moe_shared_add(const WickStackStep *s, const WickLayer *layer) {
   const WickMoE *m = &layer->moe;
   if (m->num_experts == 0 || !m->has_shared) return -1;
+  if (m->shared_kind == MOE_SHARED_PLAIN) {
+    add_rows(s, s->sandwich, s->hidden_out, s->hidden_out);
+    return 0;
+  }
   MoEParts p;
   moe_parts(s, m, &p);
   return wick_moe_shared_expert_add(s->dtype, s->sandwich, p.gate, s->hidden_out, s->hidden_out,
@@ -323,11 +355,114 @@ static int attend(const WickStackStep *s, const WickLayer *l, const char *qkv) {
                               l->v_scales);
 }
 
+/* An MLA layer's scratch (s->mla_scratch), carved in this order, each part 64-byte aligned
+ * and [T, ...] in the dtype: q_a [qr], its norm [qr], q [H (Dn + R)], kv_a [L + R], the
+ * latent's norm [L], rotated q_pe [H R] and k_pe [R], attention output [H Dv]. */
+typedef struct {
+  void *q_a, *q_a_normed, *q, *kv_a, *latent, *q_pe, *k_pe, *out;
+} MLAParts;
+
+static int64_t mla_parts(const WickStackStep *s, const WickMLA *m, MLAParts *parts) {
+  const int64_t T = s->num_tokens, es = elem_size(s), H = s->num_heads;
+  const int64_t qr = m->q_lora_rank, L = m->kv_lora_rank, R = m->qk_rope_head_dim;
+  const int64_t widths[8] = {qr, qr, H * (m->qk_nope_head_dim + R), L + R, L, H * R, R,
+                             H * m->v_head_dim};
+  char *at = (char *)s->mla_scratch;
+  void *starts[8];
+  int64_t total = 0;
+  for (int i = 0; i < 8; i++) {
+    starts[i] = at == NULL ? NULL : at + total;
+    total += aligned64(T * widths[i] * es);
+  }
+  if (parts != NULL) {
+    parts->q_a = starts[0], parts->q_a_normed = starts[1], parts->q = starts[2];
+    parts->kv_a = starts[3], parts->latent = starts[4], parts->q_pe = starts[5];
+    parts->k_pe = starts[6], parts->out = starts[7];
+  }
+  return total;
+}
+
+int64_t wick_stack_mla_bytes(const WickStackStep *s, const WickLayer *layer) {
+  return layer->mla.kv_lora_rank > 0 ? mla_parts(s, &layer->mla, NULL) : 0;
+}
+
+/* y [T, n] = rms_norm(x [T, n], rows x_stride apart) * weight: the module path's RMSNorm of a
+ * [T, n] tensor or view. */
+static int rows_norm(const WickStackStep *s, const void *x, int64_t x_stride, int64_t n,
+                     const void *weight, float eps, void *y) {
+  return wick_rms_norm(s->dtype, x, 1, x_stride, 0, NULL, 1, 0, 0, weight, y, NULL,
+                       s->num_tokens, (int)n, eps, s->num_threads, s->norm_min_work);
+}
+
+/* The attention half of an MLA layer from s->normed to s->proj, in the order (and with the
+ * arguments) of models/deepseek.py's DeepseekAttention on the cpu backend: q (through its LoRA
+ * and norm), kv_a, the latent's norm, rotary of q_pe and k_pe, mla_attention.c (store, then
+ * attend), o. */
+static int mla_half(WickStackStep *s, const WickLayer *l, const int err) {
+  const WickMLA *m = &l->mla;
+  const int64_t T = s->num_tokens, H = s->num_heads, es = elem_size(s);
+  const int64_t L = m->kv_lora_rank, R = m->qk_rope_head_dim, Dn = m->qk_nope_head_dim;
+  const int64_t q_n = H * (Dn + R);
+  if (s->mla_scratch == NULL || s->slot_mapping == NULL || s->block_tables == NULL)
+    return err - STAGE_LAYOUT;
+  MLAParts p;
+  mla_parts(s, m, &p);
+  const void *q_in = s->normed;
+  if (m->q_lora_rank > 0) {
+    STAGE(run_linear(s, &m->q_a, s->normed, p.q_a), STAGE_QKV);
+    STAGE(rows_norm(s, p.q_a, m->q_lora_rank, m->q_lora_rank, m->q_a_norm, m->q_a_eps,
+                    p.q_a_normed),
+          STAGE_NORM);
+    q_in = p.q_a_normed;
+  }
+  STAGE(run_linear(s, &m->q_b, q_in, p.q), STAGE_QKV);
+  STAGE(run_linear(s, &l->qkv, s->normed, p.kv_a), STAGE_QKV); /* [latent, k_pe] */
+  STAGE(rows_norm(s, p.kv_a, L + R, L, m->kv_a_norm, m->kv_a_eps, p.latent), STAGE_NORM);
+  /* q_pe: [T, H, R] of q (token stride q_n, head stride Dn + R); k_pe: one head of kv_a */
+  STAGE(wick_rotary_neox(s->dtype, s->positions, T, l->cos_sin, s->max_position,
+                         (const char *)p.q + Dn * es, q_n, Dn + R, p.q_pe,
+                         (const char *)p.kv_a + L * es, L + R, R, p.k_pe, (int)H, 1, (int)R,
+                         (int)R, s->num_threads, s->norm_min_work),
+        STAGE_ROTARY);
+  STAGE(wick_mla_attention(s->dtype, p.q, q_n, Dn + R, p.q_pe, p.latent, L, p.k_pe, R,
+                           m->w_kv_b, l->k_cache, s->slot_mapping, l->num_slots,
+                           s->block_tables, s->bt_stride, s->query_start_loc, s->seq_lens,
+                           p.out, s->num_seqs, (int)H, (int)Dn, (int)R, m->v_head_dim, (int)L,
+                           s->block_size, s->scale, s->num_threads, s->attn_min_work),
+        STAGE_ATTN);
+  STAGE(run_linear(s, &l->o, p.out, s->proj), STAGE_O);
+  return 0;
+}
+
+/* The attention half of a q/k/v layer from s->normed to s->proj: 2. q | k | v; 3. the per-head
+ * q/k norms where the layer has them, then rotary on q and k (views of qkv, token stride qkv_n,
+ * head stride D, or the norms' outputs); 4. k_rot and v into the cache, attention; 5. the
+ * output projection (a tensor-parallel rank's partial sum: the caller all-reduces). */
+static int attention_half(WickStackStep *s, const WickLayer *l, const int err) {
+  const int64_t T = s->num_tokens, D = s->head_dim, H = s->num_heads, Hkv = s->num_kv_heads;
+  const int64_t qkv_n = (H + 2 * Hkv) * D, es = elem_size(s);
+  STAGE(run_linear(s, &l->qkv, s->normed, s->qkv), STAGE_QKV);
+  const char *qkv = (const char *)s->qkv;
+  const void *q = qkv, *k = qkv + H * D * es;
+  int64_t q_stride = qkv_n, k_stride = qkv_n;
+  if (l->q_norm != NULL) {
+    STAGE(head_norm(s, q, qkv_n, H, l->q_norm, s->q_normed), STAGE_NORM);
+    STAGE(head_norm(s, k, qkv_n, Hkv, l->k_norm, s->k_normed), STAGE_NORM);
+    q = s->q_normed, k = s->k_normed, q_stride = H * D, k_stride = Hkv * D;
+  }
+  STAGE(wick_rotary_neox(s->dtype, s->positions, T, l->cos_sin, s->max_position, q, q_stride,
+                         D, s->q_rot, k, k_stride, D, s->k_rot, (int)H, (int)Hkv, (int)D,
+                         l->rotary_dim, s->num_threads, s->norm_min_work),
+        STAGE_ROTARY);
+  STAGE(attend(s, l, qkv), STAGE_ATTN);
+  STAGE(run_linear(s, &l->o, s->attn, s->proj), STAGE_O);
+  return 0;
+}
+
 static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layers,
                         int *residual_out) {
-  const int64_t T = s->num_tokens, hidden = s->hidden, D = s->head_dim;
-  const int64_t H = s->num_heads, Hkv = s->num_kv_heads, qkv_n = (H + 2 * Hkv) * D;
-  const int64_t es = elem_size(s);
+  const int64_t T = s->num_tokens, hidden = s->hidden;
+  const int64_t qkv_n = (s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
   if (T <= 0 || num_layers <= 0 || s->first_layer < 0 || s->last_layer >= num_layers ||
       s->first_layer > s->last_layer ||
       (s->first_layer == s->last_layer && s->first_half > s->last_half))
@@ -343,7 +478,8 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
     const WickLayer *l = &layers[i];
     const int err = -(i << 4);
     const int has_mlp = l->moe.num_experts == 0 || l->moe.has_shared;
-    if (l->qkv.n != qkv_n || l->o.n != hidden || (has_mlp && l->down.n != hidden))
+    const int mla = l->mla.kv_lora_rank > 0;
+    if ((!mla && l->qkv.n != qkv_n) || l->o.n != hidden || (has_mlp && l->down.n != hidden))
       return err - STAGE_LAYOUT;
     const int from = i == s->first_layer ? s->first_half : 0;
     const int to = i == s->last_layer ? s->last_half : 1;
@@ -362,26 +498,9 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
         residual = next_residual;
         next_residual = residual == s->residual_a ? s->residual_b : s->residual_a;
       }
-      /* 2. q | k | v */
-      STAGE(run_linear(s, &l->qkv, s->normed, s->qkv), STAGE_QKV);
-      /* 3. the per-head q/k norms where the layer has them, then rotary on q and k: views of
-       * qkv (token stride qkv_n, head stride D), or the norms' outputs */
-      const char *qkv = (const char *)s->qkv;
-      const void *q = qkv, *k = qkv + H * D * es;
-      int64_t q_stride = qkv_n, k_stride = qkv_n;
-      if (l->q_norm != NULL) {
-        STAGE(head_norm(s, q, qkv_n, H, l->q_norm, s->q_normed), STAGE_NORM);
-        STAGE(head_norm(s, k, qkv_n, Hkv, l->k_norm, s->k_normed), STAGE_NORM);
-        q = s->q_normed, k = s->k_normed, q_stride = H * D, k_stride = Hkv * D;
-      }
-      STAGE(wick_rotary_neox(s->dtype, s->positions, T, l->cos_sin, s->max_position, q,
-                             q_stride, D, s->q_rot, k, k_stride, D, s->k_rot, (int)H, (int)Hkv,
-                             (int)D, l->rotary_dim, s->num_threads, s->norm_min_work),
-            STAGE_ROTARY);
-      /* 4. store k_rot and v into the cache, attend */
-      STAGE(attend(s, l, qkv), STAGE_ATTN);
-      /* 5. output projection (a tensor-parallel rank's partial sum: the caller all-reduces) */
-      STAGE(run_linear(s, &l->o, s->attn, s->proj), STAGE_O);
+      /* 2-5. attention, from s->normed to s->proj */
+      const int status = mla ? mla_half(s, l, err) : attention_half(s, l, err);
+      if (status != 0) return status;
     }
     if (to == 1 && l->parallel_residual) {
       /* 6-8. parallel attention + MLP (Phi-2): the MLP of the input norm's output (normed,

@@ -11,20 +11,24 @@ It runs where the model describes its layers (`StackLayer`, models/decoder_parts
 `_native_reason` finds nothing the C code lacks: RMSNorms (sandwich norms too) or LayerNorms
 with or without biases, fused q/k/v with optional biases and per-head q/k RMSNorms, neox rotary
 over the whole head or its leading dims, causal attention (sliding windows in their own KV
-pool, soft caps, quantized caches) on the native CPU backend, o_proj, a gated MLP (SiLU or
+pool, soft caps, quantized caches) on the native CPU backend, or DeepSeek's latent attention
+(`StackMLA`: q through its LoRA or not, the latent's norm, rotary on the rope dims, the latent
+cache, absorbed attention for every row: kernels/cpu/mla_attention.c, which the cpu backend's
+modules run too; one rank), o_proj, a gated MLP (SiLU or
 GELU tanh) or a plain one (fc1 -> GELU erf or tanh -> fc2, biases allowed), or an MoE block
-(`StackMoE`: the router's linear, softmax top-k renormalised or not, float experts in the
+(`StackMoE`: the router's linear, softmax top-k renormalised or not, or DeepSeek's grouped
+top-k router on fp32 logits (kernels/cpu/moe_routing.c), float experts in the
 activation dtype or GPTQ / AWQ experts kept in their codes (kernels/cpu/moe_wna16.c),
-optionally Qwen2-MoE's shared expert MLP scaled by sigmoid of its gate; the
-CPU table's MoE slots and the step both run kernels/cpu/moe.c), the MLP after the attention
+optionally a shared expert MLP, scaled by sigmoid of its gate (Qwen2-MoE) or not (DeepSeek);
+the CPU table's MoE slots and the step both run kernels/cpu/moe.c), the MLP after the attention
 or beside it from the same norm (Phi-2, StableLM's parallel residual: x + (attn + mlp)); under
 tensor parallelism one call per half layer with the all-reduce between (parallel layers: one
 rank only; an MoE layer's experts each a slice of their intermediate dim, routing replicated,
 the routed and shared experts' partial sums reduced apart as the modules reduce them).
 Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3, GLM-4, InternLM2, Baichuan,
-Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE. Not yet: act-order GPTQ experts
-and GPTQ / AWQ experts under tensor parallelism,
-DeepSeek (latent attention, grouped top-k routing), StableLM's per-head q/k LayerNorm (its
+Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3. Not yet:
+act-order GPTQ experts and GPTQ / AWQ experts under tensor parallelism,
+DeepSeek under tensor parallelism, StableLM's per-head q/k LayerNorm (its
 modules refuse it too), the gated exact GELU.
 
 Per row bucket every matmul must have a native kernel as the planned weights say
@@ -45,12 +49,15 @@ import torch
 from torch import nn
 
 from model_server.kernels.cpu import abi, layer_ops, native
+from model_server.kernels.cpu import mla_attention as native_mla
+from model_server.kernels.cpu.experts_plan import PanelExperts
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD as GEMM_MIN_WORK
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.gguf_linear import MIN_WORK_PER_THREAD as GGUF_MIN_WORK
 from model_server.kernels.cpu.gguf_linear import gguf_gemm, gguf_q8_gemm
 from model_server.kernels.cpu.linear_tuning import NATIVE, WNA16_NATIVE
 from model_server.kernels.cpu.lora import lora_struct
+from model_server.kernels.cpu.moe_routing import grouped_topk_reason, grouped_topk_struct
 from model_server.kernels.cpu.moe_wna16 import experts_reason, experts_struct
 from model_server.kernels.cpu.panel_gemm import MIN_WORK_PER_THREAD as PANEL_MIN_WORK
 from model_server.kernels.cpu.panel_gemm import Panels
@@ -59,7 +66,7 @@ from model_server.kernels.cpu.wna16 import wna16_applies
 from model_server.kernels.kv_cache_dtype import QuantizedKVCache
 from model_server.kernels.lora_weights import StackedLoRA
 from model_server.kernels.planned_weight import GGUFSegmentDispatch, PlannedWeight
-from model_server.kernels.stack_layer import StackLayer, StackMoE
+from model_server.kernels.stack_layer import StackLayer, StackMLA
 from model_server.kernels.stack_layer import StepMetadata as AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -117,13 +124,15 @@ _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 _MLP_ACTIVATIONS = {"gated": ("silu", "gelu_tanh"), "plain": ("gelu", "gelu_tanh")}
 _MLP_KINDS = {"gated": 0, "plain": 1}
 _NORM_KINDS = {"rms": 0, "layer": 1}
+# How an MoE layer adds its shared expert (StackMoE.shared_add -> wick_stack.h's MOE_SHARED_*).
+_SHARED_KINDS = {"gated": "MOE_SHARED_GATED", "plain": "MOE_SHARED_PLAIN"}
 
 
 class _Geometry:
     """What every layer shares (checked equal across layers when the step is built)."""
 
     __slots__ = ("dtype", "eps", "experts", "head_dim", "heads", "hidden", "inter", "kv_heads",
-                 "max_position", "qkv_n", "scale")  # fmt: skip
+                 "max_position", "mla", "mla_n", "qkv_n", "scale")  # fmt: skip
 
     def __init__(self, layer: StackLayer, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -138,10 +147,17 @@ class _Geometry:
         self.scale = float(layer.scale)
         self.max_position = int(layer.cos_sin_cache.shape[0])
         self.qkv_n = (self.heads + 2 * self.kv_heads) * self.head_dim
+        # Latent attention: its buffers are `mla_scratch`'s (decoder_stack.c's MLAParts), the
+        # q/k/v ones unused; mla_n its widest projection (a GGUF weight's segments' buffer).
+        self.mla = layer.mla is not None
+        self.mla_n = 0
+        if layer.mla is not None:
+            linears = (layer.qkv, layer.mla.q_b, layer.mla.q_a)
+            self.mla_n = max(int(m.weight.shape[0]) for m in linears if m is not None)
 
     def same(self, other: _Geometry) -> bool:
         names = ("hidden", "heads", "kv_heads", "head_dim", "eps", "scale", "qkv_n",
-                 "max_position")  # fmt: skip
+                 "max_position", "mla", "mla_n")  # fmt: skip
         return all(getattr(self, n) == getattr(other, n) for n in names)
 
 
@@ -333,10 +349,12 @@ class CpuDecoderStack:
                     linear.lora = self._lora[module]
                 if name in ("router", "shared_gate"):
                     setattr(s.moe, name, linear)
+                elif name in ("q_a", "q_b"):
+                    setattr(s.mla, name, linear)
                 else:
                     setattr(s, name, linear)
             if layer.moe is not None:
-                _describe_moe(s.moe, layer.moe)
+                _describe_moe(s.moe, layer)
                 # the ranks' partial sums reduced apart, as the modules do (`_run`)
                 s.moe.split_shared_add = int(self.all_reduce is not None and s.moe.has_shared)
             # The module path fuses the SiLU wherever the planned weight can (GatedMLP).
@@ -369,6 +387,11 @@ class CpuDecoderStack:
             if self.all_reduce is not None:
                 # After the all-reduce, in Python (`_run`): as RowParallelLinear adds them.
                 s.o.bias = s.down.bias = s.mlp_out_norm = None
+            if layer.mla is not None:  # the latent cache [blocks, block_size, L + R]
+                _describe_mla(s.mla, layer.mla)
+                s.k_cache, s.v_cache = kv.data_ptr(), None
+                s.num_slots = kv.shape[0] * kv.shape[1]
+                continue
             if isinstance(kv, QuantizedKVCache):
                 data = kv.data
                 s.k_scales, s.v_scales = kv.scales[0].data_ptr(), kv.scales[1].data_ptr()
@@ -416,7 +439,12 @@ class CpuDecoderStack:
             first = kv_caches[0]
             first = first.data if isinstance(first, QuantizedKVCache) else first
             query = torch.empty((), dtype=self.geometry.dtype)  # the step's dtype and device
-            if native.unsupported_reason(query, first[0], self.geometry.head_dim) is not None:
+            reason = (
+                native_mla.unsupported_reason(query, first)
+                if self.geometry.mla
+                else native.unsupported_reason(query, first[0], self.geometry.head_dim)
+            )
+            if reason is not None:
                 return False
             self._plans, self._kv_caches = {}, kv_caches
         key = (num_tokens - 1).bit_length()
@@ -472,10 +500,12 @@ class CpuDecoderStack:
         lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t = hidden.shape[0]
-        q_n, kv_n = geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
+        q_n, kv_n, qkv_n = geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim, geo.qkv_n
+        if geo.mla:  # the q/k/v buffers unused: `mla_scratch` holds an MLA layer's
+            q_n = kv_n = qkv_n = 0
         sizes = {
             "normed": geo.hidden,
-            "qkv": geo.qkv_n,
+            "qkv": qkv_n,
             "q_normed": q_n,
             "k_normed": kv_n,
             "q_rot": q_n,
@@ -487,7 +517,7 @@ class CpuDecoderStack:
             "residual_b": geo.hidden,
             "gate_up": 2 * geo.inter,
             "mid": geo.inter,
-            "segment": max(geo.qkv_n, 2 * geo.inter, geo.hidden, geo.experts),
+            "segment": max(qkv_n, geo.mla_n, 2 * geo.inter, geo.hidden, geo.experts),
             "hidden_out": geo.hidden,
         }
         # One allocation, carved into 64-byte aligned rows of buffers.
@@ -511,7 +541,8 @@ class CpuDecoderStack:
         if md.sliding is not None:
             keep.append(_slots_and_tables(step, md.sliding, "sliding_"))
         starts, lens = native._int32(md.query_start_loc), native._int32(md.seq_lens)
-        cache = kv0.data[0] if isinstance(kv0, QuantizedKVCache) else kv0[0]
+        # [blocks, block_size, ...]: the latent cache itself, or the K cache
+        cache = kv0 if geo.mla else kv0.data[0] if isinstance(kv0, QuantizedKVCache) else kv0[0]
         block_size = cache.shape[1]
         step.query_start_loc, step.seq_lens = starts.data_ptr(), lens.data_ptr()
         step.num_seqs, step.block_size = lens.shape[0], block_size
@@ -531,6 +562,13 @@ class CpuDecoderStack:
                             for s in plan)  # fmt: skip
             moe_scratch = torch.empty(moe_bytes, dtype=torch.uint8)
             step.moe_scratch = moe_scratch.data_ptr()
+        mla_scratch = None
+        if geo.mla:
+            lib = self.kernels.lib
+            mla_bytes = max(lib.wick_stack_mla_bytes(ctypes.addressof(step), ctypes.addressof(s))
+                            for s in plan)  # fmt: skip
+            mla_scratch = torch.empty(mla_bytes, dtype=torch.uint8)
+            step.mla_scratch = mla_scratch.data_ptr()
 
         def view(name: str) -> torch.Tensor:
             return arena[offsets[name] : offsets[name] + t * geo.hidden].view(t, geo.hidden)
@@ -563,7 +601,7 @@ class CpuDecoderStack:
                 if layer.mlp_out_norm is not None:
                     out.copy_(layer_ops.rms_norm(self.kernels, out, layer.mlp_out_norm, geo.eps))
         # alive until here: the calls read them
-        del keep, positions, starts, lens, lora_slots, moe_scratch
+        del keep, positions, starts, lens, lora_slots, moe_scratch, mla_scratch
         return view("hidden_out"), view("residual_a" if which.value == 0 else "residual_b")
 
     def _shared_add(self, step: Any, plan: ctypes.Array[Any], i: int) -> None:
@@ -605,23 +643,49 @@ def _matmuls(layer: StackLayer) -> dict[str, nn.Module]:
     gate: WickMoE's), those it has."""
     parts = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down}
     if layer.moe is not None:
-        parts |= {"router": layer.moe.router, "shared_gate": layer.moe.shared_gate}
+        # (a grouped router is no planned linear: moe_routing.c multiplies its fp32 weight)
+        router = None if layer.moe.grouped is not None else layer.moe.router
+        parts |= {"router": router, "shared_gate": layer.moe.shared_gate}
+    if layer.mla is not None:  # WickMLA's (`qkv` is kv_a_proj_with_mqa)
+        parts |= {"q_a": layer.mla.q_a, "q_b": layer.mla.q_b}
     return {name: module for name, module in parts.items() if module is not None}
 
 
-def _describe_moe(out: Any, moe: StackMoE) -> None:
-    """WickMoE's fields of `moe` but its linears (`_plan` fills those)."""
+def _describe_moe(out: Any, layer: StackLayer) -> None:
+    """WickMoE's fields of the layer's MoE block but its linears (`_plan` fills those)."""
+    moe = layer.moe
+    assert moe is not None
     w13, w2 = moe.w13, moe.w2
     out.num_experts, out.top_k = int(w13.shape[0]), moe.top_k
-    out.renormalize, out.has_shared = int(moe.renormalize), int(moe.shared_gate is not None)
+    out.renormalize, out.has_shared = int(moe.renormalize), int(layer.gate_up is not None)
+    out.shared_kind = abi.constant(_SHARED_KINDS[moe.shared_add])
+    if moe.grouped is not None:  # DeepSeek's router (moe_routing.c); the layer holds its tensors
+        out.routing = abi.constant("MOE_ROUTING_GROUPED_TOPK")
+        out.grouped = grouped_topk_struct(moe.grouped)
+    else:
+        out.routing = abi.constant("MOE_ROUTING_SOFTMAX_TOPK")
     out.inter = int(w2.shape[2])
     if isinstance(w13, torch.Tensor):
         out.experts_kind = abi.constant("MOE_EXPERTS_FLOAT")
         out.w13, out.w2 = w13.data_ptr(), w2.data_ptr()
+    elif isinstance(w13, PanelExperts):  # the experts' plan packed them (moe.c)
+        out.experts_kind = abi.constant("MOE_EXPERTS_PANELS")
+        out.w13_panels, out.w2_panels = w13.struct(), w2.struct()
     else:  # GPTQ / AWQ codes, their layout checked by `_moe_reason`: moe_wna16.c
         out.experts_kind = abi.constant("MOE_EXPERTS_WNA16")
         out.w13_wna16, out.w2_wna16 = experts_struct(w13), experts_struct(w2)
     out.gemm_min_work = GEMM_MIN_WORK
+
+
+def _describe_mla(out: Any, mla: StackMLA) -> None:
+    """WickMLA's fields of `mla` but its linears (`_plan` fills those)."""
+    out.kv_lora_rank = mla.kv_lora_rank
+    out.q_lora_rank = 0 if mla.q_a is None else int(mla.q_a.weight.shape[0])
+    out.qk_nope_head_dim, out.qk_rope_head_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    out.v_head_dim = mla.v_head_dim
+    out.q_a_eps, out.kv_a_eps = mla.q_a_eps, mla.kv_a_eps
+    out.q_a_norm, out.kv_a_norm = _ptr(mla.q_a_norm), mla.kv_a_norm.data_ptr()
+    out.w_kv_b = mla.w_kv_b.data_ptr()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -658,6 +722,10 @@ def _native_reason(
             return f"layer {i}: the {backend} attention backend (not the native cpu one)"
         if layer.tp_size != 1 and all_reduce is None:
             return f"layer {i}: tensor parallelism without an all-reduce to run between calls"
+        if layer.mla is not None:
+            reason = _mla_reason(layer, dtype)
+            if reason is not None:
+                return f"layer {i}: {reason}"
         reason = _layer_kind_reason(layer) if layer.moe is None else _moe_reason(layer, dtype)
         if reason is not None:
             return f"layer {i}: {reason}"
@@ -679,12 +747,42 @@ def _native_reason(
     return None
 
 
+def _mla_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
+    """What of the layer's latent attention decoder_stack.c (mla_attention.c) lacks, or None."""
+    mla = layer.mla
+    assert mla is not None
+    if layer.tp_size != 1:
+        return (
+            "DeepSeek's latent attention under tensor parallelism (native: one rank; its "
+            "ranks' head slices are not checked against the modules yet)"
+        )
+    lora, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
+    heads, per_head = layer.num_heads, mla.qk_nope_head_dim + mla.v_head_dim
+    if tuple(mla.w_kv_b.shape) != (heads * per_head, lora):
+        return f"latent attention's kv_b_proj of shape {tuple(mla.w_kv_b.shape)}"
+    if (layer.rotary_dim or layer.head_dim) != rope or layer.head_dim != lora + rope:
+        return "latent attention with a rotary over other than its rope dims"
+    if (mla.q_a is None) != (mla.q_a_norm is None):
+        return "latent attention's q LoRA without its norm, or a norm without it"
+    if int(layer.qkv.weight.shape[0]) != lora + rope:
+        return "latent attention's kv_a_proj_with_mqa of another width than L + R"
+    if int(mla.q_b.weight.shape[0]) != heads * (mla.qk_nope_head_dim + rope):
+        return "latent attention's q projection of another width than H (Dn + R)"
+    tensors = [t for t in (mla.w_kv_b, mla.kv_a_norm, mla.q_a_norm) if t is not None]
+    if any(t.dtype != dtype or not t.is_contiguous() or not t.is_cpu for t in tensors):
+        return f"latent attention's norms or kv_b_proj that are not contiguous {dtype} tensors"
+    return None
+
+
 def _moe_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
     """What of the layer's MoE block decoder_stack.c (moe.c, moe_wna16.c) lacks, or None."""
     moe = layer.moe
     assert moe is not None
     experts = (moe.w13, moe.w2)
-    if not all(isinstance(w, torch.Tensor) for w in experts):
+    if all(isinstance(w, PanelExperts) for w in experts):  # the experts' plan packed them
+        if any(w.dtype != dtype or w.pairs != moe.w13.pairs for w in experts):
+            return f"experts packed as panels of another dtype than {dtype}"
+    elif not all(isinstance(w, torch.Tensor) for w in experts):
         if layer.tp_size != 1:  # the ranks' slices of the codes: not checked against TP=1 yet
             return "GPTQ / AWQ experts under tensor parallelism (native: one rank)"
         reason = experts_reason(moe.w13, moe.w2, dtype)  # GPTQ / AWQ codes (moe_wna16.c)
@@ -694,15 +792,26 @@ def _moe_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
         w.dim() != 3 or w.dtype != dtype or not w.is_contiguous() or not w.is_cpu for w in experts
     ):
         return f"experts that are not contiguous {dtype} CPU tensors"
-    if moe.w13.shape[1] != 2 * moe.w2.shape[2] or moe.router.weight.shape[0] != moe.w13.shape[0]:
+    router_weight = moe.router.weight if moe.grouped is None else moe.grouped.weight
+    if moe.w13.shape[1] != 2 * moe.w2.shape[2] or router_weight.shape[0] != moe.w13.shape[0]:
         return "experts of mismatched shapes"
-    if getattr(moe.router, "bias", None) is not None:
+    if moe.grouped is not None:
+        reason = grouped_topk_reason(moe.grouped)
+        if reason is not None:
+            return f"a grouped top-k router with {reason}"
+        if router_weight.shape[1] != layer.input_norm.shape[0]:
+            return "a router of another hidden size"
+    elif getattr(moe.router, "bias", None) is not None:
         return "a router with a bias"
     if layer.parallel_residual or layer.norm != "rms":
         return "an MoE block after other than an RMSNorm before the MLP"
     if layer.attn_out_norm is not None or layer.mlp_out_norm is not None:
         return "sandwich norms around an MoE block"
-    if (moe.shared_gate is None) != (layer.gate_up is None):
+    if moe.shared_add not in _SHARED_KINDS:
+        return f"a shared expert added {moe.shared_add} (native: {', '.join(_SHARED_KINDS)})"
+    if moe.shared_add == "plain" and moe.shared_gate is not None:
+        return "a shared expert gate on a plain shared expert add"
+    if moe.shared_add == "gated" and (moe.shared_gate is None) != (layer.gate_up is None):
         return "a shared expert without its gate, or a gate without the expert"
     if layer.gate_up is not None:
         if layer.mlp != "gated" or layer.activation != "silu":

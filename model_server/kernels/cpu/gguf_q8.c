@@ -940,35 +940,19 @@ int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int6
   float *d = (float *)(scratch + ((m * kp + 63) & ~(int64_t)63)), *s = d + m * nbp;
   float *s16 = s + m * nbp;
   quantize_x(dtype, x, x_stride, m, k, kp, q, d, s, s16);
+  const xq_t xq = {q, d, s, s16, kp, nbp};
+  /* Many rows: column panels (same sums, same order); else one W row at a time. */
 #if Q8_PANEL
-  if (m >= PANEL_MIN_ROWS) { /* many rows: column panels (same sums, same order) */
-    const xq_t xq = {q, d, s, s16, kp, nbp};
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    const int threads = threads_for(n * k * (m < Q8_TILE ? m : Q8_TILE), min_work_per_thread,
-                                    num_threads);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-      int tid = 0, count = 1;
-#ifdef _OPENMP
-      tid = omp_get_thread_num(), count = omp_get_num_threads();
-#endif
-      /* contiguous ranges of panels (PANEL W rows each) */
-      const int64_t p0 = panels * tid / count, p1 = panels * (tid + 1) / count;
-      if (q8_panels_range(type, dtype, w, row_bytes, nblocks, &xq, m, bias, y, n, p0, p1) != 0) {
-#pragma omp atomic write
-        failed = 1;
-      }
-    }
-    free(scratch);
-    return failed ? -2 : 0;
-  }
+  const int by_panels = m >= PANEL_MIN_ROWS;
+  const int64_t units = by_panels ? (n + PANEL - 1) / PANEL : n; /* what the threads split */
+#else
+  const int by_panels = 0;
+  const int64_t units = n;
 #endif
 #if defined(__AVX2__)
-  if (m > DIRECT_MAX_ROWS) /* the row-buffer path reads x's groups transposed */
+  if (!by_panels && m > DIRECT_MAX_ROWS) /* the row-buffer path reads x's groups transposed */
     for (int64_t i = 0; i < m; i++) transpose_groups(q + i * kp, nbp / 8);
 #endif
-  const xq_t xq = {q, d, s, s16, kp, nbp};
   const int threads = threads_for(n * k * (m < Q8_TILE ? m : Q8_TILE), min_work_per_thread,
                                   num_threads);
   int failed = 0;
@@ -978,9 +962,15 @@ int wick_gguf_q8_gemm(const int type, const int dtype, const void *x, const int6
 #ifdef _OPENMP
     tid = omp_get_thread_num(), count = omp_get_num_threads();
 #endif
-    /* contiguous ranges of W rows, as schedule(static) would give */
-    const int64_t j0 = n * tid / count, j1 = n * (tid + 1) / count;
-    if (q8_rows_range(type, dtype, w, row_bytes, nblocks, &xq, m, bias, y, n, j0, j1) != 0) {
+    /* contiguous ranges of units (panels of PANEL W rows, or W rows), as schedule(static) */
+    const int64_t u0 = units * tid / count, u1 = units * (tid + 1) / count;
+    const int status =
+#if Q8_PANEL
+        by_panels ? q8_panels_range(type, dtype, w, row_bytes, nblocks, &xq, m, bias, y, n, u0, u1)
+                  :
+#endif
+                  q8_rows_range(type, dtype, w, row_bytes, nblocks, &xq, m, bias, y, n, u0, u1);
+    if (status != 0) {
 #pragma omp atomic write
       failed = 1;
     }

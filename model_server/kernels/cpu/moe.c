@@ -6,28 +6,16 @@
  * Why one C path for both: the native decoder step runs every layer in one call, so it cannot
  * route in PyTorch between its kernels; and PyTorch's softmax and sigmoid round otherwise than
  * libm's expf, so the modules route here too. The experts' matmuls are gemm.c's skinny matmul
- * on each expert's slice of the stacked weights as they are (no packing): an expert sees a few
- * of a step's rows, the case that kernel is written for. */
+ * on each expert's slice of the stacked weights as they are (wick_moe_experts), or, where the
+ * preparation's experts plan packed them (kernels/cpu/experts_plan.py), the panel kernels on
+ * each expert's panels (wick_moe_panel_experts). Both share wick_moe_grouping.h's frame. */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "wick_cpu.h"
 #include "wick_entry.h"
 #include "wick_moe.h"
-
-static int64_t elem_size(int dtype) { return dtype == 1 ? 2 : 4; }
-
-static float load(int dtype, const void *p, int64_t i) {
-  return dtype == 1 ? bf16_to_f32(((const bf16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static void store(int dtype, void *p, int64_t i, float v) {
-  if (dtype == 1)
-    ((bf16_t *)p)[i] = f32_to_bf16(v);
-  else
-    ((float *)p)[i] = v;
-}
+#include "wick_moe_grouping.h"
 
 /* Rounded to the dtype, kept as fp32 (a PyTorch op's stored value). */
 static float rounded(int dtype, float v) { return dtype == 1 ? round_to_bf16(v) : v; }
@@ -38,14 +26,14 @@ int wick_moe_softmax_topk(int dtype, const void *logits, int64_t num_tokens, int
   float probs[num_experts];
   for (int64_t t = 0; t < num_tokens; t++) {
     const int64_t row = t * num_experts;
-    float max = load(dtype, logits, row);
+    float max = moe_load(dtype, logits, row);
     for (int e = 1; e < num_experts; e++) {
-      const float v = load(dtype, logits, row + e);
+      const float v = moe_load(dtype, logits, row + e);
       if (v > max) max = v;
     }
     float sum = 0.f;
     for (int e = 0; e < num_experts; e++) {
-      probs[e] = expf(load(dtype, logits, row + e) - max);
+      probs[e] = expf(moe_load(dtype, logits, row + e) - max);
       sum += probs[e];
     }
     for (int e = 0; e < num_experts; e++) probs[e] = probs[e] / sum;
@@ -71,16 +59,25 @@ int wick_moe_softmax_topk(int dtype, const void *logits, int64_t num_tokens, int
   return 0;
 }
 
-/* Scratch, in this order, each part 64-byte aligned: pos [T k] int64 (each pair's row in the
- * grouped order), xs [T k, H] (the pairs' tokens grouped by expert), gate_up [T k, 2I],
- * mid [T k, I], ys [T k, H] (each grouped pair's expert output). */
-static int64_t aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
-
 int64_t wick_moe_scratch_bytes(int dtype, int64_t num_tokens, int top_k, int64_t hidden,
                                int64_t inter) {
-  const int64_t pairs = num_tokens * top_k, es = elem_size(dtype);
-  return aligned(pairs * 8) + aligned(pairs * hidden * es) + aligned(pairs * 2 * inter * es) +
-         aligned(pairs * inter * es) + aligned(pairs * hidden * es);
+  return moe_scratch_bytes(dtype, num_tokens, top_k, hidden, inter);
+}
+
+/* The stacked experts as they are, each expert's slice through gemm.c's skinny matmul. */
+typedef struct {
+  int dtype, num_threads;
+  const char *w13, *w2;
+  int64_t hidden, inter, gemm_min_work;
+} PlainExperts;
+
+static int plain_matmul(const void *ctx, int proj, int e, const void *x, void *y, int64_t rows) {
+  const PlainExperts *c = ctx;
+  const int64_t es = moe_elem_size(c->dtype);
+  const int64_t n = proj == 0 ? 2 * c->inter : c->hidden, k = proj == 0 ? c->hidden : c->inter;
+  const char *w = (proj == 0 ? c->w13 : c->w2) + (int64_t)e * n * k * es;
+  return wick_gemm(c->dtype, x, k, w, NULL, y, (int)rows, (int)n, (int)k, 1, c->num_threads,
+                   c->gemm_min_work);
 }
 
 int wick_moe_experts(int dtype, const void *x, int64_t num_tokens, int64_t hidden,
@@ -88,69 +85,71 @@ int wick_moe_experts(int dtype, const void *x, int64_t num_tokens, int64_t hidde
                      const float *weights, const int64_t *ids, int top_k, void *out,
                      void *scratch, int num_threads, int64_t gemm_min_work,
                      int64_t act_min_work) {
-  const int64_t pairs = num_tokens * top_k, es = elem_size(dtype);
-  if (num_tokens <= 0) return 0;
-  char *base = (char *)scratch;
-  int64_t *pos = (int64_t *)base;
-  char *xs = base + aligned(pairs * 8);
-  char *gate_up = xs + aligned(pairs * hidden * es);
-  char *mid = gate_up + aligned(pairs * 2 * inter * es);
-  char *ys = mid + aligned(pairs * inter * es);
-  /* Counting sort of the pairs by expert, stable: pos[p] is pair p's row in the grouped order. */
-  int64_t start[num_experts + 1];
-  for (int e = 0; e <= num_experts; e++) start[e] = 0;
-  for (int64_t p = 0; p < pairs; p++) {
-    if (ids[p] < 0 || ids[p] >= num_experts) return -2;
-    start[ids[p] + 1]++;
-  }
-  for (int e = 0; e < num_experts; e++) start[e + 1] += start[e];
-  int64_t next[num_experts];
-  for (int e = 0; e < num_experts; e++) next[e] = start[e];
-  for (int64_t p = 0; p < pairs; p++) {
-    pos[p] = next[ids[p]]++;
-    memcpy(xs + pos[p] * hidden * es, (const char *)x + (p / top_k) * hidden * es,
-           (size_t)(hidden * es));
-  }
-  /* Each expert's rows: gate/up, SiLU-and-mul, down. */
-  for (int e = 0; e < num_experts; e++) {
-    const int64_t rows = start[e + 1] - start[e];
-    if (rows == 0) continue;
-    const char *w13_e = (const char *)w13 + (int64_t)e * 2 * inter * hidden * es;
-    const char *w2_e = (const char *)w2 + (int64_t)e * hidden * inter * es;
-    int status = wick_gemm(dtype, xs + start[e] * hidden * es, hidden, w13_e, NULL, gate_up,
-                           (int)rows, (int)(2 * inter), (int)hidden, 1, num_threads,
-                           gemm_min_work);
-    if (status != 0) return status;
-    status = wick_silu_and_mul(dtype, gate_up, 2 * inter, mid, rows, (int)inter, num_threads,
-                               act_min_work);
-    if (status != 0) return status;
-    status = wick_gemm(dtype, mid, inter, w2_e, NULL, ys + start[e] * hidden * es, (int)rows,
-                       (int)hidden, (int)inter, 1, num_threads, gemm_min_work);
-    if (status != 0) return status;
-  }
-  /* out[t] = the sum over slots j, in order, of ys[pos[t k + j]] * weights[t, j] in fp32. */
-  for (int64_t t = 0; t < num_tokens; t++) {
-    for (int64_t h = 0; h < hidden; h++) {
-      float acc = 0.f;
-      for (int j = 0; j < top_k; j++) {
-        const int64_t p = t * top_k + j;
-        acc += load(dtype, ys, pos[p] * hidden + h) * weights[p];
-      }
-      store(dtype, out, t * hidden + h, acc);
-    }
-  }
-  return 0;
+  const PlainExperts ctx = {dtype, num_threads, w13, w2, hidden, inter, gemm_min_work};
+  return moe_run_experts(dtype, x, num_tokens, hidden, inter, num_experts, weights, ids, top_k,
+                         out, scratch, num_threads, act_min_work, plain_matmul, NULL, &ctx);
+}
+
+/* The experts as panels (WickExpertsPanels): expert e's slice of the packed projections. */
+typedef struct {
+  int dtype, num_threads;
+  const WickExpertsPanels *w[2]; /* w13, w2 */
+} PanelExperts;
+
+static int panel_matmul(const void *ctx, int proj, int e, const void *x, void *y, int64_t rows) {
+  const PanelExperts *c = ctx;
+  const WickExpertsPanels *w = c->w[proj];
+  const char *panels = (const char *)w->data + e * w->elements * moe_elem_size(c->dtype);
+  int status;
+  if (w->pairs)
+    status = wick_panel_gemm(x, w->k, (const bf16_t *)panels, NULL, y, rows, w->n, w->k,
+                             c->num_threads, w->min_work_per_thread);
+  else
+    status = wick_panel_f32_gemm(c->dtype, x, w->k, panels, NULL, y, rows, w->n, w->k,
+                                 c->num_threads, w->min_work_per_thread);
+  return status == -2 ? -4 : status;
+}
+
+/* Expert e's gate/up panels and SiLU-and-mul in one pass (the panel kernels' fused entry). */
+static int panel_gate_up_silu(const void *ctx, int e, const void *x, void *mid, int64_t rows) {
+  const PanelExperts *c = ctx;
+  const WickExpertsPanels *w = c->w[0];
+  const char *panels = (const char *)w->data + e * w->elements * moe_elem_size(c->dtype);
+  int status;
+  if (w->pairs)
+    status = wick_panel_gemm_silu(x, w->k, (const bf16_t *)panels, mid, rows, w->n / 2, w->k,
+                                  c->num_threads, w->min_work_per_thread);
+  else
+    status = wick_panel_f32_gemm_silu(c->dtype, x, w->k, panels, mid, rows, w->n / 2, w->k,
+                                      c->num_threads, w->min_work_per_thread);
+  return status == -2 ? -4 : status;
+}
+
+int wick_moe_panel_experts(int dtype, const void *x, int64_t num_tokens,
+                           const WickExpertsPanels *w13, const WickExpertsPanels *w2,
+                           int num_experts, const float *weights, const int64_t *ids, int top_k,
+                           void *out, void *scratch, int num_threads, int64_t act_min_work) {
+  const int64_t hidden = w13->k, inter = w2->k;
+  if (w13->n != 2 * inter || w2->n != hidden) return -3;
+  if (w13->pairs != w2->pairs || (w13->pairs && dtype != 1)) return -4;
+  const PanelExperts ctx = {dtype, num_threads, {w13, w2}};
+  /* The fused gate/up takes I a multiple of a panel's outputs (panel_gemm.c's 16, the lanes of
+   * panel_gemm_f32.c): the gate and up halves then start on a panel boundary. */
+  const int64_t unit = w13->pairs ? 16 : wick_panel_f32_lanes();
+  const MoEExpertGateUpSilu fused = inter % unit == 0 ? panel_gate_up_silu : NULL;
+  return moe_run_experts(dtype, x, num_tokens, hidden, inter, num_experts, weights, ids, top_k,
+                         out, scratch, num_threads, act_min_work, panel_matmul, fused, &ctx);
 }
 
 int wick_moe_shared_expert_add(int dtype, const void *routed, const void *gate,
                                const void *shared, void *out, int64_t num_tokens,
                                int64_t hidden) {
   for (int64_t t = 0; t < num_tokens; t++) {
-    const float g = rounded(dtype, 1.f / (1.f + expf(-load(dtype, gate, t))));
+    const float g = rounded(dtype, 1.f / (1.f + expf(-moe_load(dtype, gate, t))));
     for (int64_t h = 0; h < hidden; h++) {
       const int64_t i = t * hidden + h;
-      const float scaled = rounded(dtype, g * load(dtype, shared, i));
-      store(dtype, out, i, load(dtype, routed, i) + scaled);
+      const float scaled = rounded(dtype, g * moe_load(dtype, shared, i));
+      moe_store(dtype, out, i, moe_load(dtype, routed, i) + scaled);
     }
   }
   return 0;

@@ -4,15 +4,18 @@
 The native decoder step (decoder_stack.c) runs an MoE layer through these same C functions with
 the same arguments, so the modules and the step give the same bits. Inputs the C code does not
 take (another dtype or device, act-order experts) run the portable PyTorch functions;
-GPTQ / AWQ experts run kernels/cpu/moe_wna16.c.
+GPTQ / AWQ experts run kernels/cpu/moe_wna16.c, experts packed into panels by the preparation's
+`ExpertsPlan` (kernels/cpu/experts_plan.py) wick_moe_panel_experts.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
 
+from model_server.kernels.cpu.experts_plan import PanelExperts
 from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD as GEMM_MIN_WORK
 from model_server.kernels.cpu.layer_ops import MIN_ELEMENTS_PER_THREAD
 from model_server.kernels.cpu.moe_wna16 import native_wna16_experts
@@ -22,6 +25,13 @@ from model_server.kernels.fused_moe_torch import (
     shared_expert_add,
     softmax_topk,
 )
+
+# wick_moe_panel_experts' refusals (wick_moe.h).
+_PANEL_ERRORS = {
+    -1: "out of memory",
+    -3: "w13 and w2 of mismatched shapes",
+    -4: "k-pair panels with float32 activations or on a build without AVX512-BF16",
+}
 
 
 def _code(*tensors: torch.Tensor) -> int | None:
@@ -71,6 +81,11 @@ def native_fused_experts(
         out = native_wna16_experts(kernels, x, w13, w2, topk_weights, topk_ids)
         if out is not None:
             return out
+    if isinstance(w13, PanelExperts) and isinstance(w2, PanelExperts):  # the experts' plan
+        out = native_panel_experts(kernels, x, w13, w2, topk_weights, topk_ids)
+        if out is not None:
+            return out
+        w13, w2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)  # another dtype: slow path
     float_experts = isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
     code = _code(x, w13, w2) if float_experts else None
     if code is None or x.dim() != 2:
@@ -97,6 +112,43 @@ def native_fused_experts(
         raise IndexError(f"fused experts: an expert id outside [0, {num_experts})")
     if status != 0:
         raise MemoryError("fused experts: the native matmul could not allocate its scratch")
+    return out
+
+
+def native_panel_experts(
+    kernels: NativeKernels,
+    x: torch.Tensor,
+    w13: PanelExperts,
+    w2: PanelExperts,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """`fused_experts_grouped`'s contract on experts packed into panels (wick_moe.h's
+    wick_moe_panel_experts); None where x is not a 2-D CPU tensor of the panels' dtype."""
+    code = _code(x, w13.panels, w2.panels)
+    if code is None or x.dim() != 2:
+        return None
+    num_tokens, hidden = x.shape
+    num_experts, inter = w2.shape[0], w2.k
+    top_k = topk_ids.shape[1]
+    x = x.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype)
+    lib = kernels.lib
+    scratch = torch.empty(
+        lib.wick_moe_scratch_bytes(code, num_tokens, top_k, hidden, inter), dtype=torch.uint8
+    )
+    s13, s2 = w13.struct(), w2.struct()
+    status = lib.wick_moe_panel_experts(
+        code, x.data_ptr(), num_tokens, ctypes.addressof(s13), ctypes.addressof(s2),
+        num_experts, weights.data_ptr(), ids.data_ptr(), top_k, out.data_ptr(),
+        scratch.data_ptr(), torch.get_num_threads(), MIN_ELEMENTS_PER_THREAD,
+    )  # fmt: skip
+    if status == -2:
+        raise IndexError(f"fused experts: an expert id outside [0, {num_experts})")
+    if status != 0:
+        raise RuntimeError(f"wick_moe_panel_experts: {_PANEL_ERRORS.get(status, status)}")
     return out
 
 

@@ -5,7 +5,9 @@ kernels/cpu/layer_ops.py; the skinny matmul, wrapped in gemm.py; the matmuls on 
 weights, bf16 on vdpbf16ps and fp32 on any ISA, wrapped in panel_gemm.py; the wNa16 matmul of
 GPTQ/AWQ weights, wrapped in wna16.py; the GGUF block-quantized matmuls, float and int8 dot
 products, wrapped in gguf_linear.py; LoRA adapters' batched shrink/expand, wrapped in lora.py;
-mixture-of-experts routing and grouped experts, wrapped in moe.py;
+mixture-of-experts routing and grouped experts, wrapped in moe.py, and DeepSeek's grouped
+top-k routing, wrapped in moe_routing.py;
+multi-head latent attention over a latent cache, wrapped in mla_attention.py;
 all of a decoder stack's layers in one call of them, wrapped in decoder_stack.py), compiled
 together into one library on first use with the system's C compiler for the best vector ISA
 this CPU runs (kernels/cpu/isa.py) and loaded through ctypes (no torch headers, so a build
@@ -59,7 +61,10 @@ SOURCES: tuple[Path, ...] = (
     _HERE / "lora.c",
     _HERE / "moe.c",
     _HERE / "moe_wna16.c",
+    _HERE / "moe_routing.c",
+    _HERE / "mla_attention.c",
     _HERE / "decoder_stack.c",
+    _HERE / "memory_read.c",
     _HERE / "abi_layout.c",
 )
 HEADERS: tuple[Path, ...] = (
@@ -69,7 +74,10 @@ HEADERS: tuple[Path, ...] = (
     _HERE / "wick_gguf.h",
     _HERE / "wick_entry.h",
     _HERE / "wick_lora.h",
+    _HERE / "wick_mla.h",
     _HERE / "wick_moe.h",
+    _HERE / "wick_moe_grouping.h",
+    _HERE / "wick_moe_routing.h",
     _HERE / "wick_moe_wna16.h",
     _HERE / "wick_stack.h",
     _HERE / "wick_vmath.h",

@@ -35,7 +35,14 @@
 #define NP 8     /* panels per register tile, at most */
 /* How far ahead of the pair being read each panel stream is prefetched into L2, in k-pairs
  * (64 bytes each): with few rows of x a call is bound by reading W, and the hardware prefetcher
- * alone left it 1.2-2.2x slower than gemm.c's prefetching kernel at 1-8 rows (Zen 4). */
+ * alone left it 1.2-2.2x slower than gemm.c's prefetching kernel at 1-8 rows (Zen 4).
+ * Except in the widest tile of 1-2 rows (8 panels: 8 streams, one line of each per k-pair),
+ * which the hardware prefetcher follows alone: there the prefetches (one per load) cost time.
+ * On a 2-core Zen 5, one thread, the Llama-3.2-1B layer's four linears at 1 row (121.6 MB of
+ * weights streamed from memory, thread CPU time on a busy box): 4.12-4.23 ms with the
+ * prefetches, 3.70-3.79 without (-10 %; per op 28-30 -> 32-33 GB/s, against the 38-44 GB/s
+ * one thread reads with memory_read.c); at 2 rows 4.43-4.49 -> 4.01-4.03; at 16 rows (12 x 2
+ * tiles) they stay: 5.6 ms with, 8.0 without. */
 #define PREFETCH_PAIRS 64
 
 int wick_panel_gemm_available(void) {
@@ -90,8 +97,9 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
   const int64_t full = k / 2;
   for (int64_t pair = 0; pair < (k + 1) / 2; pair++) {
-    for (int j = 0; j < np; j++)
-      __builtin_prefetch(w + j * panel_stride + (pair + PREFETCH_PAIRS) * 2 * PANEL, 0, 2);
+    if (!(mr <= 2 && np == NP)) /* see PREFETCH_PAIRS */
+      for (int j = 0; j < np; j++)
+        __builtin_prefetch(w + j * panel_stride + (pair + PREFETCH_PAIRS) * 2 * PANEL, 0, 2);
     __m512bh wv[NP];
     for (int j = 0; j < np; j++)
       wv[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_stride + pair * 2 * PANEL);

@@ -112,5 +112,10 @@ int wick_varlen_attention(int dtype, const void *q, int64_t q_stride, const void
                           int64_t out_stride, const int32_t *cu_seqlens, int num_seqs,
                           int num_heads, int num_kv_heads, int head_dim, float scale, int causal,
                           int num_threads, int64_t min_work_per_thread);
+/* memory_read.c: reads buf once on num_threads threads, `streams` interleaved streams each
+ * (at most WICK_READ_MAX_STREAMS), for the measured read bandwidth of `bench latency` */
+#define WICK_READ_MAX_STREAMS 8
+int wick_memory_read(const void *buf, int64_t nbytes, int streams, int num_threads,
+                     uint64_t *checksum);
 
 #endif /* WICK_ENTRY_H */

@@ -35,6 +35,27 @@ int wick_moe_experts(int dtype, const void *x, int64_t num_tokens, int64_t hidde
                      void *scratch, int num_threads, int64_t gemm_min_work,
                      int64_t act_min_work);
 
+/* One projection of every expert, W_e [n, k], packed once into panels (kernels/cpu/
+ * experts_plan.py's PanelExperts, which takes the stacked weight's place): expert e's panels at
+ * data + e * elements, in panel_gemm.c's k-pair layout (pairs: bf16 on AVX512-BF16 builds) or
+ * panel_gemm_f32.c's lanes layout (fp32, and bf16 elsewhere). */
+typedef struct {
+  const void *data;            /* [E, elements] in the activation dtype */
+  int64_t n, k, elements;      /* each expert's W [n, k]; its panels' elements */
+  int32_t pairs;               /* 1: panel_gemm.c's layout, 0: panel_gemm_f32.c's */
+  int64_t min_work_per_thread; /* multiply-adds worth another thread (panel_gemm.py's) */
+} WickExpertsPanels;
+
+/* wick_moe_experts' contract on experts kept as panels: w13 n = 2I, k = H; w2 n = H, k = I,
+ * each expert's two matmuls the panel kernel's (row-invariant: a token's output does not depend
+ * on how many rows its experts got). `scratch`: wick_moe_scratch_bytes of them. Returns 0, -2
+ * for an expert id outside [0, E), -3 when w13 and w2 do not fit, -4 for the pair layout with
+ * fp32 activations or on a build without AVX512-BF16, -1 when a matmul cannot allocate. */
+int wick_moe_panel_experts(int dtype, const void *x, int64_t num_tokens,
+                           const WickExpertsPanels *w13, const WickExpertsPanels *w2,
+                           int num_experts, const float *weights, const int64_t *ids, int top_k,
+                           void *out, void *scratch, int num_threads, int64_t act_min_work);
+
 /* out [T, H] = routed + sigmoid(gate) * shared, gate [T] (one column), each op rounded to the
  * dtype as PyTorch rounds `routed + torch.sigmoid(gate) * shared` (Qwen2-MoE's shared
  * expert). out may be routed or shared (each element is read before its own is written). */

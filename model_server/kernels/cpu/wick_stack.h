@@ -17,6 +17,8 @@
 
 #include "wick_cpu.h"
 #include "wick_lora.h"
+#include "wick_moe.h"
+#include "wick_moe_routing.h"
 #include "wick_moe_wna16.h"
 
 /* How a linear layer multiplies (decoder_stack.py's LINEAR_* values). */
@@ -29,7 +31,10 @@ enum {
 };
 #define MAX_SEGMENTS 4
 /* What a WickMoE's routed experts hold (WickMoE.experts_kind; decoder_stack.py's values). */
-enum { MOE_EXPERTS_FLOAT = 0, MOE_EXPERTS_WNA16 = 1 };
+enum { MOE_EXPERTS_FLOAT = 0, MOE_EXPERTS_WNA16 = 1, MOE_EXPERTS_PANELS = 2 };
+/* How a WickMoE routes (WickMoE.routing) and adds its shared expert (WickMoE.shared_kind). */
+enum { MOE_ROUTING_SOFTMAX_TOPK = 0, MOE_ROUTING_GROUPED_TOPK = 1 };
+enum { MOE_SHARED_GATED = 0, MOE_SHARED_PLAIN = 1 };
 
 typedef struct {
   int32_t kind;     /* LINEAR_* */
@@ -52,9 +57,10 @@ typedef struct {
 } WickLinear;
 
 /* A mixture-of-experts block in place of the MLP (num_experts > 0; moe.c's calls, in the order
- * the modules run them): router logits, softmax top-k, the routed experts; with a shared
- * expert (Qwen2-MoE) the layer's gate_up/down MLP of the same input, added scaled by
- * sigmoid(shared_gate(x)). The experts' weights are float, in the activation dtype, or GPTQ /
+ * the modules run them): router logits, softmax top-k (or DeepSeek's grouped top-k on fp32
+ * logits: moe_routing.c), the routed experts; with a shared expert the layer's gate_up/down MLP
+ * of the same input, added scaled by sigmoid(shared_gate(x)) (Qwen2-MoE) or as it is
+ * (DeepSeek: shared_kind). The experts' weights are float, in the activation dtype, or GPTQ /
  * AWQ codes (experts_kind). */
 typedef struct {
   int32_t num_experts, top_k, renormalize, has_shared;
@@ -69,10 +75,33 @@ typedef struct {
   WickLinear shared_gate;       /* [1, hidden] (has_shared) */
   int64_t gemm_min_work;        /* the experts' matmuls' (gemm.py's MIN_WORK_PER_THREAD) */
   /* MOE_EXPERTS_FLOAT: w13, w2 above (moe.c); MOE_EXPERTS_WNA16: GPTQ / AWQ codes, w13_wna16
-   * and w2_wna16 (moe_wna16.c; w13 and w2 unused). */
+   * and w2_wna16 (moe_wna16.c; w13 and w2 unused); MOE_EXPERTS_PANELS: float experts packed
+   * into panels by the experts' plan (kernels/cpu/experts_plan.py), w13_panels and w2_panels
+   * (moe.c's wick_moe_panel_experts; w13 and w2 unused). */
   int32_t experts_kind;
   WickExpertsWNA16 w13_wna16, w2_wna16;
+  WickExpertsPanels w13_panels, w2_panels;
+  /* MOE_ROUTING_SOFTMAX_TOPK: `router` then wick_moe_softmax_topk (renormalize);
+   * MOE_ROUTING_GROUPED_TOPK: wick_moe_grouped_topk with `grouped` (`router` unused). */
+  int32_t routing;
+  WickGroupedTopk grouped;
+  int32_t shared_kind; /* MOE_SHARED_* (has_shared); MOE_SHARED_PLAIN: no shared_gate */
 } WickMoE;
+
+/* Multi-head latent attention (DeepSeek) in place of the q/k/v attention (kv_lora_rank > 0):
+ * q = q_b(RMSNorm(q_a(x))) (q_lora_rank 0: q_b is q_proj of x), [latent, k_pe] = the layer's
+ * qkv (kv_a_proj_with_mqa [L + R, hidden]), RMSNorm of the latent, neox rotary of q's rope
+ * dims and k_pe (the layer's cos_sin, rotary_dim R), then mla_attention.c (the latents stored
+ * in the layer's k_cache [blocks, block_size, L + R]) and the layer's o. Buffers:
+ * `mla_scratch` (wick_stack_mla_bytes). */
+typedef struct {
+  int32_t kv_lora_rank, q_lora_rank;
+  int32_t qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
+  float q_a_eps, kv_a_eps;
+  WickLinear q_a, q_b;              /* q_a_proj (q_lora_rank > 0); q_b_proj or q_proj */
+  const void *q_a_norm, *kv_a_norm; /* [q_lora_rank], [L] */
+  const void *w_kv_b;               /* [H (Dn + Dv), L] */
+} WickMLA;
 
 /* The MLP's activation (WickLayer.activation): ACT_GELU is the exact (erf) one. */
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1, ACT_GELU = 2 };
@@ -112,6 +141,8 @@ typedef struct {
   /* Routed experts instead of the MLP (moe.num_experts 0: none); gate_up/down then hold the
    * shared expert, if any. */
   WickMoE moe;
+  /* Latent attention instead of q/k/v (mla.kv_lora_rank 0: none). */
+  WickMLA mla;
 } WickLayer;
 
 typedef struct {
@@ -152,6 +183,8 @@ typedef struct {
   const int32_t *lora_slots;
   /* MoE layers' scratch: wick_stack_moe_bytes of the largest (NULL without MoE layers) */
   void *moe_scratch;
+  /* MLA layers' scratch: wick_stack_mla_bytes of the largest (NULL without MLA layers) */
+  void *mla_scratch;
 } WickStackStep;
 
 /* decoder_stack.c: all of a decoder stack's layers in one call. */
@@ -162,10 +195,14 @@ int wick_decoder_stack(WickStackStep *s, const WickLayer *layers, int num_layers
  * dtype and hidden (0 for a layer without experts). */
 int64_t wick_stack_moe_bytes(const WickStackStep *s, const WickLayer *layer);
 
+/* decoder_stack.c: the bytes of `mla_scratch` layer `layer` needs at the step's num_tokens,
+ * dtype and num_heads (0 for a layer without latent attention). */
+int64_t wick_stack_mla_bytes(const WickStackStep *s, const WickLayer *layer);
+
 /* decoder_stack.c: after a split_shared_add MoE half and the all-reduces of `sandwich` (routed)
  * and hidden_out (shared): hidden_out = sandwich + sigmoid(gate) * hidden_out, the gate logits
- * the half left in moe_scratch (wick_moe_shared_expert_add). Returns 0, or -1 for a layer
- * without a shared expert. */
+ * the half left in moe_scratch (wick_moe_shared_expert_add); MOE_SHARED_PLAIN: sandwich +
+ * hidden_out. Returns 0, or -1 for a layer without a shared expert. */
 int wick_stack_moe_shared_add(const WickStackStep *s, const WickLayer *layer);
 
 /* abi_layout.c: the compiled layout of the structs above, one row per struct (field "": its

@@ -15,8 +15,12 @@ value (rows Dv):
     probability-weighted latent, and W_uv[h] maps it to head h's value: no per-token expansion
     of the context, the cache read once for all heads.
 
-The arithmetic is PyTorch's, so it runs on every device and is what the `torch` and `cpu`
-attention backends get for MLA models (the native C kernel does not implement it). With the
+The arithmetic is PyTorch's, so it runs on every device and is what the `torch` attention
+backend gets for MLA models. With the `cpu` backend (`decode_kernel="cpu"`) every step runs the
+native kernel kernels/cpu/mla_attention.c instead (store, then absorbed attention for decodes
+and prefill rows alike: exact for both, the same value as the expanded path up to rounding),
+the very call the native decoder step makes, so the two agree bit for bit; inputs it does not
+take (a cache of another dtype) run the PyTorch path after one warning. With the
 `triton` backend (`decode_kernel="triton"`) the latents are stored by the Triton KV store (slots
 < 0 skipped: CUDA-graph padding) and decodes read the latent cache in place with
 kernels/mla_decode.py (no gather of the context into a padded copy), which only reads device
@@ -26,12 +30,29 @@ runs its flash kernels on CUDA; prefills are never captured).
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model_server.kernels.cpu import mla_attention as native_mla
+from model_server.kernels.cpu import native
 from model_server.layers.attention.backend import AttentionMetadata
 from model_server.layers.attention.torch_backend import gather_paged_context
+
+logger = logging.getLogger(__name__)
+
+
+@cache
+def _warn_fallback(reason: str) -> None:
+    """Once per process and reason: every layer and step would repeat it."""
+    logger.warning(
+        "native CPU MLA attention (kernels/cpu/mla_attention.c) is not used: %s; MLA runs on "
+        "the PyTorch path",
+        reason,
+    )
 
 
 class MLAAttention(nn.Module):
@@ -46,9 +67,11 @@ class MLAAttention(nn.Module):
         decode_kernel: str = "torch",
     ) -> None:
         super().__init__()
-        if decode_kernel not in ("torch", "triton"):
-            raise ValueError(f"MLA decode kernel {decode_kernel!r}: choose torch or triton")
+        if decode_kernel not in ("torch", "triton", "cpu"):
+            raise ValueError(f"MLA decode kernel {decode_kernel!r}: choose torch, triton or cpu")
         self.decode_kernel = decode_kernel
+        # "cpu": the native kernel (built once per process and ISA, then cached), or None.
+        self.kernels = native.load_kernels() if decode_kernel == "cpu" else None
         self.num_heads = num_heads  # this rank's
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -74,6 +97,17 @@ class MLAAttention(nn.Module):
         """q_nope [T, H, Dn], q_pe [T, H, R] (rotated), latent [T, L] (normalised), k_pe [T, R]
         (rotated), w_kv_b [H * (Dn + Dv), L], kv_cache [blocks, block_size, L + R]
         -> [T, H * Dv]. Writes this step's latents into the cache first."""
+        if self.decode_kernel == "cpu":
+            reason = "the kernels could not be built" if self.kernels is None else None
+            reason = reason or native_mla.unsupported_reason(q_nope, kv_cache)
+            if reason is None:
+                assert self.kernels is not None
+                return native_mla.mla_attention(
+                    self.kernels, q_nope, q_pe, latent, k_pe, w_kv_b, kv_cache,
+                    md.slot_mapping, md.block_tables, md.query_start_loc, md.seq_lens,
+                    self.scale, self.v_head_dim,
+                )  # fmt: skip
+            _warn_fallback(reason)
         entries = torch.cat((latent, k_pe), dim=-1)  # [T, L + R]
         if self.decode_kernel == "triton":
             from model_server.kernels.store_kv import store_kv_cache
