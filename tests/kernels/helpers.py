@@ -195,6 +195,34 @@ def force(monkeypatch: pytest.MonkeyPatch, winner: str) -> list[int]:
     return counter
 
 
+def force_prefetch_split(monkeypatch: pytest.MonkeyPatch, hwpf_rows: int) -> list[int]:
+    """Replace the timer: the panels win every float bucket (every candidate runs once, so a
+    failing one is still dropped), without software prefetch (PANELS_HWPF) up to `hwpf_rows`
+    rows, with it beyond. Returns the row count of every timed bucket."""
+    rows_seen: list[int] = []
+
+    def fake(calls, pair_budget_s=0.0):
+        rows = next(iter(calls.values())).x.shape[0]  # float candidates: _Rotating calls
+        rows_seen.append(rows)
+        hwpf_first = rows <= hwpf_rows
+        times = {}
+        for name, call in calls.items():
+            try:
+                call()
+            except Exception:
+                continue
+            if name == linear_tuning.PANELS_HWPF:
+                times[name] = 1.0 if hwpf_first else 1.5
+            elif name == linear_tuning.PANELS:
+                times[name] = 1.5 if hwpf_first else 1.0
+            else:
+                times[name] = 3.0
+        return times
+
+    monkeypatch.setattr(linear_tuning, "time_candidates", fake)
+    return rows_seen
+
+
 class Planned:
     """The plans one `tune_cpu_linears` call makes, installed as planned weights and called as
     the old stateful tables were: `planned(x, weight, bias)` runs `weight`'s planned weight

@@ -18,7 +18,7 @@ from model_server.kernels.cpu import decoder_stack, linear_tuning
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear_tuning import PANELS
 from model_server.sampling_params import SamplingParams
-from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, force
+from tests.kernels.helpers import MIXED_PROMPTS, TINY_CONFIGS, force, force_prefetch_split
 
 pytestmark = pytest.mark.skipif(
     default_kernels() is None, reason="the native CPU kernels need a C compiler"
@@ -123,6 +123,44 @@ def test_the_stack_generates_the_modules_bits(
     assert on.ran > 0 and on.declined == 0  # every step, prefill chunks and decodes
     assert got == expected
     assert all(len(tokens) == 10 for tokens, _ in got)
+
+
+def test_the_stack_runs_the_panels_prefetch_the_plan_chose_per_bucket(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The plan runs the panels without software prefetch at 1-2 rows and with it beyond: each
+    step's WickLinear structs carry that bucket's choice (hw_prefetch_only, the fused gate/up
+    SiLU's included), as the modules' calls take it, and the bits equal the modules'. Without
+    the pair layout (no AVX512-BF16) no bucket can leave it to the hardware."""
+    from model_server.kernels.cpu.panel_gemm import pairs_available
+
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    force_prefetch_split(monkeypatch, 2)
+    config = CONFIGS["llama-gqa"]
+    off = StackCalls(monkeypatch, enabled=False)
+    expected = generate(tmp_path, config, "bfloat16")
+    flags: dict[int, set[int]] = {}
+    own_plan = decoder_stack.CpuDecoderStack._plan
+
+    def plan(stack, key, *args):
+        structs = own_plan(stack, key, *args)
+        if structs is not None:
+            for layer in structs:
+                assert layer.fuse_silu == 1
+                flags.setdefault(key, set()).update(
+                    getattr(layer, name).hw_prefetch_only
+                    for name in ("qkv", "o", "gate_up", "down")
+                )
+        return structs
+
+    monkeypatch.setattr(decoder_stack.CpuDecoderStack, "_plan", plan)
+    on = StackCalls(monkeypatch)
+    got = generate(tmp_path, config, "bfloat16")
+    assert off.ran == 0 and on.ran > 0 and on.declined == 0
+    assert got == expected
+    hardware = int(pairs_available())
+    assert flags == {key: {hardware if key <= 1 else 0} for key in flags}
+    assert min(flags) <= 1 < max(flags), flags  # decodes and prefill chunks both ran
 
 
 def test_the_stack_declines_an_activation_it_lacks(

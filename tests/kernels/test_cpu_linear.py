@@ -27,6 +27,7 @@ from model_server.kernels.cpu.linear_tuning import (
     NATIVE,
     PACKED,
     PANELS,
+    PANELS_HWPF,
     ROW_BLOCKS,
     TORCH,
     TUNING_ENV,
@@ -34,12 +35,12 @@ from model_server.kernels.cpu.linear_tuning import (
 )
 from model_server.kernels.cpu.tuning_cache import TuningCache, machine_identity
 from model_server.kernels.linear_sites import LinearSite
-from model_server.kernels.planned_weight import PlannedWeight, bucket_index
+from model_server.kernels.planned_weight import PlannedWeight, bucket_index, bucket_ranges
 from model_server.kernels.portable import int8_linear_dequant
 from model_server.layers.quantization import Int8Weight
 from model_server.platforms import cpu as cpu_platform
 from model_server.platforms import get_platform
-from tests.kernels.helpers import Planned, force
+from tests.kernels.helpers import Planned, force, force_prefetch_split
 
 AVX2_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2"
 ZEN4_FLAGS = AVX2_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
@@ -252,9 +253,52 @@ def test_speculation_keeps_the_verification_buckets_on_one_row_invariant_kernel(
     # buckets 1..16, then 32 and 64
     assert spec.plans[0].names == (PANELS,) * 5 + ((TORCH,) * 2 if shared else (PANELS,) * 2)
     assert any("rows 1-10 row-invariant" in line for line in spec.report.lines)
-    assert {PANELS} == linear_tuning.ROW_INVARIANT
+    assert {PANELS, PANELS_HWPF} == linear_tuning.ROW_INVARIANT
     x = torch.randn(13, 32).bfloat16()
     torch.testing.assert_close(spec(x, w).float(), F.linear(x, w).float(), **TOLERANCE[w.dtype])
+
+
+@pytest.mark.parametrize("hwpf_rows", [0, 2, 64], ids=["prefetch", "split", "hardware"])
+def test_the_tuner_chooses_the_panels_prefetch_per_bucket(
+    monkeypatch: pytest.MonkeyPatch, cache: TuningCache, hwpf_rows: int
+) -> None:
+    """The panels with and without software prefetch are timed on the same packed copies; each
+    bucket runs whichever timed faster (one packed copy, the values moved into it), the plan's
+    line and kernel names say which, the fused SiLU takes the same choice per bucket, and the
+    outputs are the same bits either way. Without the pair layout (no AVX512-BF16 build) the
+    variant raises, is dropped, and the panels run throughout."""
+    from model_server.kernels.cpu.panel_gemm import (
+        pack_panels,
+        pairs_available,
+        panel_linear,
+        panel_silu_and_mul,
+    )
+
+    if default_kernels() is None:
+        pytest.skip("the panels need the native build")
+    rows_seen = force_prefetch_split(monkeypatch, hwpf_rows)
+    torch.manual_seed(hwpf_rows)
+    w = torch.randn(64, 32).bfloat16()
+    panels = pack_panels(w)
+    linear = Planned([LinearSite(w, 16, exclusive=True)], torch.bfloat16, cache)
+    assert rows_seen == [1, 2, 4, 8, 16]
+    pairs = pairs_available()
+    buckets = (1, 2, 4, 8, 16)
+    want = tuple(PANELS_HWPF if pairs and b <= hwpf_rows else PANELS for b in buckets)
+    plan = linear.plans[0]
+    assert plan.names == want and plan.values_moved and plan.packed_kind == PANELS
+    line = f"{bucket_ranges(want, open_end=False)} [packed]"
+    assert any(line in text for text in linear.report.lines), linear.report.lines
+    if pairs and hwpf_rows == 2:
+        assert f"rows 1-2 {PANELS_HWPF}, 3-16 {PANELS} [packed]" in line
+    planned = linear.weight_of(w)
+    assert planned.kernel_names == want
+    fused = planned.fused_silu_and_mul
+    assert fused is not None and fused.args[1] == tuple(name == PANELS for name in want)
+    for rows in (1, 2, 3, 16):
+        x = torch.randn(rows, 32).bfloat16()
+        assert torch.equal(linear(x, w), panel_linear(x, panels))
+        assert torch.equal(planned.silu_and_mul(x), panel_silu_and_mul(x, panels))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -17,6 +17,7 @@ from model_server.kernels.cpu import layer_ops, linear_tuning, native
 from model_server.kernels.cpu.panel_gemm import (
     pack_panels,
     panel_linear,
+    panel_linear_hwpf,
     panel_silu_and_mul,
     silu_and_mul_applies,
 )
@@ -71,6 +72,36 @@ def test_panel_matmul_equals_f_linear(
     assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
     assert torch.equal(w, before)
     torch.testing.assert_close(got.float(), _reference(x, w, b).float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 16])
+@pytest.mark.parametrize(("n", "k"), [(200, 577), (37, 130)])
+def test_prefetch_or_not_the_pair_kernel_gives_the_same_bits(
+    kernels: native.NativeKernels, m: int, n: int, k: int
+) -> None:
+    """The pair layout's kernel with and without software prefetch (the linear plan's
+    native_panels / native_panels_hwpf): the same bits at 1, 2 (8-panel tiles), 3 (4-panel) and
+    16 rows (12 x 2 tiles), with bias, and fused with the SiLU; one thread and all. The lanes
+    layout has no such variant: asking for it raises (the tuner drops the candidate)."""
+    torch.manual_seed(m * 7 + n)
+    w = torch.randn(2 * 96, k).bfloat16() if n == 200 else torch.randn(n, k).bfloat16()
+    b = torch.randn(w.shape[0]).bfloat16()
+    x = torch.randn(m, k).bfloat16()
+    panels = pack_panels(w, kernels)
+    if not panels.pairs:
+        with pytest.raises(ValueError, match="no variant without prefetch"):
+            panel_linear_hwpf(x, panels, b, kernels)
+        return
+    for min_work in (0, 1 << 40):
+        with_pf = panel_linear(x, panels, b, kernels, min_work, prefetch=True)
+        without = panel_linear_hwpf(x, panels, b, kernels, min_work)
+        assert torch.equal(with_pf, without)
+        torch.testing.assert_close(
+            without.float(), _reference(x, w, b).float(), **TOLERANCE[torch.bfloat16]
+        )
+        if silu_and_mul_applies(panels, kernels):
+            fused = panel_silu_and_mul(x, panels, kernels, min_work, prefetch=True)
+            assert torch.equal(fused, panel_silu_and_mul(x, panels, kernels, min_work, False))
 
 
 def test_panel_matmul_takes_3d_inputs_and_refuses_what_it_cannot_run(

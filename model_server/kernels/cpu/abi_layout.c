@@ -65,6 +65,7 @@ static const Row ROWS[] = {
     FIELD(WickLinear, offsets),
     FIELD(WickLinear, bits),
     FIELD(WickLinear, group_size),
+    FIELD(WickLinear, hw_prefetch_only),
     FIELD(WickLinear, lora),
 
     STRUCT(WickGroupedTopk),

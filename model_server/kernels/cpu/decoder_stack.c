@@ -64,7 +64,7 @@ static int run_base_linear(const WickStackStep *s, const WickLinear *w, const vo
   case LINEAR_PANELS_BF16:
     return wick_panel_gemm((const bf16_t *)x, w->k, (const bf16_t *)w->data,
                            (const bf16_t *)w->bias, (bf16_t *)y, m, w->n, w->k, s->num_threads,
-                           w->min_work_per_thread);
+                           w->min_work_per_thread, !w->hw_prefetch_only);
   case LINEAR_PANELS_F32:
     return wick_panel_f32_gemm(s->dtype, x, w->k, w->data, w->bias, y, m, w->n, w->k,
                                s->num_threads, w->min_work_per_thread);
@@ -139,7 +139,7 @@ static int run_mlp_in(const WickStackStep *s, const WickLayer *l, const void *x)
     if (w->kind == LINEAR_PANELS_BF16)
       return wick_panel_gemm_silu((const bf16_t *)x, w->k, (const bf16_t *)w->data,
                                   (bf16_t *)s->mid, m, inter, w->k, s->num_threads,
-                                  w->min_work_per_thread);
+                                  w->min_work_per_thread, !w->hw_prefetch_only);
     if (w->kind == LINEAR_PANELS_F32)
       return wick_panel_f32_gemm_silu(s->dtype, x, w->k, w->data, s->mid, m, inter, w->k,
                                       s->num_threads, w->min_work_per_thread);

@@ -16,12 +16,13 @@ from dataclasses import replace
 
 import torch
 
-from model_server.kernels.cpu.linear_tuning import BlocksBesideFloat, SitePlan
+from model_server.kernels.cpu.linear_tuning import PANELS_HWPF, BlocksBesideFloat, SitePlan
 from model_server.kernels.cpu.panel_gemm import Panels, panel_silu_and_mul, silu_and_mul_applies
 from model_server.kernels.planned_weight import (
     GGUFSegmentDispatch,
     PlannedWeight,
     RowBucketDispatch,
+    bucket_index,
 )
 from model_server.kernels.table import KernelTable
 
@@ -33,6 +34,14 @@ def _bind(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     return fn(x, weight, bias)
+
+
+def _fused_silu_and_mul(
+    panels: Panels, prefetch: tuple[bool, ...], x: torch.Tensor
+) -> torch.Tensor:
+    """panel_silu_and_mul with the prefetch the plan chose at x's row bucket (as the native
+    step's WickLinear.hw_prefetch_only)."""
+    return panel_silu_and_mul(x, panels, prefetch=prefetch[bucket_index(x.shape[0], len(prefetch))])
 
 
 def _blocks_call(
@@ -136,7 +145,8 @@ def _float_weight(plan: SitePlan) -> PlannedWeight:
     panels = plan.packed if isinstance(plan.packed, Panels) else None
     fused = None
     if plan.values_moved and panels is not None and silu_and_mul_applies(panels):
-        fused = functools.partial(panel_silu_and_mul, panels=panels)
+        prefetch = tuple(name != PANELS_HWPF for name in plan.names)
+        fused = functools.partial(_fused_silu_and_mul, panels, prefetch)
     layout = "dense"
     if plan.packed_kind is not None:
         layout = plan.packed_kind if plan.values_moved else f"dense + {plan.packed_kind} copy"

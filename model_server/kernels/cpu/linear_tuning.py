@@ -11,7 +11,9 @@ Candidates (kernels/cpu/linear.py): F.linear (torch's own BLAS/oneDNN choice), `
 one-row bmm split, `W @ x^T` in blocks of rows, up to NATIVE_MAX_ROWS rows the native skinny
 matmul (kernels/cpu/gemm.py, where its library builds), and two kernels on a weight re-laid out
 once (PACKED_KINDS): oneDNN with a prepacked weight, and in bf16 on AVX512-BF16 builds the
-native panel matmul (kernels/cpu/panel_gemm.py); for int8 weights PyTorch's int8 kernel and
+native panel matmul (kernels/cpu/panel_gemm.py), timed with and without its software prefetch
+(PACKED_VARIANTS: the same packed copy, so a weight's panels run either at each row bucket);
+for int8 weights PyTorch's int8 kernel and
 dequantize-then-matmul; for GPTQ/AWQ (wNa16) weights the native kernel that dequantizes in
 registers (kernels/cpu/wna16_gemm.c) and blocked dequantize-then-matmul; for GGUF weights kept
 in their blocks (`CpuGGUFLinear`, the table's `gguf_linear`) the int8 dot-product kernel
@@ -68,6 +70,7 @@ from model_server.kernels.cpu.panel_gemm import (
     Panels,
     pack_panels,
     panel_linear,
+    panel_linear_hwpf,
 )
 from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.kernels.cpu.wna16 import (
@@ -121,6 +124,8 @@ ROW_BLOCKS = "row_blocks"
 NATIVE = "native_gemm"
 PACKED = "onednn_packed"
 PANELS = "native_panels"
+# The panels without software prefetch, left to the hardware prefetcher (bf16 pair layout).
+PANELS_HWPF = "native_panels_hwpf"
 INT8_KERNEL = "int8_kernel"
 DEQUANT = "dequantize"
 
@@ -138,12 +143,33 @@ PACKED_KINDS: dict[str, tuple[Callable[[torch.Tensor], Any], Callable[..., torch
     PACKED: (pack_onednn_weight, onednn_packed_linear),
     PANELS: (pack_panels, panel_linear),
 }
+# Other matmuls on a packed kind's copy: name -> (the kind, the matmul). They are timed on the
+# kind's copies and chosen per bucket like it; a site packs the kind once and each bucket runs
+# whichever of the kind and its variants timed fastest. Where they run the same bits as the
+# kind, mixing them across buckets keeps a row's output the same at every row count.
+PACKED_VARIANTS: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
+    PANELS_HWPF: (PANELS, panel_linear_hwpf),
+}
+
+
+def kind_of(name: str) -> str:
+    """The packed kind whose copy `name` runs on (itself for every other kernel)."""
+    variant = PACKED_VARIANTS.get(name)
+    return name if variant is None else variant[0]
+
+
+def packed_fn(name: str) -> Callable[..., torch.Tensor]:
+    """The matmul of a packed kind or variant, (x, packed, bias)."""
+    variant = PACKED_VARIANTS.get(name)
+    return PACKED_KINDS[name][1] if variant is None else variant[1]
+
+
 # Kernels whose output row depends on that row of x alone, bit for bit, whatever the rows of
 # the call (tests/kernels check it): the panels sum K in one order at every tile shape
 # (panel_gemm.c, panel_gemm_f32.c). The others may not: gemm.c switches to vdpbf16ps at 4 rows,
 # torch's kernels promise nothing. Speculative verification needs them (`row_invariant_rows`;
 # engine/spec_decode/row_invariance.py).
-ROW_INVARIANT: frozenset[str] = frozenset({PANELS})
+ROW_INVARIANT: frozenset[str] = frozenset({PANELS, PANELS_HWPF})
 # GPTQ / AWQ weights (wNa16): the native kernel dequantizing in registers (kernels/cpu/
 # wna16_gemm.c) and dequantize-then-matmul in cache-sized blocks (big prefills).
 WNA16_NATIVE = "wna16_native"
@@ -413,6 +439,10 @@ def _time_group(group: _Group, deadline: float) -> None:
             }
             for kind, kind_copies in packed.items():
                 calls[kind] = _Rotating(PACKED_KINDS[kind][1], x, kind_copies)
+            # A variant reads its kind's copies from half-way round (see the dense ones above).
+            for name, (kind, fn) in PACKED_VARIANTS.items():
+                if kind in packed:
+                    calls[name] = _Rotating(fn, x, packed[kind], len(packed[kind]) // 2)
         # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
         group.times.append(time_candidates(calls) or {TORCH: float("inf")})
 
@@ -460,14 +490,26 @@ def _is_dense(name: str) -> bool:
     return name in DENSE_FNS
 
 
+def _kind_time(times: dict[str, float], kind: str) -> float:
+    """The best time of packed `kind` or one of its variants (inf: none timed)."""
+    return min((t for name, t in times.items() if kind_of(name) == kind), default=float("inf"))
+
+
+def _kind_name(times: dict[str, float], kind: str) -> str:
+    """The fastest of packed `kind` and its variants in one bucket's times (`kind` if none)."""
+    names = [name for name in times if kind_of(name) == kind]
+    return min(names, key=times.__getitem__) if names else kind
+
+
 def _packed_only_cost(times: BucketTimes, kind: str) -> float | None:
-    """`kind` at every bucket, summed over buckets as ratios to each bucket's best (every bucket
-    counts alike), when that beats the best dense kernel per bucket; else None."""
+    """`kind` (each bucket its fastest variant) at every bucket, summed over buckets as ratios to
+    each bucket's best (every bucket counts alike), when that beats the best dense kernel per
+    bucket; else None."""
     inf = float("inf")
     packed = dense = 0.0
     for t in times:
         best = min(t.values())
-        packed += t.get(kind, inf) / best
+        packed += _kind_time(t, kind) / best
         dense += t[_best(t, _is_dense)] / best if any(map(_is_dense, t)) else inf
     return packed if packed <= dense and packed < inf else None
 
@@ -506,7 +548,7 @@ def _runnable_times(group: _Group) -> BucketTimes:
     weight = group.sites[0].weight
     runnable: BucketTimes = []
     for rows, times in zip(group.buckets, group.times, strict=True):
-        allowed = {*float_candidates(rows, weight), *PACKED_KINDS}
+        allowed = {*float_candidates(rows, weight), *PACKED_KINDS, *PACKED_VARIANTS}
         kept = {name: t for name, t in times.items() if name in allowed}
         runnable.append(kept or {TORCH: float("inf")})
     return runnable
@@ -518,7 +560,7 @@ def _runnable_times(group: _Group) -> BucketTimes:
 # speed, docs/benchmarks.md; a 3 % faster oneDNN kernel for Gemma 3's qkv once kept the whole
 # model off the step at every bucket). So in the decoder layers another kernel is chosen over
 # these only when it beats them by NATIVE_STEP_MARGIN.
-STEP_KERNELS: frozenset[str] = frozenset({NATIVE, PANELS, WNA16_NATIVE})
+STEP_KERNELS: frozenset[str] = frozenset({NATIVE, PANELS, PANELS_HWPF, WNA16_NATIVE})
 NATIVE_STEP_MARGIN = 0.10
 
 
@@ -544,20 +586,28 @@ def _step_preferred_times(group: _Group, times: BucketTimes) -> BucketTimes:
 
 def _row_invariant_times(group: _Group, times: BucketTimes, rows: int) -> tuple[BucketTimes, bool]:
     """`times` with the buckets that hold 1..`rows` rows (0: none) left to the row-invariant
-    kernels (one, the fastest over those buckets in all), so that a row computes the same at
-    every row count a verifying step has; and whether one could run them (none timed: the
-    times unchanged, the caller notes it)."""
+    kernels (one packed kind, the fastest over those buckets in all, with its row-invariant
+    variants: they run the same bits), so that a row computes the same at every row count a
+    verifying step has; and whether one could run them (none timed: the times unchanged, the
+    caller notes it)."""
     if rows <= 0 or group.int8 or group.wna16 or group.gguf:
         return times, True
     held = [i for i, bucket in enumerate(group.buckets) if bucket < 2 * rows]
-    candidates = [name for name in ROW_INVARIANT if all(name in times[i] for i in held) and held]
+    kinds = {kind_of(name) for name in ROW_INVARIANT}
+
+    def invariant(i: int, kind: str) -> dict[str, float]:
+        return {n: t for n, t in times[i].items() if n in ROW_INVARIANT and kind_of(n) == kind}
+
+    candidates = [kind for kind in kinds if held and all(invariant(i, kind) for i in held)]
     if not candidates:
         return times, False
-    inf = float("inf")
-    kind = min(candidates, key=lambda name: sum(times[i].get(name, inf) for i in held))
+    kind = min(
+        sorted(candidates),
+        key=lambda kind: sum(min(invariant(i, kind).values()) for i in held),
+    )
     out = list(times)
     for i in held:
-        out[i] = {kind: times[i][kind]}
+        out[i] = invariant(i, kind)
     return out, True
 
 
@@ -593,7 +643,7 @@ def _plan_float(group: _Group, plans: list[SitePlan], report: TuningReport) -> s
     best = [_best(t) for t in group.times]
     dense = tuple(_best(t, _is_dense) for t in group.times)
     dense_fns = tuple(DENSE_FNS[name] for name in dense)
-    used = [name for name in best if name in PACKED_KINDS]
+    used = [kind_of(name) for name in best if kind_of(name) in PACKED_KINDS]
     if not used:
         plans.extend(SitePlan(site, dense, dense_fns) for site in group.sites)
         return _ranges(group.buckets, dense)
@@ -607,11 +657,13 @@ def _plan_float(group: _Group, plans: list[SitePlan], report: TuningReport) -> s
     # tied LM head at 64 rows, oneDNN's best, ran F.linear 1.25x slower than the panels' 1.10x).
     shared_kind = max(set(used), key=used.count)
     shared_names = tuple(
-        shared_kind
-        if t.get(shared_kind, float("inf")) < t.get(dense[i], float("inf"))
+        _kind_name(t, shared_kind)
+        if _kind_time(t, shared_kind) < t.get(dense[i], float("inf"))
         else dense[i]
         for i, t in enumerate(group.times)
     )
+    # Exclusive weights on `only`: per bucket its fastest variant (one packed copy for all).
+    only_names = () if only is None else tuple(_kind_name(t, only) for t in group.times)
     layouts: list[str] = []
     for site in group.sites:
         kind = only if site.exclusive else shared_kind
@@ -619,7 +671,7 @@ def _plan_float(group: _Group, plans: list[SitePlan], report: TuningReport) -> s
             layouts.append("dense")
             plans.append(SitePlan(site, dense, dense_fns))
             continue
-        pack, fn = PACKED_KINDS[kind]
+        pack = PACKED_KINDS[kind][0]
         try:
             packed = pack(site.weight)
         except Exception as exc:
@@ -627,21 +679,24 @@ def _plan_float(group: _Group, plans: list[SitePlan], report: TuningReport) -> s
             layouts.append("dense")
             plans.append(SitePlan(site, dense, dense_fns))
             continue
-        call = functools.partial(_packed_call, fn, packed)
+        calls = {
+            name: functools.partial(_packed_call, packed_fn(name), packed)
+            for name in {*only_names, *shared_names}
+            if kind_of(name) == kind
+        }
         if site.exclusive:
             # The packed copy alone keeps the values (the dense tensor is dropped by the
             # model-preparation stage when it installs the planned weight).
-            names = (kind,) * len(group.buckets)
-            plans.append(SitePlan(site, names, (call,) * len(names), packed, kind, True))
+            plans.append(
+                SitePlan(site, only_names, tuple(calls[n] for n in only_names), packed, kind, True)
+            )
             layouts.append("packed")
         else:
-            fns = tuple(call if name == kind else DENSE_FNS[name] for name in shared_names)
+            fns = tuple(calls.get(name) or DENSE_FNS[name] for name in shared_names)
             plans.append(SitePlan(site, shared_names, fns, packed, kind))
             report.extra_bytes += site.weight.numel() * site.weight.element_size()
             layouts.append("packed + dense (shared weight)")
-    chosen: Sequence[str] = (
-        [only] * len(best) if only is not None and "packed" in layouts else dense
-    )
+    chosen: Sequence[str] = only_names if only is not None and "packed" in layouts else dense
     if any(layout.startswith("packed +") for layout in layouts):
         chosen = shared_names
     kinds = sorted(set(layouts))

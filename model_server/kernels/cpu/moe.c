@@ -103,7 +103,7 @@ static int panel_matmul(const void *ctx, int proj, int e, const void *x, void *y
   int status;
   if (w->pairs)
     status = wick_panel_gemm(x, w->k, (const bf16_t *)panels, NULL, y, rows, w->n, w->k,
-                             c->num_threads, w->min_work_per_thread);
+                             c->num_threads, w->min_work_per_thread, 1);
   else
     status = wick_panel_f32_gemm(c->dtype, x, w->k, panels, NULL, y, rows, w->n, w->k,
                                  c->num_threads, w->min_work_per_thread);
@@ -118,7 +118,7 @@ static int panel_gate_up_silu(const void *ctx, int e, const void *x, void *mid, 
   int status;
   if (w->pairs)
     status = wick_panel_gemm_silu(x, w->k, (const bf16_t *)panels, mid, rows, w->n / 2, w->k,
-                                  c->num_threads, w->min_work_per_thread);
+                                  c->num_threads, w->min_work_per_thread, 1);
   else
     status = wick_panel_f32_gemm_silu(c->dtype, x, w->k, panels, mid, rows, w->n / 2, w->k,
                                       c->num_threads, w->min_work_per_thread);

@@ -34,15 +34,15 @@
 #define MR 12    /* rows of x per register tile, at most (see tile_shape) */
 #define NP 8     /* panels per register tile, at most */
 /* How far ahead of the pair being read each panel stream is prefetched into L2, in k-pairs
- * (64 bytes each): with few rows of x a call is bound by reading W, and the hardware prefetcher
- * alone left it 1.2-2.2x slower than gemm.c's prefetching kernel at 1-8 rows (Zen 4).
- * Except in the widest tile of 1-2 rows (8 panels: 8 streams, one line of each per k-pair),
- * which the hardware prefetcher follows alone: there the prefetches (one per load) cost time.
- * On a 2-core Zen 5, one thread, the Llama-3.2-1B layer's four linears at 1 row (121.6 MB of
- * weights streamed from memory, thread CPU time on a busy box): 4.12-4.23 ms with the
- * prefetches, 3.70-3.79 without (-10 %; per op 28-30 -> 32-33 GB/s, against the 38-44 GB/s
- * one thread reads with memory_read.c); at 2 rows 4.43-4.49 -> 4.01-4.03; at 16 rows (12 x 2
- * tiles) they stay: 5.6 ms with, 8.0 without. */
+ * (64 bytes each), when a call prefetches (its `prefetch` argument): with few rows of x a call
+ * is bound by reading W, and the hardware prefetcher alone left it 1.2-2.2x slower than gemm.c's
+ * prefetching kernel at 1-8 rows (Zen 4). On a 2-core Zen 5 the other way round in the widest
+ * tile of 1-2 rows (8 panels: 8 streams, one line of each per k-pair), which the hardware
+ * prefetcher follows alone: the Llama-3.2-1B layer's four linears at 1 row, one thread,
+ * 4.12-4.23 ms with the prefetches, 3.70-3.79 without; at 16 rows (12 x 2 tiles) 5.6 ms with,
+ * 8.0 without. So no CPU's rule is built in: the linear tuner times the panels both ways per
+ * shape and row bucket (linear_tuning.py's native_panels and native_panels_hwpf) and the plan
+ * passes its choice to every call; outputs are the same bits either way. */
 #define PREFETCH_PAIRS 64
 
 int wick_panel_gemm_available(void) {
@@ -86,18 +86,20 @@ static inline __m512bh broadcast_pair(const bf16_t *x, const int last) {
 /* tile[i][j * 16 + l] = sum over k of x[i][k] * W[16 (p0 + j) + l][k], for mr rows of x and np
  * panels: one accumulator per output, adding the k-pairs in order (the odd K's last column, whose
  * pair's second half is zero in the panel and in x, last). mr and np are compile-time constants
- * after inlining, so the accumulators stay in registers. Row invariance: every (mr, np) sums an
- * output the same way, so a row's output is the same bits whatever M and the tile it falls in
- * (see tile_shape). */
+ * after inlining, so the accumulators stay in registers; so is `prefetch` (whether each panel
+ * stream is prefetched PREFETCH_PAIRS ahead), which changes no output bit. Row invariance:
+ * every (mr, np) sums an output the same way, so a row's output is the same bits whatever M and
+ * the tile it falls in (see tile_shape). */
 static inline __attribute__((always_inline)) void panel_tile(
-    const int mr, const int np, const bf16_t *restrict x, const int64_t xs, const int64_t k,
-    const bf16_t *restrict w, const int64_t panel_stride, float tile[MR][NP * PANEL]) {
+    const int prefetch, const int mr, const int np, const bf16_t *restrict x, const int64_t xs,
+    const int64_t k, const bf16_t *restrict w, const int64_t panel_stride,
+    float tile[MR][NP * PANEL]) {
   __m512 acc[MR][NP];
   for (int i = 0; i < mr; i++)
     for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
   const int64_t full = k / 2;
   for (int64_t pair = 0; pair < (k + 1) / 2; pair++) {
-    if (!(mr <= 2 && np == NP)) /* see PREFETCH_PAIRS */
+    if (prefetch) /* a compile-time constant: see panel_tile_any */
       for (int j = 0; j < np; j++)
         __builtin_prefetch(w + j * panel_stride + (pair + PREFETCH_PAIRS) * 2 * PANEL, 0, 2);
     __m512bh wv[NP];
@@ -137,30 +139,31 @@ static inline int tile_panels(const TileShape shape) {
 static inline int thread_unit(const TileShape shape) { return shape == SHAPE_MANY ? 2 : 4; }
 
 /* panel_tile for runtime mr (at most tile_rows(shape)) and np (tile_panels(shape), its thread
- * unit, or 1): one copy per combination. */
-static void panel_tile_any(const TileShape shape, const int mr, const int np, const bf16_t *x,
-                           const int64_t xs, const int64_t k, const bf16_t *w,
-                           const int64_t panel_stride, float tile[MR][NP * PANEL]) {
-#define ARGS x, xs, k, w, panel_stride, tile
+ * unit, or 1): one copy per combination, for a compile-time `prefetch` (panel_tiles below). */
+static inline __attribute__((always_inline)) void panel_tile_any(
+    const int prefetch, const TileShape shape, const int mr, const int np, const bf16_t *x,
+    const int64_t xs, const int64_t k, const bf16_t *w, const int64_t panel_stride,
+    float tile[MR][NP * PANEL]) {
+#define ARGS_AT(R, P) prefetch, R, P, x, xs, k, w, panel_stride, tile
 #define TILE(R, P)            \
   case R:                     \
     if (np == P)              \
-      panel_tile(R, P, ARGS); \
+      panel_tile(ARGS_AT(R, P)); \
     else if (np == 4)         \
-      panel_tile(R, 4, ARGS); \
+      panel_tile(ARGS_AT(R, 4)); \
     else                      \
-      panel_tile(R, 1, ARGS); \
+      panel_tile(ARGS_AT(R, 1)); \
     return;
   if (shape == SHAPE_FEW) {
     switch (mr) {
       TILE(1, 8)
       default:
         if (np == 8)
-          panel_tile(2, 8, ARGS);
+          panel_tile(ARGS_AT(2, 8));
         else if (np == 4)
-          panel_tile(2, 4, ARGS);
+          panel_tile(ARGS_AT(2, 4));
         else
-          panel_tile(2, 1, ARGS);
+          panel_tile(ARGS_AT(2, 1));
     }
   } else if (shape == SHAPE_SOME) {
     switch (mr) {
@@ -171,18 +174,18 @@ static void panel_tile_any(const TileShape shape, const int mr, const int np, co
       TILE(5, 4)
       default:
         if (np == 4)
-          panel_tile(6, 4, ARGS);
+          panel_tile(ARGS_AT(6, 4));
         else
-          panel_tile(6, 1, ARGS);
+          panel_tile(ARGS_AT(6, 1));
     }
   } else {
 #undef TILE
 #define TILE(R, P)            \
   case R:                     \
     if (np == P)              \
-      panel_tile(R, P, ARGS); \
+      panel_tile(ARGS_AT(R, P)); \
     else                      \
-      panel_tile(R, 1, ARGS); \
+      panel_tile(ARGS_AT(R, 1)); \
     return;
     switch (mr) {
       TILE(1, 2)
@@ -198,13 +201,32 @@ static void panel_tile_any(const TileShape shape, const int mr, const int np, co
       TILE(11, 2)
       default:
         if (np == 2)
-          panel_tile(MR, 2, ARGS);
+          panel_tile(ARGS_AT(MR, 2));
         else
-          panel_tile(MR, 1, ARGS);
+          panel_tile(ARGS_AT(MR, 1));
     }
   }
 #undef TILE
-#undef ARGS
+#undef ARGS_AT
+}
+
+/* The two instantiations of panel_tile_any (with and without software prefetch); a call picks
+ * one outside its loops, so the hot loop has no branch on the flag. */
+typedef void (*PanelTiles)(TileShape, int, int, const bf16_t *, int64_t, int64_t, const bf16_t *,
+                           int64_t, float[MR][NP * PANEL]);
+static void panel_tiles_prefetch(const TileShape shape, const int mr, const int np,
+                                 const bf16_t *x, const int64_t xs, const int64_t k,
+                                 const bf16_t *w, const int64_t panel_stride,
+                                 float tile[MR][NP * PANEL]) {
+  panel_tile_any(1, shape, mr, np, x, xs, k, w, panel_stride, tile);
+}
+static void panel_tiles_hw(const TileShape shape, const int mr, const int np, const bf16_t *x,
+                           const int64_t xs, const int64_t k, const bf16_t *w,
+                           const int64_t panel_stride, float tile[MR][NP * PANEL]) {
+  panel_tile_any(0, shape, mr, np, x, xs, k, w, panel_stride, tile);
+}
+static inline PanelTiles panel_tiles(const int prefetch) {
+  return prefetch ? panel_tiles_prefetch : panel_tiles_hw;
 }
 
 /* Panels [*p0, *p1) of thread t of `threads` over num_panels, in whole units of `unit`. */
@@ -273,8 +295,9 @@ static inline void store_silu_tile(const int mr, const int np, float gate[MR][NP
  * AVX512-BF16 (nothing written). */
 int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, const bf16_t *bias,
                     bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads,
-                    int64_t min_work_per_thread) {
+                    int64_t min_work_per_thread, int prefetch) {
 #if defined(__AVX512BF16__)
+  const PanelTiles tiles = panel_tiles(prefetch);
   const int64_t num_panels = (n + PANEL - 1) / PANEL, panel_stride = (k + 1) / 2 * 2 * PANEL;
   const TileShape shape = tile_shape(m);
   const int rows = tile_rows(shape);
@@ -288,8 +311,8 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
       np = tile_width(shape, p, p1);
       for (int64_t m0 = 0; m0 < m; m0 += rows) {
         const int mr = m - m0 < rows ? (int)(m - m0) : rows;
-        panel_tile_any(shape, mr, np, x + m0 * x_stride, x_stride, k, panels + p * panel_stride,
-                       panel_stride, tile);
+        tiles(shape, mr, np, x + m0 * x_stride, x_stride, k, panels + p * panel_stride,
+              panel_stride, tile);
         store_tile(mr, np, tile, bias, p * PANEL, n, y + m0 * n);
       }
     }
@@ -297,7 +320,7 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
   return 0;
 #else
   (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)m, (void)n, (void)k;
-  (void)num_threads, (void)min_work_per_thread;
+  (void)num_threads, (void)min_work_per_thread, (void)prefetch;
   return -2;
 #endif
 }
@@ -311,8 +334,9 @@ int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, con
  * a multiple of PANEL (nothing written). */
 int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels, bf16_t *y,
                          int64_t m, int64_t inter, int64_t k, int num_threads,
-                         int64_t min_work_per_thread) {
+                         int64_t min_work_per_thread, int prefetch) {
 #if defined(__AVX512BF16__)
+  const PanelTiles tiles = panel_tiles(prefetch);
   if (inter % PANEL != 0) return -3;
   const int64_t gate_panels = inter / PANEL, panel_stride = (k + 1) / 2 * 2 * PANEL;
   const bf16_t *up_panels = panels + gate_panels * panel_stride;
@@ -329,10 +353,8 @@ int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels
       for (int64_t m0 = 0; m0 < m; m0 += rows) {
         const int mr = m - m0 < rows ? (int)(m - m0) : rows;
         const bf16_t *xm = x + m0 * x_stride;
-        panel_tile_any(shape, mr, np, xm, x_stride, k, panels + p * panel_stride, panel_stride,
-                       gate);
-        panel_tile_any(shape, mr, np, xm, x_stride, k, up_panels + p * panel_stride,
-                       panel_stride, up);
+        tiles(shape, mr, np, xm, x_stride, k, panels + p * panel_stride, panel_stride, gate);
+        tiles(shape, mr, np, xm, x_stride, k, up_panels + p * panel_stride, panel_stride, up);
         store_silu_tile(mr, np, gate, up, p * PANEL, inter, y + m0 * inter);
       }
     }
@@ -340,7 +362,7 @@ int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels
   return 0;
 #else
   (void)x, (void)x_stride, (void)panels, (void)y, (void)m, (void)inter, (void)k;
-  (void)num_threads, (void)min_work_per_thread;
+  (void)num_threads, (void)min_work_per_thread, (void)prefetch;
   return -2;
 #endif
 }

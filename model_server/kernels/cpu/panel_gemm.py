@@ -7,6 +7,10 @@ vdpbf16ps reads (kernels/cpu/panel_gemm.c); fp32 weights, and bf16 ones elsewher
 one vector of outputs per k, multiplied in fp32 (kernels/cpu/panel_gemm_f32.c).
 `panel_linear(x, panels, bias)` is F.linear's contract on them: x [M, K] @ W^T + bias -> a new
 [M, N] in the weight's dtype (x and bias of that dtype), fp32 accumulation, inputs never written.
+The pair layout's kernel prefetches each panel stream in software, or (`prefetch=False`,
+`panel_linear_hwpf`) leaves it to the hardware prefetcher: the same bits, and which is faster
+depends on the CPU, the shape and the rows, so the linear tuner times both (PREFETCH_PAIRS in
+panel_gemm.c).
 
 Both layouts' kernels are row-invariant: an output row is the same bits whatever the rows of
 the call (each output sums K in one order in every register tile), which speculative
@@ -77,11 +81,18 @@ def panel_linear(
     bias: torch.Tensor | None = None,
     kernels: native.NativeKernels | None = None,
     min_work_per_thread: int = MIN_WORK_PER_THREAD,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """x [..., K] @ W^T + bias [N] -> [..., N], all in the panels' dtype, W given by its panels;
-    on up to torch's thread count (fewer for small matmuls; 0 `min_work_per_thread`: all)."""
+    on up to torch's thread count (fewer for small matmuls; 0 `min_work_per_thread`: all).
+    `prefetch` False: the pair layout's kernel without software prefetch (ValueError on the
+    lanes layout, which has no such variant)."""
+    if not prefetch and not panels.pairs:
+        raise ValueError("the lanes layout's panel matmul has no variant without prefetch")
     if x.dim() != 2:
-        out = panel_linear(x.reshape(-1, x.shape[-1]), panels, bias, kernels, min_work_per_thread)
+        out = panel_linear(
+            x.reshape(-1, x.shape[-1]), panels, bias, kernels, min_work_per_thread, prefetch
+        )
         return out.view(*x.shape[:-1], panels.n)
     m, k = x.shape
     dtype = panels.dtype
@@ -110,7 +121,7 @@ def panel_linear(
     if panels.pairs:
         status = kernels.lib.wick_panel_gemm(
             x.data_ptr(), row_stride, panels.data.data_ptr(), bias_ptr, out.data_ptr(),
-            m, panels.n, k, threads, min_work_per_thread,
+            m, panels.n, k, threads, min_work_per_thread, int(prefetch),
         )  # fmt: skip
     else:
         status = kernels.lib.wick_panel_f32_gemm(
@@ -119,6 +130,17 @@ def panel_linear(
         )  # fmt: skip
     _check(status)
     return out
+
+
+def panel_linear_hwpf(
+    x: torch.Tensor,
+    panels: Panels,
+    bias: torch.Tensor | None = None,
+    kernels: native.NativeKernels | None = None,
+    min_work_per_thread: int = MIN_WORK_PER_THREAD,
+) -> torch.Tensor:
+    """`panel_linear` without software prefetch (the pair layout only): the same bits."""
+    return panel_linear(x, panels, bias, kernels, min_work_per_thread, prefetch=False)
 
 
 def _check(status: int) -> None:
@@ -145,11 +167,12 @@ def panel_silu_and_mul(
     panels: Panels,
     kernels: native.NativeKernels | None = None,
     min_work_per_thread: int = MIN_WORK_PER_THREAD,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """x [M, K] in the panels' dtype, the panels of a merged gate/up weight [2 inter, K] (no
     bias) -> a new [M, inter] = silu(x @ gate^T) * (x @ up^T): `silu_and_mul(panel_linear(x,
     panels))` bit for bit (layer_ops.c's SiLU), in one pass without the [M, 2 inter]
-    intermediate."""
+    intermediate. `prefetch`: as panel_linear's (the pair layout alone reads it)."""
     kernels = kernels or default_kernels()
     if kernels is None:
         raise ValueError("the panel matmul needs the native kernels")
@@ -174,7 +197,7 @@ def panel_silu_and_mul(
     if panels.pairs:
         status = kernels.lib.wick_panel_gemm_silu(
             x.data_ptr(), x.stride(0), panels.data.data_ptr(), out.data_ptr(), m, inter,
-            panels.k, threads, min_work_per_thread,
+            panels.k, threads, min_work_per_thread, int(prefetch),
         )  # fmt: skip
     else:
         status = kernels.lib.wick_panel_f32_gemm_silu(

@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 # Raised whenever the candidates or how they are timed change, so that older timings are taken
 # again (2: the native skinny matmul; 3: float weights timed cold; 4: native up to 64 rows; 5:
-# the native panel matmul; 6: GGUF weights kept quantized, with the int8 dot-product kernel).
-FORMAT_VERSION = 6
+# the native panel matmul; 6: GGUF weights kept quantized, with the int8 dot-product kernel; 7:
+# the panels without software prefetch).
+FORMAT_VERSION = 7
 
 
 def cache_root() -> Path:

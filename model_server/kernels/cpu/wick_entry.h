@@ -42,12 +42,14 @@ int wick_paged_attention(int dtype, const void *q, void *k_cache, void *v_cache,
                          int block_size, float scale, int num_threads,
                          int64_t min_work_per_thread, int kv_format, float *k_scales,
                          float *v_scales);
+/* prefetch: 1 prefetches each panel stream in software, 0 leaves it to the hardware prefetcher
+ * (the linear plan's native_panels / native_panels_hwpf); the same output bits either way. */
 int wick_panel_gemm(const bf16_t *x, int64_t x_stride, const bf16_t *panels, const bf16_t *bias,
                     bf16_t *y, int64_t m, int64_t n, int64_t k, int num_threads,
-                    int64_t min_work_per_thread);
+                    int64_t min_work_per_thread, int prefetch);
 int wick_panel_gemm_silu(const bf16_t *x, int64_t x_stride, const bf16_t *panels, bf16_t *y,
                          int64_t m, int64_t inter, int64_t k, int num_threads,
-                         int64_t min_work_per_thread);
+                         int64_t min_work_per_thread, int prefetch);
 int wick_panel_f32_gemm(int dtype, const void *x, int64_t x_stride, const void *panels,
                         const void *bias, void *y, int64_t m, int64_t n, int64_t k,
                         int num_threads, int64_t min_work_per_thread);

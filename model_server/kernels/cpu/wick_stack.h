@@ -51,6 +51,9 @@ typedef struct {
   /* LINEAR_WNA16: scales and offsets [n, groups] fp32, 4 or 8 bits per code, group size */
   const float *scales, *offsets;
   int32_t bits, group_size;
+  /* LINEAR_PANELS_BF16: 1 leaves W's panel streams to the hardware prefetcher (the plan's
+   * native_panels_hwpf at this row bucket), 0 prefetches them in software (native_panels). */
+  int32_t hw_prefetch_only;
   /* The LoRA adapters' slots on this layer (lora.num_slices 0: none), added after the base
    * product to the rows of WickStackStep.lora_slots (wick_lora.h). */
   WickLoRA lora;
