@@ -267,7 +267,8 @@ class CpuPlatform(Platform):
         return CpuDecoderStack.build(kernels, layers, dtype, all_reduce)
 
     def _tuning_cache(self) -> TuningCache:
-        return TuningCache.open(machine_identity(_cpu_flags()))
+        kernels = native.load_kernels()
+        return TuningCache.open(machine_identity(_cpu_flags(), kernels.isa if kernels else None))
 
 
 @cache

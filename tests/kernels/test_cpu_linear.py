@@ -640,3 +640,16 @@ def test_int8_kernel_with_k_not_a_multiple_of_16_does_not_crash() -> None:
     expected = int8_linear_dequant(x, qweight, scale, None)
     got = int8_kernel_linear(x, qweight, scale, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_each_native_build_keeps_its_own_timings(tmp_path: Path) -> None:
+    # WICK_CPU_ISA=avx2 on an AVX512-BF16 CPU runs other kernels (lanes panels, no variant
+    # without prefetch): timings of the avx512_bf16 build must not choose its kernels.
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    wide, narrow = machine_identity(flags, "avx512_bf16"), machine_identity(flags, "avx2")
+    assert wide["isa"] == "avx512_bf16" and narrow["isa"] == "avx2"
+    a, b = TuningCache.open(wide, tmp_path), TuningCache.open(narrow, tmp_path)
+    a.put("k", {"times": [1.0]})
+    a.save()
+    assert TuningCache.open(wide, tmp_path).get("k") is not None
+    assert b.get("k") is None and TuningCache.open(narrow, tmp_path).get("k") is None

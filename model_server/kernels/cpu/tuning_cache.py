@@ -50,9 +50,11 @@ def _cpuinfo_field(*names: str) -> str:
     return ""
 
 
-def machine_identity(flags: frozenset[str] | None = None) -> dict[str, str]:
+def machine_identity(flags: frozenset[str] | None = None, isa: str | None = None) -> dict[str, str]:
     """What the timings depend on. `flags`: the CPU's feature flags (the platform's view, which
-    WICK_CPU_FLAGS may fake); read from /proc/cpuinfo when None."""
+    WICK_CPU_FLAGS may fake); read from /proc/cpuinfo when None. `isa`: the native build the
+    kernels run (WICK_CPU_ISA may pick a lower one than the flags allow: its kernels, and which
+    of them exist, differ; None: no build)."""
     if flags is None:
         flags = frozenset(_cpuinfo_field("flags", "Features").split())
     flag_text = " ".join(sorted(flags))
@@ -61,6 +63,7 @@ def machine_identity(flags: frozenset[str] | None = None) -> dict[str, str]:
         "flags_sha": hashlib.sha256(flag_text.encode()).hexdigest()[:16],
         "torch": torch.__version__,
         "threads": str(torch.get_num_threads()),
+        "isa": isa or "none",
     }
 
 
