@@ -176,23 +176,30 @@ def measure_copy_bandwidth(
     src = torch.full((nbytes,), 1, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch of dst, first-launch costs
+    return 2 * nbytes / _best_pass_seconds(lambda: dst.copy_(src), synchronize, trials)
+
+
+def _best_pass_seconds(
+    run: Callable[[], object], synchronize: Callable[[], None], trials: int
+) -> float:
+    """Seconds of one `run` (a pass over a buffer), the best of one timing and `trials` more.
+    Each timing repeats the pass until it lasts MIN_TRIAL_S (a GPU copies 2 GiB in under a
+    millisecond), so the host timer and synchronize overhead stay small against it."""
     synchronize()
     start = time.perf_counter()
-    dst.copy_(src)
+    run()
     synchronize()
     single = time.perf_counter() - start
-    # Several copies per timing when one is short (a GPU copies 2 GiB in under a millisecond),
-    # so the host timer and synchronize overhead stay small against it.
-    repeats = max(1, min(50, math.ceil(0.02 / max(single, 1e-9))))
+    repeats = max(1, min(50, math.ceil(MIN_TRIAL_S / max(single, 1e-9))))
     best = single
     for _ in range(trials):
         synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            dst.copy_(src)
+            run()
         synchronize()
         best = min(best, (time.perf_counter() - start) / repeats)
-    return 2 * nbytes / best
+    return best
 
 
 @dataclass(slots=True)
@@ -200,7 +207,7 @@ class ReadBandwidth:
     """A measured read bandwidth and how it was measured (printed beside it)."""
 
     bytes_per_s: float
-    method: str  # "native 2 threads x 4 streams, 256 MiB, best of 5", "torch sum, 1 GiB, ..."
+    method: str  # "native 2 threads x 4 streams, 256 MiB, best of 10", "torch sum, 1024 MiB, ..."
 
 
 def measure_read_bandwidth(
@@ -252,20 +259,7 @@ def measure_read_bandwidth(
         read_once = buf.sum
         method = f"torch sum, {size}"
         read_once()  # first-launch costs
-    synchronize()
-    start = time.perf_counter()
-    read_once()
-    synchronize()
-    single = time.perf_counter() - start
-    repeats = max(1, min(50, math.ceil(MIN_TRIAL_S / max(single, 1e-9))))
-    best = single
-    for _ in range(trials):
-        synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            read_once()
-        synchronize()
-        best = min(best, (time.perf_counter() - start) / repeats)
+    best = _best_pass_seconds(read_once, synchronize, trials)
     return ReadBandwidth(nbytes / best, f"{method}, best of {trials}")
 
 

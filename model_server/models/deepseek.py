@@ -274,9 +274,17 @@ class DeepseekRouter(nn.Module):
             self.e_score_correction_bias = nn.Parameter(
                 torch.empty(config.n_routed_experts, dtype=torch.float32), requires_grad=False
             )
+        self._routing: GroupedTopk | None = None
 
     def routing(self) -> GroupedTopk:
-        """The router as the kernel table's `moe_grouped_topk` (and a native step) reads it."""
+        """The router as the kernel table's `moe_grouped_topk` (and a native step) reads it:
+        built on first use, once the weights are loaded (they are filled in place), and kept:
+        every forward routes through it."""
+        if self._routing is None:
+            self._routing = self._describe()
+        return self._routing
+
+    def _describe(self) -> GroupedTopk:
         c = self.config
         return GroupedTopk(
             weight=self.weight,

@@ -20,6 +20,7 @@ from model_server.kernels.cpu.experts_plan import PanelExperts, plan_experts
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.linear_tuning import NATIVE as NATIVE_GEMM
 from model_server.kernels.cpu.linear_tuning import PANELS
+from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import MIXED_PROMPTS, force
 
@@ -146,6 +147,9 @@ def _folder(tmp_path: Path, make: Callable[[], transformers.PretrainedConfig]) -
         for name, p in hf.named_parameters():  # norms of 1 (Gemma: 0) would hide a mix-up
             if name.endswith(".bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.02))
+        for name, b in hf.named_buffers():  # DeepSeek-V3's, zeros as HF inits it
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.05)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     return tmp_path
 
@@ -291,6 +295,13 @@ def test_the_plan_names_every_planned_weight(monkeypatch: pytest.MonkeyPatch, tm
         llm.shutdown()
 
 
+def _rank0_times_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 (this process) plans from its forced timer, never from the cache: the spawned
+    rank times its shards for real and caches them in the same file, and read by rank 0 those
+    timings could plan it off the native step (a race on which rank writes first)."""
+    monkeypatch.setattr(TuningCache, "get", lambda self, key: None)
+
+
 class _QuietWindow:
     """The tuner's load window on a machine counted as quiet: its timings are cached."""
 
@@ -311,7 +322,8 @@ def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
 ) -> None:
     """TP=2 (rank 0 here, rank 1 a spawned worker) with one native call per half layer and the
     all-reduces between them gives TP=1's greedy tokens, and its logprobs up to the order of the
-    partial sums (fp32). Both ranks read the panel plan the TP=1 run cached.
+    partial sums (fp32). Rank 0's timer is forced onto the panels; rank 1 reads the TP=1 run's
+    cached timings where its shapes match them and times the rest itself.
 
     Ranks time and plan their own shards, so one may run a row count module by module while
     the other runs it natively: `rank0_modules_for_prefill` makes rank 0 do so for every step
@@ -322,6 +334,7 @@ def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force(monkeypatch, PANELS)
     monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
+    _rank0_times_its_own(monkeypatch)
     folder = _folder(tmp_path / "model", NATIVE[family])
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
     results = []
@@ -396,6 +409,7 @@ def test_tensor_parallel_ranks_run_moe_layers_natively(
     monkeypatch.setenv("WICK_CACHE_DIR", str(shared_cache_dir))
     force(monkeypatch, NATIVE_GEMM)
     monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
+    _rank0_times_its_own(monkeypatch)
     folder = _folder(tmp_path / "model", NATIVE[family])
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     llm = _engine(folder, dtype, num_threads=1)

@@ -29,6 +29,7 @@ from tests.kernels.test_native_step_families import (
     _folder,
     _with_and_without_the_step,
 )
+from tests.models.test_parity_moe import DEEPSEEK_YARN
 
 pytestmark = pytest.mark.skipif(
     default_kernels() is None, reason="the native CPU kernels need a C compiler"
@@ -44,20 +45,10 @@ _MLA = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=32,
 )
-_YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 32,
-    "beta_fast": 32,
-    "beta_slow": 1,
-    "mscale": 0.707,
-    "mscale_all_dim": 0.707,
-}
 CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "q-proj": lambda: transformers.DeepseekV2Config(**_COMMON, **_MLA, q_lora_rank=None),
     "q-lora-yarn": lambda: transformers.DeepseekV2Config(
-        **_COMMON, **_MLA, q_lora_rank=24, rope_parameters=_YARN
+        **_COMMON, **_MLA, q_lora_rank=24, rope_parameters=DEEPSEEK_YARN
     ),
 }
 

@@ -5,9 +5,10 @@ generates with the step and without it (the modules): the same greedy tokens and
 logprobs, in fp32 and bf16, prefill chunks mixed with decodes.
 
 Whole DeepSeek-V2 and V3 models (latent attention included, kernels/cpu/mla_attention.c) from
-tiny random HF checkpoints; and, to hold the MoE block alone to the modules' bits, DeepSeek's
-block (models/deepseek.py's `DeepseekMoE`, V2 and V3 routers, with and without shared experts)
-behind Qwen2-MoE's fused q/k/v attention, random weights (load_format dummy)."""
+tiny random HF checkpoints (norms, biases and V3's correction bias perturbed); and, to hold
+the MoE block alone to the modules' bits, DeepSeek's block (models/deepseek.py's `DeepseekMoE`,
+V2 and V3 routers, with and without shared experts) behind Qwen2-MoE's fused q/k/v attention,
+random weights (load_format dummy)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ from model_server.models.deepseek import DeepseekMoE
 from model_server.models.qwen_moe import QwenMoeForCausalLM
 from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import force
-from tests.kernels.test_native_step_families import _COMMON, _engine, _with_and_without_the_step
+from tests.kernels.test_native_step_families import (
+    _COMMON,
+    _engine,
+    _folder,
+    _with_and_without_the_step,
+)
 
 _DEEPSEEK = dict(
     _COMMON,
@@ -113,24 +119,6 @@ ROUTERS: dict[str, dict[str, Any]] = {
 }
 
 
-def _checkpoint(tmp_path: Path, name: str) -> Path:
-    """MODELS[name] as HF writes it, norms, biases and V3's correction bias perturbed (HF
-    inits them to constants: a zero bias would hide one left out)."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(MODELS[name]()).eval()
-    with torch.no_grad():
-        for param_name, p in hf.named_parameters():
-            if "norm" in param_name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif param_name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.05)
-        for buffer_name, b in hf.named_buffers():
-            if buffer_name.endswith("e_score_correction_bias"):
-                b.add_(torch.randn_like(b) * 0.05)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    return tmp_path
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_deepseek_models_generate_the_modules_bits(
@@ -138,7 +126,7 @@ def test_deepseek_models_generate_the_modules_bits(
 ) -> None:
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force(monkeypatch, PANELS)
-    llm = _engine(_checkpoint(tmp_path / "model", name), dtype)
+    llm = _engine(_folder(tmp_path / "model", MODELS[name]), dtype)
     runner = llm.engine.core.model_runner
     step = runner.native_step
     assert step is not None, runner.prepared.native_reason
@@ -171,7 +159,8 @@ def _deepseek_blocks(monkeypatch: pytest.MonkeyPatch, router: str) -> None:
     monkeypatch.setattr(QwenMoeForCausalLM, "make_layer_parts", parts)
 
 
-def _folder(tmp_path: Path) -> Path:
+def _qwen_moe_config() -> transformers.Qwen2MoeConfig:
+    """The Qwen2-MoE whose MoE layers `_deepseek_blocks` turns into DeepSeek's (layer 0 dense)."""
     config = transformers.Qwen2MoeConfig(
         **_COMMON,
         num_experts=8,
@@ -181,7 +170,11 @@ def _folder(tmp_path: Path) -> Path:
         mlp_only_layers=[0],
     )
     config.architectures = ["Qwen2MoeForCausalLM"]
-    config.save_pretrained(tmp_path)
+    return config
+
+
+def _config_folder(tmp_path: Path) -> Path:
+    _qwen_moe_config().save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -196,7 +189,7 @@ def test_deepseek_moe_blocks_generate_the_modules_bits(
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force(monkeypatch, kernel)
     _deepseek_blocks(monkeypatch, router)
-    llm = _engine(_folder(tmp_path / "model"), dtype, load_format="dummy")
+    llm = _engine(_config_folder(tmp_path / "model"), dtype, load_format="dummy")
     runner = llm.engine.core.model_runner
     step = runner.native_step
     assert step is not None, runner.prepared.native_reason
@@ -214,12 +207,7 @@ def test_deepseek_moe_blocks_generate_the_modules_bits(
 def test_what_the_step_lacks_of_a_deepseek_block_is_named(monkeypatch: pytest.MonkeyPatch):
     """The description of a DeepSeek block, and what decoder_stack.c refuses of it."""
     _deepseek_blocks(monkeypatch, "v3")
-    config = transformers.Qwen2MoeConfig(
-        **_COMMON, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-        mlp_only_layers=[0],
-    )  # fmt: skip
-    config.architectures = ["Qwen2MoeForCausalLM"]
-    model = build_model(config, get_attention_backend("cpu"))
+    model = build_model(_qwen_moe_config(), get_attention_backend("cpu"))
     layers = model.model.stack_layers()
     assert isinstance(layers, tuple)
     block = model.model.layers[1].mlp

@@ -57,6 +57,17 @@ _DEEPSEEK = dict(
 )
 
 # name -> tiny HF config; together they cover every MoE architecture in the registry.
+# DeepSeek's yarn rope at a tiny model's scale (its mscale terms included).
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
 MOE_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
     "mixtral": lambda: transformers.MixtralConfig(
         **_MOE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
@@ -85,16 +96,7 @@ MOE_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
         n_group=4,
         topk_group=2,
         routed_scaling_factor=1.5,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
+        rope_parameters=DEEPSEEK_YARN,
     ),
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **_DEEPSEEK,

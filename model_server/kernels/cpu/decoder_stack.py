@@ -55,7 +55,7 @@ from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD as GEMM_MIN_WORK
 from model_server.kernels.cpu.gemm import default_kernels
 from model_server.kernels.cpu.gguf_linear import MIN_WORK_PER_THREAD as GGUF_MIN_WORK
 from model_server.kernels.cpu.gguf_linear import gguf_gemm, gguf_q8_gemm
-from model_server.kernels.cpu.linear_tuning import NATIVE, PANELS_HWPF, WNA16_NATIVE
+from model_server.kernels.cpu.linear_tuning import NATIVE, WNA16_NATIVE, panels_prefetch
 from model_server.kernels.cpu.lora import lora_struct
 from model_server.kernels.cpu.moe_routing import grouped_topk_reason, grouped_topk_struct
 from model_server.kernels.cpu.moe_wna16 import experts_reason, experts_struct
@@ -250,6 +250,8 @@ class CpuDecoderStack:
         weight = weight.at_bucket(key)  # a GGUF weight's float twin past its blocks' buckets
         out = abi.structure("WickLinear")()
         out.bias = None if bias is None else bias.data_ptr()
+        # The kernel the plan chose at this bucket, as the module path's call runs it.
+        name = weight.kernel_names[min(key, len(weight.kernel_names) - 1)]
         panels = weight.packed if weight.source is None else None
         if isinstance(panels, Panels):
             if panels.dtype != dtype:
@@ -259,11 +261,8 @@ class CpuDecoderStack:
             out.n, out.k = panels.n, panels.k
             out.data = panels.data.data_ptr()
             out.min_work_per_thread = PANEL_MIN_WORK
-            # The variant the plan chose at this bucket, as the module path's call runs it.
-            name = weight.kernel_names[min(key, len(weight.kernel_names) - 1)]
-            out.hw_prefetch_only = int(name == PANELS_HWPF)
+            out.hw_prefetch_only = int(not panels_prefetch(name))
             return out
-        name = weight.kernel_names[min(key, len(weight.kernel_names) - 1)]
         source = weight.source
         if name == NATIVE and isinstance(source, torch.Tensor):
             if source.dtype != dtype or not source.is_contiguous():

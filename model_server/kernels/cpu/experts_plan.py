@@ -27,10 +27,11 @@ from model_server.kernels.cpu.gemm import MIN_WORK_PER_THREAD
 from model_server.kernels.cpu.panel_gemm import Panels, panel_linear
 
 # Rows per expert from which the panels beat gemm.c's skinny matmul on an expert's w13 and w2,
-# per (dtype, pair layout). Measured once (2026-11-28, a busy 2-core AVX512-BF16 guest, A/B
-# alternating, medians; Qwen3-30B-A3B's experts: hidden 2048, moe_intermediate 768, top-8, each
-# expert given R rows), stacked / panels time per expert at R = 1, 4, 16, 64, 128 on one thread:
-# fp32 lanes 1.44, 1.18, 1.90, 1.58, 1.50; bf16 pairs 1.08, 1.41, 1.69, 1.95, 1.20. A layout
+# per (dtype, pair layout). Measured once (2026-11-28, a busy 2-core AVX512-BF16 guest (AMD EPYC
+# family 26), A/B alternating, medians; Qwen3-30B-A3B's experts: hidden 2048, moe_intermediate
+# 768, top-8, each expert given R rows, gate/up fused with the SiLU as wick_moe_panel_experts
+# runs it), stacked / panels time per expert at R = 1, 4, 16, 64, 128 on one thread: fp32
+# lanes 1.13, 1.34, 1.65, 1.52, 1.49; bf16 pairs 1.16, 1.10, 1.43, 1.26, 1.20. A layout
 # packs where its threshold is 1 row: fewer rows would need the stacked copy beside the panels.
 # bf16 without AVX512-BF16 (lanes, fp32 products) is unmeasured: it keeps the stacked experts.
 PANEL_MIN_ROWS: dict[tuple[torch.dtype, bool], int] = {
@@ -71,6 +72,7 @@ class PanelExperts(nn.Module):
         # The packed bytes, listed by parameters() and state_dict() (memory, bandwidth).
         self.panels = nn.Parameter(panels, requires_grad=False)
         self.n, self.k, self.pairs = n, k, pairs
+        self._struct: ctypes.Structure | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -82,13 +84,17 @@ class PanelExperts(nn.Module):
         return self.panels.dtype
 
     def struct(self) -> ctypes.Structure:
-        """wick_moe.h's WickExpertsPanels of these panels (their address: keep self alive)."""
-        out = abi.structure("WickExpertsPanels")()
-        out.data = self.panels.data_ptr()
-        out.n, out.k, out.elements = self.n, self.k, self.panels.shape[1]
-        out.pairs = int(self.pairs)
-        out.min_work_per_thread = MIN_WORK_PER_THREAD
-        return out
+        """wick_moe.h's WickExpertsPanels of these panels (their address: keep self alive).
+        Built on first use: every MoE call of the modules reads it, and the panels stay where
+        packing put them (the native step's structs hold the same address)."""
+        if self._struct is None:
+            out = abi.structure("WickExpertsPanels")()
+            out.data = self.panels.data_ptr()
+            out.n, out.k, out.elements = self.n, self.k, self.panels.shape[1]
+            out.pairs = int(self.pairs)
+            out.min_work_per_thread = MIN_WORK_PER_THREAD
+            self._struct = out
+        return self._struct
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The stacked float weight [E, n, k] (references, tests, slow paths): each expert's

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from model_server.kernels.cpu.linear_tuning import PANELS_HWPF, BlocksBesideFloat, SitePlan
+from model_server.kernels.cpu.linear_tuning import BlocksBesideFloat, SitePlan, panels_prefetch
 from model_server.kernels.cpu.panel_gemm import Panels, panel_silu_and_mul, silu_and_mul_applies
 from model_server.kernels.planned_weight import (
     GGUFSegmentDispatch,
@@ -145,7 +145,7 @@ def _float_weight(plan: SitePlan) -> PlannedWeight:
     panels = plan.packed if isinstance(plan.packed, Panels) else None
     fused = None
     if plan.values_moved and panels is not None and silu_and_mul_applies(panels):
-        prefetch = tuple(name != PANELS_HWPF for name in plan.names)
+        prefetch = tuple(map(panels_prefetch, plan.names))
         fused = functools.partial(_fused_silu_and_mul, panels, prefetch)
     layout = "dense"
     if plan.packed_kind is not None:

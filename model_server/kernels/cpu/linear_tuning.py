@@ -152,6 +152,11 @@ PACKED_VARIANTS: dict[str, tuple[str, Callable[..., torch.Tensor]]] = {
 }
 
 
+def panels_prefetch(name: str) -> bool:
+    """Whether the panel kernel named `name` prefetches in software (False: PANELS_HWPF)."""
+    return name != PANELS_HWPF
+
+
 def kind_of(name: str) -> str:
     """The packed kind whose copy `name` runs on (itself for every other kernel)."""
     variant = PACKED_VARIANTS.get(name)

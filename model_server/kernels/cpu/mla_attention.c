@@ -36,6 +36,11 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
   return acc;
 }
 
+/* Context position j's slot in the paged cache: its block's id from the row's block table. */
+static inline int64_t context_slot(const int32_t *table, int j, int block_size) {
+  return (int64_t)table[j / block_size] * block_size + j % block_size;
+}
+
 /* One thread's buffers for a group of nh heads: q_lat, o_lat [nh, L], q_pe [nh, R], one
  * widened cache or weight row, scores [nh, keys], each head's max and sum [nh]. */
 typedef struct {
@@ -83,7 +88,7 @@ static void attend(const Geometry *g, int64_t t, int h0, int nh, int keys, const
   float *restrict scores = sc->scores, *restrict max = sc->max, *restrict sum = sc->sum;
   for (int i = 0; i < nh; i++) max[i] = -INFINITY, sum[i] = 0.f;
   for (int j = 0; j < keys; j++) {
-    const int64_t slot = (int64_t)table[j / g->block_size] * g->block_size + j % g->block_size;
+    const int64_t slot = context_slot(table, j, g->block_size);
     const float *e = as_f32(g->cache + slot * entry * es, g->is_bf16, sc->row, entry);
     for (int i = 0; i < nh; i++) {
       const float s =
@@ -105,7 +110,7 @@ static void attend(const Geometry *g, int64_t t, int h0, int nh, int keys, const
   float *restrict o_lat = sc->o_lat;
   memset(o_lat, 0, sizeof(float) * (size_t)nh * L);
   for (int j = 0; j < keys; j++) {
-    const int64_t slot = (int64_t)table[j / g->block_size] * g->block_size + j % g->block_size;
+    const int64_t slot = context_slot(table, j, g->block_size);
     const float *c = as_f32(g->cache + slot * entry * es, g->is_bf16, sc->row, L);
     for (int i = 0; i < nh; i++) {
       float *restrict ol = o_lat + (int64_t)i * L;

@@ -25,18 +25,8 @@ int wick_moe_softmax_topk(int dtype, const void *logits, int64_t num_tokens, int
   if (top_k < 1 || top_k > num_experts) return -1;
   float probs[num_experts];
   for (int64_t t = 0; t < num_tokens; t++) {
-    const int64_t row = t * num_experts;
-    float max = moe_load(dtype, logits, row);
-    for (int e = 1; e < num_experts; e++) {
-      const float v = moe_load(dtype, logits, row + e);
-      if (v > max) max = v;
-    }
-    float sum = 0.f;
-    for (int e = 0; e < num_experts; e++) {
-      probs[e] = expf(moe_load(dtype, logits, row + e) - max);
-      sum += probs[e];
-    }
-    for (int e = 0; e < num_experts; e++) probs[e] = probs[e] / sum;
+    for (int e = 0; e < num_experts; e++) probs[e] = moe_load(dtype, logits, t * num_experts + e);
+    moe_softmax(probs, num_experts);
     /* top k by selection, best first; a tie goes to the lower id (strict >) */
     float *w = weights + t * top_k;
     int64_t *id = ids + t * top_k;
@@ -96,10 +86,15 @@ typedef struct {
   const WickExpertsPanels *w[2]; /* w13, w2 */
 } PanelExperts;
 
+/* Expert e's panels of projection w. */
+static const char *expert_panels(const PanelExperts *c, const WickExpertsPanels *w, int e) {
+  return (const char *)w->data + e * w->elements * moe_elem_size(c->dtype);
+}
+
 static int panel_matmul(const void *ctx, int proj, int e, const void *x, void *y, int64_t rows) {
   const PanelExperts *c = ctx;
   const WickExpertsPanels *w = c->w[proj];
-  const char *panels = (const char *)w->data + e * w->elements * moe_elem_size(c->dtype);
+  const char *panels = expert_panels(c, w, e);
   int status;
   if (w->pairs)
     status = wick_panel_gemm(x, w->k, (const bf16_t *)panels, NULL, y, rows, w->n, w->k,
@@ -114,7 +109,7 @@ static int panel_matmul(const void *ctx, int proj, int e, const void *x, void *y
 static int panel_gate_up_silu(const void *ctx, int e, const void *x, void *mid, int64_t rows) {
   const PanelExperts *c = ctx;
   const WickExpertsPanels *w = c->w[0];
-  const char *panels = (const char *)w->data + e * w->elements * moe_elem_size(c->dtype);
+  const char *panels = expert_panels(c, w, e);
   int status;
   if (w->pairs)
     status = wick_panel_gemm_silu(x, w->k, (const bf16_t *)panels, mid, rows, w->n / 2, w->k,

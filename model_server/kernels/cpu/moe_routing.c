@@ -12,6 +12,7 @@
 
 #include "wick_cpu.h"
 #include "wick_entry.h"
+#include "wick_moe_grouping.h"
 #include "wick_moe_routing.h"
 
 static int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
@@ -22,18 +23,22 @@ int64_t wick_moe_grouped_topk_bytes(int dtype, int64_t num_tokens, int64_t hidde
   return dtype == 1 ? logits + aligned64(num_tokens * hidden * 4) : logits;
 }
 
+/* Whether a token is limited to its best expert groups (grouped_topk's condition). */
+static int grouped(const WickGroupedTopk *r) {
+  return r->topk_method == MOE_TOPK_GROUP_LIMITED_GREEDY ||
+         (r->topk_method == MOE_TOPK_NOAUX_TC && r->n_group > 1 && r->topk_group > 0);
+}
+
 static int valid(const WickGroupedTopk *r) {
   const int E = r->num_experts;
   if (E < 1 || r->top_k < 1 || r->top_k > E) return 0;
   if (r->scoring != MOE_SCORING_SOFTMAX && r->scoring != MOE_SCORING_SIGMOID) return 0;
-  const int grouped = r->topk_method == MOE_TOPK_GROUP_LIMITED_GREEDY ||
-                      (r->topk_method == MOE_TOPK_NOAUX_TC && r->n_group > 1 && r->topk_group > 0);
   if (r->topk_method == MOE_TOPK_GROUP_LIMITED_GREEDY && r->scoring != MOE_SCORING_SOFTMAX)
     return 0;
   if (r->topk_method == MOE_TOPK_NOAUX_TC && r->scoring != MOE_SCORING_SIGMOID) return 0;
   if (r->topk_method == MOE_TOPK_GREEDY && r->scoring != MOE_SCORING_SOFTMAX) return 0;
   if (r->topk_method < MOE_TOPK_GREEDY || r->topk_method > MOE_TOPK_NOAUX_TC) return 0;
-  if (!grouped) return 1;
+  if (!grouped(r)) return 1;
   if (r->n_group < 1 || E % r->n_group != 0) return 0;
   if (r->topk_group < 1 || r->topk_group > r->n_group) return 0;
   /* noaux_tc ranks a group by its two best */
@@ -55,15 +60,8 @@ static void route(const WickGroupedTopk *r, const float *logits, float *weights,
   float scores[E], choice[E];
   char taken[E];
   if (r->scoring == MOE_SCORING_SOFTMAX) { /* as moe.c's wick_moe_softmax_topk */
-    float max = logits[0];
-    for (int e = 1; e < E; e++)
-      if (logits[e] > max) max = logits[e];
-    float sum = 0.f;
-    for (int e = 0; e < E; e++) {
-      scores[e] = expf(logits[e] - max);
-      sum += scores[e];
-    }
-    for (int e = 0; e < E; e++) scores[e] = scores[e] / sum;
+    for (int e = 0; e < E; e++) scores[e] = logits[e];
+    moe_softmax(scores, E);
   } else {
     for (int e = 0; e < E; e++) scores[e] = 1.f / (1.f + expf(-logits[e]));
   }
@@ -72,9 +70,7 @@ static void route(const WickGroupedTopk *r, const float *logits, float *weights,
     if (r->correction_bias != NULL && r->scoring == MOE_SCORING_SIGMOID)
       choice[e] = scores[e] + r->correction_bias[e];
   }
-  const int grouped = r->topk_method == MOE_TOPK_GROUP_LIMITED_GREEDY ||
-                      (r->topk_method == MOE_TOPK_NOAUX_TC && r->n_group > 1 && r->topk_group > 0);
-  if (grouped) {
+  if (grouped(r)) {
     const int G = r->n_group, per = E / G;
     float group_score[G];
     char group_taken[G];
@@ -138,8 +134,8 @@ int wick_moe_grouped_topk(int dtype, const void *x, int64_t num_tokens, int64_t 
   const float *xf = (const float *)x;
   if (dtype == 1) { /* x widened to fp32 (exact): x.float() */
     float *wide = (float *)((char *)scratch + aligned64(num_tokens * E * 4));
-    const bf16_t *xb = (const bf16_t *)x;
-    for (int64_t i = 0; i < num_tokens * hidden; i++) wide[i] = bf16_to_f32(xb[i]);
+    for (int64_t t = 0; t < num_tokens; t++)
+      bf16_to_f32_row((const bf16_t *)x + t * hidden, wide + t * hidden, 1.f, (int)hidden);
     xf = wide;
   }
   const int status = wick_gemm(0, xf, hidden, router->weight, NULL, logits, (int)num_tokens, E,

@@ -1,4 +1,5 @@
-/* The routed experts' frame, shared by moe.c (float experts) and moe_wna16.c (GPTQ / AWQ codes):
+/* The routed experts' frame, shared by moe.c (float and panel experts) and moe_wna16.c (GPTQ /
+ * AWQ codes), and the routers' softmax (moe.c's and moe_routing.c's):
  * the (token, slot) pairs grouped by expert (a stable counting sort), each expert's gate/up
  * matmul, SiLU-and-mul and down matmul once over its rows, then each token's k rows weighted and
  * summed in slot order in fp32. Only the matmul differs between the two files: it is passed in
@@ -7,6 +8,7 @@
 #ifndef WICK_MOE_GROUPING_H
 #define WICK_MOE_GROUPING_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -27,6 +29,20 @@ static inline void moe_store(int dtype, void *p, int64_t i, float v) {
 }
 
 static inline int64_t moe_aligned(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+/* v [n] fp32 -> softmax(v) in place: the max, expf(v - max) summed in order, each divided by
+ * the sum (libm's expf: PyTorch's softmax rounds otherwise, so both routers run this). */
+static inline void moe_softmax(float *v, int n) {
+  float max = v[0];
+  for (int i = 1; i < n; i++)
+    if (v[i] > max) max = v[i];
+  float sum = 0.f;
+  for (int i = 0; i < n; i++) {
+    v[i] = expf(v[i] - max);
+    sum += v[i];
+  }
+  for (int i = 0; i < n; i++) v[i] = v[i] / sum;
+}
 
 /* Scratch, in this order, each part 64-byte aligned: pos [T k] int64 (each pair's row in the
  * grouped order), xs [T k, H] (the pairs' tokens grouped by expert), gate_up [T k, 2I],
