@@ -30,7 +30,7 @@ from model_server.layers.quantization.wna16_moe import WNA16Experts
 from model_server.sampling_params import SamplingParams
 from tests.layers.quantization.checkpoints import Format, reference_dequantize
 from tests.models.test_parity_tiny import _COMMON, VOCAB
-from tests.weights import held
+from tests.weights import held, holds_float
 
 NUM_TOKENS = 32
 ENGINE_ARGS = dict(
@@ -183,7 +183,7 @@ def _check_layout(model: torch.nn.Module, name: str, fmt: Format) -> None:
         if isinstance(module, LinearBase):
             router = module_name.endswith((".mlp.gate", ".shared_expert_gate"))
             if router:  # the router and the shared expert's gate stay float
-                assert isinstance(held(module.weight), torch.Tensor) and module.quant_method is None
+                assert holds_float(module.weight) and module.quant_method is None
             else:
                 assert isinstance(held(module.weight), WNA16Weight), module_name
     for module_name, module in model.named_modules():
@@ -263,9 +263,9 @@ def test_modules_to_not_convert_stay_float(float_folders: dict[str, Path], tmp_p
     try:
         model = llm.engine.core.model_runner.model
         layer = model.model.layers[0]
-        assert isinstance(held(layer.self_attn.o_proj.weight), torch.Tensor)
+        assert holds_float(layer.self_attn.o_proj.weight)
         assert isinstance(held(layer.self_attn.qkv_proj.weight), WNA16Weight)
-        assert isinstance(held(layer.mlp.shared_expert.down_proj.weight), torch.Tensor)
+        assert holds_float(layer.mlp.shared_expert.down_proj.weight)
         assert isinstance(layer.mlp.experts.w13_weight, WNA16Experts)
     finally:
         llm.shutdown()
