@@ -11,10 +11,11 @@ more than reads (and on CPUs a read for ownership), is a lower one.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,12 +51,15 @@ GB = 1e9
 # and to make launch and timer overheads negligible.
 GPU_COPY_BYTES = 1 << 30
 CPU_COPY_BYTES = 256 << 20
-# The read buffer on CPUs, and the streams each thread reads interleaved (kernels/cpu/
+# The read buffer on CPUs, and the stream counts each thread reads interleaved (kernels/cpu/
 # memory_read.c): a GEMV at one row keeps several weight rows or panels in flight per core (the
-# bf16 panels: 8), and one stream per core stays latency bound. On a 2-core Zen 5, 1, 2, 4 and 8
-# streams read within the run-to-run noise of each other (~20 %, busy box); 4 is the middle.
+# panels: up to 8), and one stream per core stays latency bound. Which count reads fastest
+# differs by CPU and by run, so each is timed and the best counts: with 4 alone the "roof" was
+# below what decodes reached (Zen 3, bf16 Llama-3.2-1B shape: 23.3 GB/s against a 22.1 GB/s
+# roof, 105 %; 8 streams read 25.0 GB/s in the same minute; on a Zen 5 both servers read 53 GB/s
+# against a 48.6 GB/s roof).
 CPU_READ_BYTES = 256 << 20
-CPU_READ_STREAMS = 4
+CPU_READ_STREAMS: tuple[int, ...] = (2, 4, 8)
 # Each timed trial lasts at least this long (several passes over a small or fast buffer), so
 # that the timer and synchronize overheads stay small against it.
 MIN_TRIAL_S = 0.02
@@ -218,7 +222,7 @@ def measure_read_bandwidth(
     *,
     host_memory: bool = False,
     num_threads: int | None = None,
-    streams: int = CPU_READ_STREAMS,
+    streams: Sequence[int] = CPU_READ_STREAMS,
 ) -> ReadBandwidth:
     """Achieved read bandwidth in bytes/s: `nbytes` read once per pass over the best of `trials`
     timings (the best, as for the copy: the bound is what the memory can give, and a loaded
@@ -226,9 +230,10 @@ def measure_read_bandwidth(
 
     On the host CPU (`host_memory`) the native read kernel (kernels/cpu/memory_read.c) reads a
     filled buffer of `nbytes` (default CPU_READ_BYTES) on `num_threads` threads (default torch's
-    count, which the engine set for its kernels), `streams` interleaved streams each; where the
-    native kernels cannot be built, torch sums the buffer (method says which). On accelerators a
-    torch sum over a 1 GiB float32 buffer: it reads every byte and writes one value."""
+    count, which the engine set for its kernels), timed at each count of interleaved `streams`
+    per thread; the fastest counts (method names it). Where the native kernels cannot be built,
+    torch sums the buffer. On accelerators a torch sum over a 1 GiB float32 buffer: it reads
+    every byte and writes one value."""
     import torch
 
     if nbytes is None:
@@ -241,26 +246,32 @@ def measure_read_bandwidth(
     else:
         native = None
     size = f"{nbytes / (1 << 20):g} MiB"
-    if native is not None:
-        import ctypes
+    if native is None:
+        buf = torch.full((nbytes // 4,), 1.0, dtype=torch.float32, device=device)
+        buf.sum()  # first-launch costs
+        best = _best_pass_seconds(buf.sum, synchronize, trials)
+        return ReadBandwidth(nbytes / best, f"torch sum, {size}, best of {trials}")
+    import ctypes
 
-        # Filled, not empty: untouched pages would all read the shared zero page.
-        buf = torch.full((nbytes,), 1, dtype=torch.uint8)
-        checksum = ctypes.c_uint64()
-        address = buf.data_ptr()
-        read_once = lambda: native.lib.wick_memory_read(  # noqa: E731
-            address, nbytes, streams, threads, ctypes.addressof(checksum)
+    # Filled, not empty: untouched pages would all read the shared zero page.
+    buf = torch.full((nbytes,), 1, dtype=torch.uint8)
+    checksum = ctypes.c_uint64()
+    address = buf.data_ptr()
+    seconds: dict[int, float] = {}
+    for count in streams:
+        read_once = functools.partial(
+            native.lib.wick_memory_read, address, nbytes, count, threads, ctypes.addressof(checksum)
         )
         if read_once() != 0:
-            raise ValueError(f"cannot read {nbytes} bytes as {threads} threads x {streams} streams")
-        method = f"native {threads} threads x {streams} streams, {size}"
-    else:
-        buf = torch.full((nbytes // 4,), 1.0, dtype=torch.float32, device=device)
-        read_once = buf.sum
-        method = f"torch sum, {size}"
-        read_once()  # first-launch costs
-    best = _best_pass_seconds(read_once, synchronize, trials)
-    return ReadBandwidth(nbytes / best, f"{method}, best of {trials}")
+            raise ValueError(f"cannot read {nbytes} bytes as {threads} threads x {count} streams")
+        seconds[count] = _best_pass_seconds(read_once, synchronize, trials)
+    fastest = min(seconds, key=seconds.__getitem__)
+    counts = "/".join(str(c) for c in seconds)
+    timed = f"{counts} streams (fastest {fastest})" if len(seconds) > 1 else f"{fastest} streams"
+    return ReadBandwidth(
+        nbytes / seconds[fastest],
+        f"native {threads} threads x {timed}, {size}, best of {trials} each",
+    )
 
 
 def bound_tokens_per_s(bandwidth_bytes_per_s: float, step: StepBytes, batch_size: int) -> float:

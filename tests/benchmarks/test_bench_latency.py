@@ -144,15 +144,35 @@ def test_read_bandwidth_is_measured_natively_on_the_host() -> None:
         trials=3,
         host_memory=True,
         num_threads=2,
-        streams=4,
+        streams=(4,),
     )
     # Plausible for host memory: above a slow disk, below any CPU's caches summed over cores.
     assert 0.5 * GB < read.bytes_per_s < 2000 * GB, read
     assert len(calls) >= 5  # around the single timing and every trial
     if load_kernels() is not None:  # CI has a C compiler: the native kernel
-        assert read.method == "native 2 threads x 4 streams, 64 MiB, best of 3"
+        assert read.method == "native 2 threads x 4 streams, 64 MiB, best of 3 each"
     else:
         assert read.method == "torch sum, 64 MiB, best of 3"
+
+
+def test_the_read_bandwidth_is_the_fastest_stream_count() -> None:
+    from model_server.kernels.cpu.native import load_kernels
+
+    if load_kernels() is None:
+        pytest.fail("the native CPU kernels did not build (CI has a C compiler)")
+    read = measure_read_bandwidth(
+        torch.device("cpu"), lambda: None, nbytes=16 << 20, trials=2, host_memory=True,
+        num_threads=1, streams=(1, 8),
+    )  # fmt: skip
+    fastest = re.fullmatch(
+        r"native 1 threads x 1/8 streams \(fastest ([18])\), 16 MiB, best of 2 each", read.method
+    )
+    assert fastest is not None, read.method
+    with pytest.raises(ValueError, match="cannot read 16777216 bytes as 1 threads x 9 streams"):
+        measure_read_bandwidth(
+            torch.device("cpu"), lambda: None, nbytes=16 << 20, trials=1, host_memory=True,
+            num_threads=1, streams=(2, 9),
+        )  # fmt: skip
 
 
 def test_the_native_read_kernel_reads_every_line_once() -> None:
@@ -265,7 +285,7 @@ def test_bench_latency_cli_on_cpu(
     # thread), and the decode line's read-bound percentage agrees with it.
     bandwidth = re.search(
         r"^bandwidth: given 100 GB/s, measured copy ([\d.]+) GB/s, measured read ([\d.]+) GB/s "
-        r"\(native 1 threads x 4 streams, 256 MiB, best of 10\)$",
+        r"\(native 1 threads x 2/4/8 streams \(fastest [248]\), 256 MiB, best of 10 each\)$",
         out,
         re.MULTILINE,
     )
