@@ -348,10 +348,13 @@ class Platform(ABC):
         self,
         linear_shapes: Sequence[tuple[int, int, int]] = (),
         options: KernelOptions | None = None,
+        checkpoint_dtype: torch.dtype | None = None,
     ) -> torch.dtype:
         """What `--dtype auto` means for a model whose linear weights are `linear_shapes`
-        ((N, K, how many layers), possibly empty): `default_dtype()` unless the platform
-        measures (as `options` say: CPU's --cpu-auto-dtype; None: from the variables)."""
+        ((N, K, how many layers), possibly empty), stored as `checkpoint_dtype` (the float dtype
+        of a checkpoint's weights; None: quantized or unknown): `default_dtype()` unless the
+        platform measures (as `options` say: CPU's --cpu-auto-dtype; None: from the
+        variables)."""
         return self.default_dtype()
 
     def resolve_dtype(
@@ -359,9 +362,10 @@ class Platform(ABC):
         name: str,
         linear_shapes: Sequence[tuple[int, int, int]] = (),
         options: KernelOptions | None = None,
+        checkpoint_dtype: torch.dtype | None = None,
     ) -> torch.dtype:
         if name in ("auto", "", None):
-            return self.auto_dtype(linear_shapes, options)
+            return self.auto_dtype(linear_shapes, options, checkpoint_dtype)
         if name not in _DTYPE_ALIASES:
             raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
         dtype = _DTYPE_ALIASES[name]

@@ -19,6 +19,7 @@ from model_server.kernels import portable
 from model_server.kernels.cpu import dtype_choice, isa, linear_tuning
 from model_server.kernels.cpu.dtype_choice import AUTO_DTYPE_ENV, DtypeFigures
 from model_server.kernels.cpu.gemm import default_kernels
+from model_server.kernels.cpu.linear import pack_onednn_weight
 from model_server.kernels.cpu.linear_tuning import (
     BMM_SPLIT,
     DEQUANT,
@@ -223,9 +224,14 @@ def test_the_decoder_layers_keep_a_kernel_the_native_step_calls_unless_another_c
         return {name: {PANELS: panels, PACKED: 1.0}.get(name, 3.0) for name in calls}
 
     monkeypatch.setattr(linear_tuning, "time_candidates", fake)
-    w = torch.nn.Parameter(torch.randn(64, 32).to(torch.bfloat16), requires_grad=False)
+    dtype = torch.bfloat16
+    try:
+        pack_onednn_weight(torch.zeros(64, 32, dtype=dtype))
+    except RuntimeError:  # oneDNN packs no bf16 without AVX-512 (or AVX-NE-CONVERT)
+        dtype = torch.float32
+    w = torch.nn.Parameter(torch.randn(64, 32).to(dtype), requires_grad=False)
     site = LinearSite(w, 16, exclusive=True, lm_head=lm_head)
-    report = Planned([site], torch.bfloat16, cache).report
+    report = Planned([site], dtype, cache).report
     assert any(f"rows 1-16 {chosen} [packed]" in line for line in report.lines), report.lines
 
 
@@ -562,15 +568,41 @@ def isolated_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.parametrize("stored", [None, torch.float32, torch.float16])
 def test_auto_without_native_bf16_is_fp32_without_measuring(
-    monkeypatch: pytest.MonkeyPatch, isolated_cache: Path
+    monkeypatch: pytest.MonkeyPatch, isolated_cache: Path, stored: torch.dtype | None
 ) -> None:
+    """Without native bf16, a checkpoint not stored in bf16 (a float32 or float16 one, a
+    quantized one: None) runs fp32, nothing timed."""
     calls = fake_figures(monkeypatch, bf16_faster=True)
     monkeypatch.setenv(isa.CPU_FLAGS_ENV, AVX2_FLAGS)
-    assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
+    assert get_platform("cpu").resolve_dtype("auto", SHAPES, None, stored) == torch.float32
     monkeypatch.setenv(AUTO_DTYPE_ENV, "bfloat16")  # a measured winner cannot add the flags
-    assert get_platform("cpu").resolve_dtype("auto", SHAPES) == torch.float32
+    assert get_platform("cpu").resolve_dtype("auto", SHAPES, None, stored) == torch.float32
     assert calls == []
+
+
+@pytest.mark.parametrize("bf16_faster", [True, False])
+def test_auto_without_native_bf16_measures_a_bf16_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+    isolated_cache: Path,
+    caplog: pytest.LogCaptureFixture,
+    bf16_faster: bool,
+) -> None:
+    """A checkpoint stored in bf16 on an AVX2 CPU: the native panels read its bf16 weights (half
+    fp32's bytes), so the measurement decides; without shapes or tuning the flags do (fp32)."""
+    calls = fake_figures(monkeypatch, bf16_faster)
+    monkeypatch.setenv(isa.CPU_FLAGS_ENV, AVX2_FLAGS)
+    platform = get_platform("cpu")
+    expected = torch.bfloat16 if bf16_faster else torch.float32
+    with caplog.at_level(logging.INFO):
+        assert platform.resolve_dtype("auto", SHAPES, None, torch.bfloat16) == expected
+    assert any("the native panels' bf16 weights" in r.message for r in caplog.records)
+    assert platform.resolve_dtype("auto", (), None, torch.bfloat16) == torch.float32
+    assert len(calls) == 1
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "bfloat16")  # stands in for the measurement here too
+    assert platform.resolve_dtype("auto", SHAPES, None, torch.bfloat16) == torch.bfloat16
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("bf16_faster", [True, False])
@@ -622,10 +654,25 @@ def test_auto_dtype_env_stands_in_for_the_measurement(
     assert get_platform("cpu").resolve_dtype("auto", SHAPES) == expected and calls == []
 
 
-def test_the_real_dtype_measurement_runs_on_small_shapes(isolated_cache: Path) -> None:
+def test_the_real_dtype_measurement_runs_on_small_shapes(
+    isolated_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both dtypes are timed with the tuner's candidates, the native panels among them, cold
+    (every call reads the next of the weight's copies)."""
+    timed: list[set[str]] = []
+    real = dtype_choice.time_candidates
+
+    def spy(calls: dict, budget: float) -> dict:
+        timed.append(set(calls))
+        return real(calls, budget)
+
+    monkeypatch.setattr(dtype_choice, "time_candidates", spy)
     figures = dtype_choice.measure_dtype_speed([(64, 32, 2), (16, 32, 1)])
     assert figures.fp32_decode_s > 0 and figures.bf16_prefill_s > 0
     assert "bf16" in figures.describe()
+    assert len(timed) == 4  # two shapes x two row counts, both dtypes in each call
+    if default_kernels() is not None:
+        assert {"fp32/native_panels", "bf16/native_panels", "fp32/torch"} <= timed[0]
 
 
 def test_int8_kernel_with_k_not_a_multiple_of_16_does_not_crash() -> None:

@@ -451,6 +451,7 @@ def test_unsupported_reasons(q_dtype, kv_dtype, head_dim, reason) -> None:
 
 # Every CPU with avx512_bf16 also has avx512_vnni, which that build uses (gguf_q8.c).
 AVX512_BF16_FLAGS = "sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
+AVX2_HOST = "sse2 avx2 fma f16c"
 
 
 @pytest.fixture
@@ -490,6 +491,28 @@ def test_forcing_an_isa_the_cpu_lacks_warns(fresh_choice, caplog) -> None:
     with caplog.at_level(logging.WARNING):
         assert isa_mod.choose_isas()[0].name == "avx2"
     assert "lacks" in caplog.text and "avx512_bf16" in caplog.text
+
+
+def test_faked_flags_never_build_what_the_hardware_lacks(fresh_choice, caplog) -> None:
+    """WICK_CPU_FLAGS naming AVX-512 BF16 on an AVX2-only CPU: the choice follows the faked
+    flags, the build the hardware's (an avx512 build died with SIGILL at its first call)."""
+    fresh_choice.setenv(isa_mod.CPU_FLAGS_ENV, AVX512_BF16_FLAGS)
+    fresh_choice.delenv(isa_mod.CPU_ISA_ENV, raising=False)
+    fresh_choice.setattr(isa_mod, "read_cpu_flags", lambda path: frozenset(AVX2_HOST.split()))
+    isa_mod._warn_lacking.cache_clear()
+    assert isa_mod.choose_isas()[0].name == "avx512_bf16"
+    with caplog.at_level(logging.WARNING):
+        built = isa_mod.hardware_isas(isa_mod.choose_isas())
+    assert [i.name for i in built] == ["avx2", "generic"]
+    assert "WICK_CPU_FLAGS names flags this CPU lacks" in caplog.text and "avx2" in caplog.text
+    # Unreadable hardware flags remove nothing; a runnable choice is kept as it is.
+    fresh_choice.setattr(isa_mod, "read_cpu_flags", lambda path: frozenset())
+    assert isa_mod.hardware_isas(isa_mod.choose_isas())[0].name == "avx512_bf16"
+    fresh_choice.setenv(isa_mod.CPU_FLAGS_ENV, AVX2_HOST)
+    fresh_choice.setattr(
+        isa_mod, "read_cpu_flags", lambda path: frozenset(AVX512_BF16_FLAGS.split())
+    )
+    assert [i.name for i in isa_mod.hardware_isas(isa_mod.choose_isas())] == ["avx2", "generic"]
 
 
 def test_forced_isa_is_what_loads(fresh_choice) -> None:

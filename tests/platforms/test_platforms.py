@@ -253,20 +253,36 @@ def test_cpu_auto_dtype_is_bf16_only_with_native_bf16(
     assert platform.resolve_dtype("bfloat16") == torch.bfloat16
 
 
-@pytest.mark.parametrize(("flags", "expected"), [(AVX2_FLAGS, "float32"), (ZEN4_FLAGS, "bfloat16")])
+@pytest.mark.parametrize(
+    ("flags", "stored", "expected"),
+    [
+        (AVX2_FLAGS, "bfloat16", "bfloat16"),
+        (AVX2_FLAGS, "float32", "float32"),
+        (ZEN4_FLAGS, "bfloat16", "bfloat16"),
+        (ZEN4_FLAGS, "float32", "bfloat16"),
+    ],
+)
 def test_faked_cpu_flags_reach_the_engine(
-    monkeypatch: pytest.MonkeyPatch, flags: str, expected: str
+    monkeypatch: pytest.MonkeyPatch, flags: str, stored: str, expected: str
 ) -> None:
     """WICK_CPU_FLAGS stands in for /proc/cpuinfo (subprocesses inherit it): the engine built
-    with `--dtype auto` runs in the dtype those flags call for, whatever this CPU is. (With
-    native bf16 `auto` also measures which dtype is faster: the measured winner is pinned to
-    bf16 here; tests/kernels/test_cpu_linear.py fakes the measurement both ways.)"""
+    with `--dtype auto` runs in the dtype those flags and the checkpoint's stored dtype call
+    for, whatever this CPU is. bf16 is measured against fp32 with native bf16 whatever the
+    checkpoint, and without it only for a checkpoint stored in bf16 (the native panels read its
+    weights as they are); the measured winner is pinned to bf16 here
+    (tests/kernels/test_cpu_linear.py fakes the measurement both ways)."""
     from model_server.engine.llm import LLM
 
     monkeypatch.setenv(isa.CPU_FLAGS_ENV, flags)
     monkeypatch.setenv("WICK_CPU_AUTO_DTYPE", "bfloat16")
     assert cpu_platform._cpu_flags() == frozenset(flags.split())
-    llm = LLM("smollm2-135m", load_format="dummy", kv_cache_memory=8 << 20, max_model_len=64)
+    llm = LLM(
+        "smollm2-135m",
+        load_format="dummy",
+        kv_cache_memory=8 << 20,
+        max_model_len=64,
+        hf_overrides={"dtype": stored},
+    )
     assert str(llm.engine.core.model_runner.dtype) == f"torch.{expected}"
     assert llm.generate([[1, 2, 3]])[0].outputs[0].token_ids  # and it runs
 

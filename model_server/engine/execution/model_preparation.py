@@ -54,6 +54,7 @@ from model_server.layers.quantization.wna16 import (
     resolve_quantization,
 )
 from model_server.loader import ModelSource
+from model_server.loader.hf_loader import config_dtype
 from model_server.models.gguf_weights import GGUFWeightCollector
 from model_server.models.quantization import (
     model_quantization,
@@ -130,13 +131,25 @@ def _auto_dtype_shapes(
         return config_linear_shapes(source.hf_config, get_tensor_model_parallel_world_size())
 
 
+def _checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
+    """The float dtype the checkpoint's weights are stored in; None for a quantized one (GPTQ,
+    AWQ, compressed tensors, a GGUF with quantized blocks) or where the config names none."""
+    if checkpoint_quantization(source.hf_config) is not None:
+        return None
+    stored = config_dtype(source.hf_config)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else None
+
+
 def _resolve_here(
     config: EngineConfig, source: ModelSource, platform: Platform
 ) -> ResolvedModelConfig:
     options = config.kernel_options()
     if config.dtype in ("auto", "", None):
         shapes = _auto_dtype_shapes(config, source, platform, options)
-        dtype = platform.resolve_dtype("auto", shapes, options)
+        stored = _checkpoint_dtype(source) if config.quantization is None else None
+        dtype = platform.resolve_dtype("auto", shapes, options, stored)
         matrices = sum(count for _, _, count in shapes)
         reason = (
             f"auto, for the model's {matrices} matrices of {len(shapes)} shapes on {platform.name}"

@@ -1,35 +1,31 @@
-"""`--dtype auto` on CPUs with native bf16: bf16 only where the model's matmuls run faster in it.
+"""`--dtype auto` on CPUs: bf16 only where the model's matmuls run faster in it.
 
 Native bf16 instructions (avx512_bf16, amx_bf16) make bf16 possible, not necessarily faster:
-whether it is depends on the BLAS/oneDNN kernels torch has for this CPU. So the model's linear
-shapes are timed in both dtypes, at a decode row count and a prefill row count, each with the
-fastest of F.linear, oneDNN's prepacked kernel and (few rows) the native skinny matmul (what
-`tune_cpu_linears` will choose from), and
-weighted by how many layers have that shape. The figures are cached with the linear timings
-(kernels/cpu/tuning_cache.py). `--cpu-auto-dtype bfloat16|float32` (`WICK_CPU_AUTO_DTYPE`)
-stands in for the measurement (tests; pinning the choice without `--dtype`).
+whether it is depends on the kernels this CPU has. Without them the native panels still read
+bf16 weights and multiply in fp32 (kernels/cpu/panel_gemm_f32.c): half the bytes of fp32, which
+is what a decode step is bound by (platforms/cpu.py says when bf16 is a candidate there). So
+the model's linear shapes are timed in both dtypes, at a decode row count and a prefill row
+count, each with the fastest of the candidates `tune_cpu_linears` will choose from (F.linear,
+oneDNN's prepacked kernel, the native skinny and panel matmuls...), timed cold as it times
+them, and weighted by how many layers have that shape. The figures are cached with the linear
+timings (kernels/cpu/tuning_cache.py). `--cpu-auto-dtype bfloat16|float32`
+(`WICK_CPU_AUTO_DTYPE`) stands in for the measurement (tests; pinning the choice without
+`--dtype`).
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from model_server.kernels.cpu.cpu_load import LoadWindow
-from model_server.kernels.cpu.gemm import gemm_applies, gemm_linear
-from model_server.kernels.cpu.linear import onednn_packed_linear, pack_onednn_weight
-from model_server.kernels.cpu.linear_tuning import NATIVE_MAX_ROWS, time_candidates
+from model_server.kernels.cpu.linear_tuning import cold_float_calls, time_candidates
 from model_server.kernels.cpu.tuning_cache import TuningCache
 from model_server.settings_spec import resolve_setting
-
-logger = logging.getLogger(__name__)
 
 AUTO_DTYPE_ENV = "WICK_CPU_AUTO_DTYPE"
 DECODE_ROWS = 1
@@ -77,42 +73,40 @@ def forced_auto_dtype(choice: str | None = None) -> torch.dtype | None:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(choice)
 
 
-# The dtypes' kernels are timed interleaved, in one `time_candidates` call per shape and row
-# count, so a busy neighbour slows both alike; longer than a tuning pair, for more rounds.
+# Per shape and row count, both dtypes' candidates together: longer than a tuning pair, for more
+# rounds.
 PAIR_BUDGET_S = 0.1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _pass_seconds(shapes: Sequence[LinearShape], rows: int) -> dict[str, float]:
-    """Seconds of one pass over `shapes` at `rows` rows, per dtype name (inf: no kernel ran)."""
-    total = dict.fromkeys(DTYPES, 0.0)
+def measure_dtype_speed(shapes: Sequence[LinearShape]) -> DtypeFigures:
+    """Time the model's linears (`shapes`) in fp32 and bf16 at DECODE_ROWS and PREFILL_ROWS,
+    each with the fastest of the candidates the linear tuner chooses from, timed cold as it
+    times them (linear_tuning.cold_float_calls); a dtype whose kernels all fail times as
+    infinitely slow. Both dtypes' candidates are timed interleaved, in one `time_candidates`
+    call per shape and row count, so that a busy neighbour slows both alike."""
+    total = {(name, rows): 0.0 for name in DTYPES for rows in (DECODE_ROWS, PREFILL_ROWS)}
+    generator = torch.Generator().manual_seed(0)
     for n, k, count in shapes:
         timed_n = max(1, min(n, MAX_TIMED_ELEMENTS // max(k, 1)))
-        calls = {}
+        calls: dict[int, dict[str, Callable[[], object]]] = {DECODE_ROWS: {}, PREFILL_ROWS: {}}
         for name, dtype in DTYPES.items():
             # Filled, not empty: uninitialized memory may hold denormals or NaNs.
             weight = torch.full((timed_n, k), 0.01, dtype=dtype)
-            x = torch.full((rows, k), 0.5, dtype=dtype)
-            calls[f"{name}/torch"] = functools.partial(F.linear, x, weight, None)
-            if rows <= NATIVE_MAX_ROWS and gemm_applies(weight):
-                calls[f"{name}/native"] = functools.partial(gemm_linear, x, weight, None)
-            try:
-                packed = pack_onednn_weight(weight)
-                calls[f"{name}/packed"] = functools.partial(onednn_packed_linear, x, packed, None)
-            except Exception as exc:
-                logger.debug("no oneDNN packed kernel in %s: %s", dtype, exc)
-        times = time_candidates(calls, PAIR_BUDGET_S)
-        for name in DTYPES:
-            best = min((t for c, t in times.items() if c.startswith(name)), default=float("inf"))
-            total[name] += count * best * n / timed_n
-    return total
-
-
-def measure_dtype_speed(shapes: Sequence[LinearShape]) -> DtypeFigures:
-    """Time the model's linears (`shapes`) in fp32 and bf16; a dtype whose kernels all fail
-    times as infinitely slow."""
-    decode, prefill = _pass_seconds(shapes, DECODE_ROWS), _pass_seconds(shapes, PREFILL_ROWS)
-    return DtypeFigures(decode["fp32"], decode["bf16"], prefill["fp32"], prefill["bf16"])
+            for rows, candidates in cold_float_calls(weight, tuple(calls), generator).items():
+                calls[rows].update({f"{name}/{c}": call for c, call in candidates.items()})
+        for rows, row_calls in calls.items():
+            times = time_candidates(row_calls, PAIR_BUDGET_S)
+            for name in DTYPES:
+                prefix = f"{name}/"
+                best = min((t for c, t in times.items() if c.startswith(prefix)), default=math.inf)
+                total[name, rows] += count * best * n / timed_n
+    return DtypeFigures(
+        total["fp32", DECODE_ROWS],
+        total["bf16", DECODE_ROWS],
+        total["fp32", PREFILL_ROWS],
+        total["bf16", PREFILL_ROWS],
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,7 +122,8 @@ def dtype_figures(shapes: Sequence[LinearShape], cache: TuningCache) -> DtypeMea
     """The figures for `shapes`, from `cache` when it has them, else measured now and stored
     (unless the machine was busy meanwhile: kernels/cpu/cpu_load.py)."""
     digest = hashlib.sha256(repr(sorted(shapes)).encode()).hexdigest()[:16]
-    key = f"dtype/{DECODE_ROWS}/{PREFILL_ROWS}/{digest}"
+    # "cold": the tuner's candidates timed cold (earlier figures, timed hot, are not read).
+    key = f"dtype-cold/{DECODE_ROWS}/{PREFILL_ROWS}/{digest}"
     entry = cache.get(key)
     if isinstance(entry, dict):
         try:

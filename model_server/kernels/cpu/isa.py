@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -71,6 +72,31 @@ def read_cpu_flags(cpuinfo: str) -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def hardware_isas(isas: Sequence[Isa]) -> tuple[Isa, ...]:
+    """`isas` less the paths this CPU's hardware cannot run. WICK_CPU_FLAGS may name flags the
+    CPU lacks (to take another CPU's decisions: --dtype auto, the tuning cache's key), but code
+    built for them dies on an illegal instruction at its first call, so the builds follow the
+    flags /proc/cpuinfo reports (warned once). Nothing is removed where it cannot be read."""
+    hardware = read_cpu_flags("/proc/cpuinfo")
+    if not hardware:
+        return tuple(isas)
+    kept = tuple(isa for isa in isas if isa.requires <= hardware)
+    if isas and kept[:1] != tuple(isas[:1]):
+        _warn_lacking(isas[0].name, kept[0].name if kept else "none")
+    return kept
+
+
+@cache
+def _warn_lacking(wanted: str, used: str) -> None:
+    logger.warning(
+        "%s names flags this CPU lacks: the native kernels are built for %s, not %s (the "
+        "faked flags still decide everything else)",
+        CPU_FLAGS_ENV,
+        used,
+        wanted,
+    )
 
 
 def supported_isas(flags: frozenset[str]) -> list[Isa]:

@@ -382,20 +382,65 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [weight.clone() for _ in range(count - 1)]
 
 
+def _packed_copies(copies: Sequence[torch.Tensor]) -> dict[str, list[Any]]:
+    """Each packed kind's copy of every float weight in `copies` (kinds that cannot pack this
+    dtype or shape are left out)."""
+    packed: dict[str, list[Any]] = {}
+    for kind, (pack, _) in PACKED_KINDS.items():
+        try:
+            packed[kind] = [pack(w) for w in copies]
+        except Exception as exc:
+            n, k = copies[0].shape
+            logger.debug("cpu linear candidate %s dropped for %dx%d: %s", kind, n, k, exc)
+    return packed
+
+
+def _float_calls(
+    x: torch.Tensor, copies: Sequence[torch.Tensor], packed: dict[str, list[Any]]
+) -> dict[str, Callable[[], object]]:
+    """Every float candidate at x's rows, each call reading the next of its weight's copies.
+    The dense candidates share the copies: each starts 1/R of the way further round them, so
+    that between two reads of one copy every other copy is read once (R readers in step would
+    each read the copy the first one just brought into cache)."""
+    names = float_candidates(x.shape[0], copies[0])
+    calls: dict[str, Callable[[], object]] = {
+        name: _Rotating(DENSE_FNS[name], x, copies, j * len(copies) // len(names))
+        for j, name in enumerate(names)
+    }
+    for kind, kind_copies in packed.items():
+        calls[kind] = _Rotating(PACKED_KINDS[kind][1], x, kind_copies)
+    # A variant reads its kind's copies from half-way round (see the dense ones above).
+    for name, (kind, fn) in PACKED_VARIANTS.items():
+        if kind in packed:
+            calls[name] = _Rotating(fn, x, packed[kind], len(packed[kind]) // 2)
+    return calls
+
+
+def cold_float_calls(
+    weight: torch.Tensor, row_counts: Sequence[int], generator: torch.Generator
+) -> dict[int, dict[str, Callable[[], object]]]:
+    """Per row count, every candidate the tuner times for the float `weight`, timed cold as it
+    times them (its copies together hold COLD_BYTES, packed once): for --dtype auto
+    (kernels/cpu/dtype_choice.py), which weighs the dtypes by what the plan would run."""
+    copies = _cold_copies(weight)
+    packed = _packed_copies(copies)
+    k = weight.shape[1]
+    return {
+        rows: _float_calls(
+            torch.randn(rows, k, generator=generator).to(weight.dtype), copies, packed
+        )
+        for rows in row_counts
+    }
+
+
 def _time_group(group: _Group, deadline: float) -> None:
     """Time every bucket of `group` (smallest first) until `deadline`; later buckets copy the
     last timed one. Float weights are timed cold (COLD_BYTES)."""
     site = group.sites[0]
     weight = site.weight
-    n, k = group.shape
+    k = group.shape[1]
     copies = [weight] if group.int8 or group.wna16 else _cold_copies(weight)
-    packed: dict[str, list[Any]] = {}
-    if not (group.int8 or group.wna16 or group.gguf):
-        for kind, (pack, _) in PACKED_KINDS.items():
-            try:
-                packed[kind] = [pack(w) for w in copies]
-            except Exception as exc:
-                logger.debug("cpu linear candidate %s dropped for %dx%d: %s", kind, n, k, exc)
+    packed = {} if group.int8 or group.wna16 or group.gguf else _packed_copies(copies)
     gen = torch.Generator().manual_seed(0)
     group.times = []
     for index, rows in enumerate(group.buckets):
@@ -434,20 +479,7 @@ def _time_group(group: _Group, deadline: float) -> None:
                 name: functools.partial(fn, x, weight, scale, None) for name, fn in INT8_FNS.items()
             }
         else:
-            # The dense candidates share the copies: each starts 1/R of the way further round
-            # them, so that between two reads of one copy every other copy is read once (R
-            # readers in step would each read the copy the first one just brought into cache).
-            names = float_candidates(rows, weight)
-            calls = {
-                name: _Rotating(DENSE_FNS[name], x, copies, j * len(copies) // len(names))
-                for j, name in enumerate(names)
-            }
-            for kind, kind_copies in packed.items():
-                calls[kind] = _Rotating(PACKED_KINDS[kind][1], x, kind_copies)
-            # A variant reads its kind's copies from half-way round (see the dense ones above).
-            for name, (kind, fn) in PACKED_VARIANTS.items():
-                if kind in packed:
-                    calls[name] = _Rotating(fn, x, packed[kind], len(packed[kind]) // 2)
+            calls = _float_calls(x, copies, packed)
         # Nothing ran (no kernel for this dtype): F.linear, as untimed, so plans stay total.
         group.times.append(time_candidates(calls) or {TORCH: float("inf")})
 

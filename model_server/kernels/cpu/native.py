@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from model_server.kernels.cpu import abi
-from model_server.kernels.cpu.isa import ISAS, Isa, choose_isas
+from model_server.kernels.cpu.isa import ISAS, Isa, choose_isas, hardware_isas
 from model_server.settings_spec import wick_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -152,12 +152,13 @@ def _build(cc: str, flags: tuple[str, ...], target: Path) -> str | None:
 
 
 def load_kernels(isa: str | None = None) -> NativeKernels | None:
-    """The kernels for this CPU (or the `WICK_CPU_ISA` path), built on first call per ISA;
+    """The kernels for this CPU (or the `WICK_CPU_ISA` path; never a path the hardware lacks,
+    whatever WICK_CPU_FLAGS says: isa.hardware_isas), built on first call per ISA;
     None when they cannot be built here (the reason is logged once). `isa` names one path
     exactly (tests; the caller checks that the CPU runs it), without lower fallbacks."""
     if isa is not None:
         return _load((next(i for i in ISAS if i.name == isa),))
-    return _load(tuple(choose_isas()))
+    return _load(hardware_isas(choose_isas()))
 
 
 def clear_cache() -> None:
