@@ -845,11 +845,13 @@ SETTINGS: tuple[Setting, ...] = (
         "dtype",
         str,
         "auto",
-        "float32, bfloat16, float16, or auto: on cpu float32 without native bf16 "
-        "(avx512_bf16 or AMX, where bf16 runs 3-10x slower); with it bfloat16 where the model's "
-        "own linear shapes time faster in bf16 than in float32 on this machine (timed at the "
-        "first start, cached; see --cpu-auto-dtype), else float32; bfloat16 on accelerators "
-        "(float16 on CUDA devices without bf16).",
+        "float32, bfloat16, float16, or auto: on cpu bfloat16 where the model's own linear "
+        "shapes time faster in bf16 than in float32 on this machine (timed at the first start "
+        "with the kernels the tuner chooses from, cached; see --cpu-auto-dtype), else float32; "
+        "timed with native bf16 (avx512_bf16 or AMX), and without it only for a checkpoint "
+        "stored in bf16 (the native kernels read its weights as they are; torch's own bf16 "
+        "runs 3-10x slower there), float32 otherwise; bfloat16 on accelerators (float16 on "
+        "CUDA devices without bf16).",
         "engine",
         opea=("VLLM_DTYPE",),
     ),
@@ -1183,9 +1185,10 @@ SETTINGS: tuple[Setting, ...] = (
         "cpu_auto_dtype",
         str,
         None,
-        "What --dtype auto does on a CPU with native bf16: measure (time the model's linear "
-        "shapes in both dtypes, cached), or bfloat16 / float32 to pin the choice without "
-        "timing (reproducible starts, tests). CPUs without native bf16 get float32 anyway.",
+        "What --dtype auto does where it would time the dtypes (a CPU with native bf16, or a "
+        "bf16 checkpoint on one without): measure (time the model's linear shapes in both "
+        "dtypes, cached), or bfloat16 / float32 to pin the choice without timing "
+        "(reproducible starts, tests). Elsewhere auto is float32 anyway.",
         "engine",
         default_text="measure",
         env="WICK_CPU_AUTO_DTYPE",
