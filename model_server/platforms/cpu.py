@@ -94,15 +94,15 @@ class CpuPlatform(Platform):
         bf16 is a candidate on CPUs with native bf16, and on the others for a checkpoint stored
         in bf16 (`checkpoint_dtype`) where the native kernels built: their panels read its bf16
         weights and multiply in fp32, at half fp32's bytes, and a decode step is bound by the
-        bytes (Zen 3, no AVX-512, the Llama-3.2-1B shape: batch-1 decode 10.8 tok/s in bf16
-        against 4.9 in fp32, prefill 45.8 against 44.8 tok/s); the model runs as stored, nothing
+        bytes (Zen 3, no AVX-512, the Llama-3.2-1B shape, two sittings: batch-1 decode 1.9-2.2x
+        fp32's tok/s, prefill 0.68-1.02x; docs/benchmarks.md); the model runs as stored, nothing
         rounded. Anything else runs fp32 there, nothing measured."""
-        native_bf16 = self.default_dtype() == torch.bfloat16
+        on_flags = self.default_dtype()
+        native_bf16 = on_flags == torch.bfloat16
         if not native_bf16 and not (
             checkpoint_dtype == torch.bfloat16 and native.load_kernels() is not None
         ):
             return torch.float32
-        on_flags = self.default_dtype()
         options = options or KernelOptions.resolve()
         bound_onednn_caches()  # before the first oneDNN matmul (the timings below may be it)
         forced = forced_auto_dtype(options.auto_dtype)
