@@ -211,7 +211,8 @@ class ReadBandwidth:
     """A measured read bandwidth and how it was measured (printed beside it)."""
 
     bytes_per_s: float
-    method: str  # "native 2 threads x 4 streams, 256 MiB, best of 10", "torch sum, 1024 MiB, ..."
+    # "native 2 threads x 2/4/8 streams (fastest 8), 256 MiB, best of 10 each", "torch sum, ..."
+    method: str
 
 
 def measure_read_bandwidth(
