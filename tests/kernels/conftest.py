@@ -7,6 +7,8 @@ kernel is decorated), so it is set here, at conftest import, ahead of test modul
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,3 +22,18 @@ def device() -> str:
     """Where a kernel test runs: CUDA when present (compiled kernels), else the CPU (the
     interpreter). Tests taking it are `gpu`-marked on CUDA machines (the root conftest.py)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="session")
+def shared_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the TP cases of tests/kernels, holding this process's build of the kernels: the
+    spawned rank finds it there instead of compiling its own (minutes on a loaded machine)."""
+    cache = tmp_path_factory.mktemp("tp-cache")
+    from model_server.kernels.cpu.gemm import default_kernels
+
+    kernels = default_kernels()
+    assert kernels is not None
+    built = Path(kernels.lib._name)
+    (cache / "kernels").mkdir()
+    shutil.copy2(built, cache / "kernels" / built.name)
+    return cache

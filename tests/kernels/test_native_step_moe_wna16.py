@@ -7,9 +7,12 @@ decodes (tests/kernels/test_native_step_families.py's pattern)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from model_server.kernels.cpu import linear_tuning
 from model_server.kernels.cpu.gemm import default_kernels
@@ -17,9 +20,14 @@ from model_server.kernels.cpu.linear_tuning import NATIVE as NATIVE_GEMM
 from model_server.kernels.cpu.linear_tuning import WNA16_NATIVE
 from model_server.sampling_params import SamplingParams
 from tests.kernels.test_native_step_families import (
+    _COMMON,
+    MIXED_PROMPTS,
     NATIVE,
     _engine,
     _folder,
+    _outputs,
+    _QuietWindow,
+    _rank0_times_its_own,
     _with_and_without_the_step,
 )
 
@@ -79,3 +87,78 @@ def test_the_native_step_runs_quantized_experts_with_the_modules_bits(
     modules, native = _with_and_without_the_step(monkeypatch, llm, params)
     assert native == modules
     assert all(len(tokens) == 8 for tokens, _ in native)
+
+
+# Under TP=2 each rank holds half of every expert's intermediate dim, in whole groups of 32:
+# intermediate sizes of 64 and 128.
+TP_MODELS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    # a gated shared expert, its own partial sum all-reduced apart
+    "qwen2-moe": lambda: transformers.Qwen2MoeConfig(
+        **_COMMON,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        norm_topk_prob=False,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "method", "dtype"),
+    [("qwen3-moe", "gptq", "bfloat16"), ("qwen2-moe", "awq", "float32")],
+)
+def test_tensor_parallel_ranks_run_quantized_experts_natively(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    shared_cache_dir: Path,
+    family: str,
+    method: str,
+    dtype: str,
+) -> None:
+    """GPTQ / AWQ experts under TP=2: each rank's native step runs its whole groups of every
+    expert's codes (gate|up rows, down's input features), the partial sums all-reduced between
+    calls. Rank 0 with the step gives rank 0 without it the same bits, and TP=1's greedy
+    tokens, its logprobs up to the order of the partial sums."""
+    from model_server.layers.quantization.wna16_moe import WNA16Experts
+    from model_server.loader.load import load_model_source
+    from model_server.loader.write_quantized import write_quantized_folder
+
+    monkeypatch.setenv("WICK_CACHE_DIR", str(shared_cache_dir))
+    _force_native(monkeypatch)
+    monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
+    _rank0_times_its_own(monkeypatch)
+    folder = _folder(tmp_path / "model", TP_MODELS[family])
+    quantized = write_quantized_folder(
+        load_model_source(str(folder)), tmp_path / "q", method, 4, 32, sym=method == "gptq"
+    )
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    llm = _engine(quantized, dtype, num_threads=1)
+    try:
+        assert llm.engine.core.model_runner.native_step is not None
+        one_rank = _outputs(llm.generate(MIXED_PROMPTS, params))
+    finally:
+        llm.shutdown()
+    llm = _engine(quantized, dtype, tensor_parallel_size=2, num_threads=1)
+    runner = llm.engine.core.model_runner
+    step = runner.native_step
+    assert step is not None and step.all_reduce is not None, runner.prepared.native_reason
+    experts = step.layers[0].moe.w13
+    assert isinstance(experts, WNA16Experts) and step.layers[0].tp_size == 2
+    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
+    assert native == modules
+    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one_rank, native, strict=True):
+        assert tokens_2 == tokens_1 and len(tokens_1) == 8
+        tol = 1e-4 if dtype == "float32" else 0.1
+        torch.testing.assert_close(
+            [lp for lp, _ in logprobs_2], [lp for lp, _ in logprobs_1], atol=tol, rtol=tol
+        )

@@ -143,6 +143,7 @@ static const Row ROWS[] = {
     FIELD(WickLayer, input_norm_bias),
     FIELD(WickLayer, post_attention_norm_bias),
     FIELD(WickLayer, parallel_residual),
+    FIELD(WickLayer, split_parallel_add),
     FIELD(WickLayer, mlp_kind),
     FIELD(WickLayer, moe),
     FIELD(WickLayer, mla),

@@ -505,8 +505,13 @@ static int stack_layers(WickStackStep *s, const WickLayer *layers, int num_layer
     if (to == 1 && l->parallel_residual) {
       /* 6-8. parallel attention + MLP (Phi-2): the MLP of the input norm's output (normed,
        * untouched since), the layer's output attn + mlp; the residual stays the layer's input
-       * (the next norm adds it: (attn + mlp) + x, the module path's order). One rank only. */
+       * (the next norm adds it: (attn + mlp) + x, the module path's order). Under tensor
+       * parallelism (split_parallel_add) the MLP's partial sum alone, for the caller. */
       STAGE(run_mlp_in(s, l, s->normed), STAGE_MLP);
+      if (l->split_parallel_add) {
+        STAGE(run_linear(s, &l->down, s->mid, s->hidden_out), STAGE_DOWN);
+        continue;
+      }
       STAGE(run_linear(s, &l->down, s->mid, s->sandwich), STAGE_DOWN);
       add_rows(s, s->proj, s->sandwich, s->hidden_out);
     } else if (to == 1) {

@@ -14,7 +14,7 @@ over the whole head or its leading dims, causal attention (sliding windows in th
 pool, soft caps, quantized caches) on the native CPU backend, or DeepSeek's latent attention
 (`StackMLA`: q through its LoRA or not, the latent's norm, rotary on the rope dims, the latent
 cache, absorbed attention for every row: kernels/cpu/mla_attention.c, which the cpu backend's
-modules run too; one rank), o_proj, a gated MLP (SiLU or
+modules run too; under tensor parallelism a rank's heads), o_proj, a gated MLP (SiLU or
 GELU tanh) or a plain one (fc1 -> GELU erf or tanh -> fc2, biases allowed), or an MoE block
 (`StackMoE`: the router's linear, softmax top-k renormalised or not, or DeepSeek's grouped
 top-k router on fp32 logits (kernels/cpu/moe_routing.c), float experts in the
@@ -22,14 +22,14 @@ activation dtype or GPTQ / AWQ experts kept in their codes (kernels/cpu/moe_wna1
 optionally a shared expert MLP, scaled by sigmoid of its gate (Qwen2-MoE) or not (DeepSeek);
 the CPU table's MoE slots and the step both run kernels/cpu/moe.c), the MLP after the attention
 or beside it from the same norm (Phi-2, StableLM's parallel residual: x + (attn + mlp)); under
-tensor parallelism one call per half layer with the all-reduce between (parallel layers: one
-rank only; an MoE layer's experts each a slice of their intermediate dim, routing replicated,
+tensor parallelism one call per half layer with the all-reduce between (a parallel layer's
+attention and MLP partial sums reduced apart, then added; an MoE layer's experts, float or
+GPTQ / AWQ codes in whole groups, each a slice of their intermediate dim, routing replicated,
 the routed and shared experts' partial sums reduced apart as the modules reduce them).
 Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3, GLM-4, InternLM2, Baichuan,
 Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3. Not yet:
-act-order GPTQ experts and GPTQ / AWQ experts under tensor parallelism,
-DeepSeek under tensor parallelism, StableLM's per-head q/k LayerNorm (its
-modules refuse it too), the gated exact GELU.
+act-order GPTQ weights, StableLM's per-head q/k LayerNorm (its modules refuse it
+too), the gated exact GELU.
 
 Per row bucket every matmul must have a native kernel as the planned weights say
 (kernels/planned_weight.py): dense or panel kernels for float weights, the GGUF or wNa16
@@ -374,6 +374,8 @@ class CpuDecoderStack:
             s.mlp_kind = _MLP_KINDS[layer.mlp]
             s.norm_kind = _NORM_KINDS[layer.norm]
             s.parallel_residual = int(layer.parallel_residual)
+            # the attention's and the MLP's partial sums reduced apart (`_run`)
+            s.split_parallel_add = int(self.all_reduce is not None and layer.parallel_residual)
             s.input_norm = layer.input_norm.data_ptr()
             s.post_attention_norm = _ptr(layer.post_attention_norm)
             s.input_norm_bias = _ptr(layer.input_norm_bias)
@@ -584,7 +586,8 @@ class CpuDecoderStack:
             # then its bias added and (MLP) its sandwich norm, as RowParallelLinear and the
             # layer's modules do. An MoE layer with a shared expert: the routed experts' sum
             # (`sandwich`, FusedMoE's all-reduce), then the shared expert's (its down
-            # projection's), then their gated add in C.
+            # projection's), then their gated add in C. A parallel layer (Phi-2): the MLP's sum,
+            # then attn + mlp.
             proj, out = view("proj"), view("hidden_out")
             for i, layer in enumerate(self.layers):
                 self._call(step, plan, (i, 0, i, 0), which, geo)
@@ -600,6 +603,8 @@ class CpuDecoderStack:
                     out += layer.down.bias
                 if split:
                     self._shared_add(step, plan, i)
+                if layer.parallel_residual:  # attn + mlp, the modules' order
+                    torch.add(proj, out, out=out)
                 if layer.mlp_out_norm is not None:
                     out.copy_(layer_ops.rms_norm(self.kernels, out, layer.mlp_out_norm, geo.eps))
         # alive until here: the calls read them
@@ -753,11 +758,6 @@ def _mla_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
     """What of the layer's latent attention decoder_stack.c (mla_attention.c) lacks, or None."""
     mla = layer.mla
     assert mla is not None
-    if layer.tp_size != 1:
-        return (
-            "DeepSeek's latent attention under tensor parallelism (native: one rank; its "
-            "ranks' head slices are not checked against the modules yet)"
-        )
     lora, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
     heads, per_head = layer.num_heads, mla.qk_nope_head_dim + mla.v_head_dim
     if tuple(mla.w_kv_b.shape) != (heads * per_head, lora):
@@ -785,8 +785,6 @@ def _moe_reason(layer: StackLayer, dtype: torch.dtype) -> str | None:
         if any(w.dtype != dtype or w.pairs != moe.w13.pairs for w in experts):
             return f"experts packed as panels of another dtype than {dtype}"
     elif not all(isinstance(w, torch.Tensor) for w in experts):
-        if layer.tp_size != 1:  # the ranks' slices of the codes: not checked against TP=1 yet
-            return "GPTQ / AWQ experts under tensor parallelism (native: one rank)"
         reason = experts_reason(moe.w13, moe.w2, dtype)  # GPTQ / AWQ codes (moe_wna16.c)
         if reason is not None:
             return reason
@@ -840,8 +838,6 @@ def _layer_kind_reason(layer: StackLayer) -> str | None:
         return f"{layer.norm} norms (native: {', '.join(_NORM_KINDS)})"
     if (layer.post_attention_norm is None) != layer.parallel_residual:
         return "a parallel residual with a norm before the MLP, or neither"
-    if layer.parallel_residual and layer.tp_size != 1:
-        return "parallel attention + MLP under tensor parallelism (one rank only)"
     biases = (layer.input_norm_bias, layer.post_attention_norm_bias)
     if layer.norm != "layer" and any(b is not None for b in biases):
         return "RMSNorms with biases"

@@ -139,6 +139,10 @@ typedef struct {
   /* Attention and MLP both from the input norm's output (post_attention_norm unused): the
    * layer's output is attn + mlp (rounded), added to the residual by the next norm. */
   int32_t parallel_residual;
+  /* Tensor parallelism (parallel_residual): the half stops before the add, leaving the MLP's
+   * partial sum in hidden_out for the caller to all-reduce, add its bias and then the reduced
+   * attention output (`proj`) to, as the modules do (each RowParallelLinear reduces apart). */
+  int32_t split_parallel_add;
   /* MLP_PLAIN: gate_up is fc1 [inter, hidden] (bias allowed), then `activation` alone. */
   int32_t mlp_kind;                /* MLP_* */
   /* Routed experts instead of the MLP (moe.num_experts 0: none); gate_up/down then hold the
