@@ -102,19 +102,37 @@ def test_the_bits_do_not_depend_on_the_thread_count(dtype: torch.dtype) -> None:
     assert torch.equal(outs[0], outs[1])
 
 
-def test_act_order_experts_run_the_grouped_pytorch_path() -> None:
-    x, w13, w2, weights, ids = _case(4, 2, 4, 32, torch.float32, seed=2)
-    perm = torch.stack(
-        [torch.randperm(H, generator=torch.Generator().manual_seed(e)) for e in range(E)]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 12])
+def test_act_order_experts_give_the_module_paths_bits(dtype: torch.dtype, num_tokens: int):
+    """Act-order experts (each expert's codes stored in its own order of the input features,
+    w13's of the hidden dim, w2's of the intermediate one): moe_wna16.c gathers each expert's
+    input columns in that order, as the module path's index_select does before its matmul."""
+    x, w13, w2, weights, ids = _case(num_tokens, 2, 4, 32, dtype, seed=2)
+
+    def perms(k: int, seed: int) -> torch.Tensor:
+        gens = [torch.Generator().manual_seed(seed + e) for e in range(E)]
+        return torch.stack([torch.randperm(k, generator=g) for g in gens])
+
+    w13 = WNA16Experts("gptq", 4, 32, w13.codes, w13.scales, w13.offsets, perms(H, 0))
+    w2 = WNA16Experts("gptq", 4, 32, w2.codes, w2.scales, w2.offsets, perms(INTER, 100))
+    assert experts_reason(w13, w2, dtype) is None
+    out = native_wna16_experts(default_kernels(), x, w13, w2, weights, ids)
+    assert out is not None and out.abs().max() > 0.05
+    modules = fused_experts_grouped(x, w13, w2, weights, ids, _module_table())
+    assert torch.equal(out, modules)
+    ref = fused_experts_grouped(
+        x.float(), w13.dequantize(), w2.dequantize(), weights, ids, TORCH_KERNELS
     )
-    permuted = WNA16Experts("gptq", 4, 32, w13.codes, w13.scales, w13.offsets, perm)
-    assert experts_reason(permuted, w2, torch.float32) == (
-        "act-order gptq experts (native: codes in input order)"
+    error = (out.float() - ref).norm() / ref.norm()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2)
+    # the order matters: the same codes read in input order give another result
+    plain = WNA16Experts("gptq", 4, 32, w13.codes, w13.scales, w13.offsets, None)
+    assert not torch.equal(native_wna16_experts(default_kernels(), x, plain, w2, weights, ids), out)
+    wrong = WNA16Experts("gptq", 4, 32, w13.codes, w13.scales, w13.offsets, w13.perm.int())
+    assert experts_reason(wrong, w2, dtype) == (
+        "act-order w13 experts whose perm is not a contiguous CPU int64 tensor"
     )
-    assert native_wna16_experts(default_kernels(), x, permuted, w2, weights, ids) is None
-    out = native_fused_experts(default_kernels(), x, permuted, w2, weights, ids, TORCH_KERNELS)
-    ref = fused_experts_grouped(x, permuted, w2, weights, ids, TORCH_KERNELS)
-    assert torch.equal(out, ref)
 
 
 def test_what_the_kernel_does_not_take_is_named() -> None:

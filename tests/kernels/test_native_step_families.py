@@ -431,12 +431,14 @@ def _outputs(outs: list) -> list:
     ]
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq-act-order"])
 def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, method: str
 ) -> None:
     """A checkpoint kept in its 4-bit codes (written by `wick quantize`, group 32): every
-    projection on the native wNa16 kernel, in the native step as in the modules."""
+    projection on the native wNa16 kernel, in the native step as in the modules; act-order
+    (`desc_act`): each input's columns gathered in its codes' order first, in C as in the
+    module's index_select."""
     from model_server.kernels.cpu.linear_tuning import WNA16_NATIVE
     from model_server.loader.load import load_model_source
     from model_server.loader.write_quantized import write_quantized_folder
@@ -444,14 +446,23 @@ def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force(monkeypatch, WNA16_NATIVE)
     folder = _folder(tmp_path / "model", NATIVE["qwen3"])
+    act_order = method == "gptq-act-order"
+    method = method.removesuffix("-act-order")
     quantized = write_quantized_folder(
-        load_model_source(str(folder)), tmp_path / "q", method, 4, 32, sym=method == "gptq"
+        load_model_source(str(folder)),
+        tmp_path / "q",
+        method,
+        4,
+        32,
+        sym=method == "gptq",
+        desc_act=act_order,
     )
     llm = _engine(quantized, "bfloat16")
     runner = llm.engine.core.model_runner
     step = runner.native_step
     assert step is not None, runner.prepared.native_reason
-    assert runner.prepared.quantization_description.startswith(method)
+    description = runner.prepared.quantization_description
+    assert description.startswith(method) and ("act-order" in description) == act_order
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     modules, native = _with_and_without_the_step(monkeypatch, llm, params)
     assert native == modules

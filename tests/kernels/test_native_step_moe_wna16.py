@@ -62,11 +62,15 @@ def _force_native(monkeypatch: pytest.MonkeyPatch) -> None:
         ("qwen3-moe", "gptq", "float32"),
         ("qwen3-moe", "gptq", "bfloat16"),
         ("qwen3-moe", "awq", "bfloat16"),
+        ("mixtral", "gptq-act-order", "bfloat16"),
+        ("qwen3-moe", "gptq-act-order", "float32"),
     ],
 )
 def test_the_native_step_runs_quantized_experts_with_the_modules_bits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str, method: str, dtype: str
 ) -> None:
+    """`gptq-act-order`: every projection's codes (attention's and the experts') stored in a
+    pseudo-random order of its input features (`desc_act`), gathered back by the C code."""
     from model_server.layers.quantization.wna16_moe import WNA16Experts
     from model_server.loader.load import load_model_source
     from model_server.loader.write_quantized import write_quantized_folder
@@ -74,8 +78,16 @@ def test_the_native_step_runs_quantized_experts_with_the_modules_bits(
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     _force_native(monkeypatch)
     folder = _folder(tmp_path / "model", NATIVE[family])
+    act_order = method == "gptq-act-order"
+    method = method.removesuffix("-act-order")
     quantized = write_quantized_folder(
-        load_model_source(str(folder)), tmp_path / "q", method, 4, 32, sym=method == "gptq"
+        load_model_source(str(folder)),
+        tmp_path / "q",
+        method,
+        4,
+        32,
+        sym=method == "gptq",
+        desc_act=act_order,
     )
     llm = _engine(quantized, dtype)
     runner = llm.engine.core.model_runner
@@ -83,6 +95,7 @@ def test_the_native_step_runs_quantized_experts_with_the_modules_bits(
     assert runner.prepared.quantization_description.startswith(method)
     layers = runner.native_step.layers
     assert all(isinstance(layer.moe.w13, WNA16Experts) for layer in layers)
+    assert all((layer.moe.w13.perm is not None) == act_order for layer in layers)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     modules, native = _with_and_without_the_step(monkeypatch, llm, params)
     assert native == modules

@@ -48,6 +48,7 @@ static const Row ROWS[] = {
     FIELD(WickExpertsWNA16, bits),
     FIELD(WickExpertsWNA16, group_size),
     FIELD(WickExpertsWNA16, min_work_per_thread),
+    FIELD(WickExpertsWNA16, perm),
 
     STRUCT(WickLinear),
     FIELD(WickLinear, kind),
@@ -65,6 +66,7 @@ static const Row ROWS[] = {
     FIELD(WickLinear, offsets),
     FIELD(WickLinear, bits),
     FIELD(WickLinear, group_size),
+    FIELD(WickLinear, perm),
     FIELD(WickLinear, hw_prefetch_only),
     FIELD(WickLinear, lora),
 

@@ -30,7 +30,8 @@
  *   gate_up      gate/up output where the MLP's SiLU is not fused [T, 2 inter] (else unused);
  *                a plain MLP's fc1 output                       [T, inter]
  *   mid          act(gate) * up, or act(fc1)                    [T, inter]
- *   segment      one GGUF segment's output before it is copied into its columns [T, max N]
+ *   segment      one GGUF segment's output before it is copied into its columns, or an
+ *                act-order GPTQ linear's gathered input (every linear's k fits) [T, max N]
  *   hidden_out   the last layer's MLP output                    [T, hidden]
  *   moe_scratch  MoE layers' router logits, routing, shared expert and experts' scratch
  *                (`moe_parts`)
@@ -71,7 +72,11 @@ static int run_base_linear(const WickStackStep *s, const WickLinear *w, const vo
   case LINEAR_DENSE_GEMM: /* gemm.py's gemm_linear: vdpbf16ps allowed where the build has it */
     return wick_gemm(s->dtype, x, w->k, w->data, w->bias, y, (int)m, (int)w->n, (int)w->k, 1,
                      s->num_threads, w->min_work_per_thread);
-  case LINEAR_WNA16: /* wna16.py's wna16_native_linear */
+  case LINEAR_WNA16: /* wna16.py's wna16_native_linear, after WNA16Weight.apply's gather */
+    if (w->perm != NULL) {
+      gather_columns(elem_size(s), x, w->perm, s->segment, m, w->k);
+      x = s->segment;
+    }
     return wick_wna16_gemm(s->dtype, x, w->k, (const uint8_t *)w->data, w->scales, w->offsets,
                            w->bias, y, (int)m, (int)w->n, (int)w->k, w->bits, w->group_size,
                            s->num_threads, w->min_work_per_thread);

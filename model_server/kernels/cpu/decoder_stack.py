@@ -27,8 +27,9 @@ attention and MLP partial sums reduced apart, then added; an MoE layer's experts
 GPTQ / AWQ codes in whole groups, each a slice of their intermediate dim, routing replicated,
 the routed and shared experts' partial sums reduced apart as the modules reduce them).
 Families so covered: Llama, Qwen2/3, Mistral, Phi-3, Gemma 1-3, GLM-4, InternLM2, Baichuan,
-Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3. Not yet:
-act-order GPTQ weights, StableLM's per-head q/k LayerNorm (its modules refuse it
+Phi-2, StableLM, StarCoder2, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3. GPTQ / AWQ weights
+act-order too (decoder_stack.c gathers x's columns as the module's index_select does). Not yet:
+StableLM's per-head q/k LayerNorm (its modules refuse it
 too), the gated exact GELU.
 
 Per row bucket every matmul must have a native kernel as the planned weights say
@@ -305,8 +306,11 @@ class CpuDecoderStack:
         wNa16 kernel, where `wna16_native_linear` would run it, or None."""
         codes, scales, offsets = source.codes, source.scales, source.offsets
         n, k = int(source.shape[0]), int(source.shape[1])
-        if source.perm is not None or dtype not in (torch.float32, torch.bfloat16):
-            return None  # act-order: the module permutes x first
+        perm = source.perm  # act-order: decoder_stack.c gathers x's columns, as the module does
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if perm is not None and (perm.dtype != torch.int64 or not perm.is_contiguous()):
+            return None
         if not wna16_applies(codes, source.bits, source.group_size, k):
             return None
         if scales.dtype != torch.float32 or offsets.dtype != torch.float32:
@@ -319,6 +323,7 @@ class CpuDecoderStack:
         out.scales, out.offsets = scales.data_ptr(), offsets.data_ptr()
         out.bits, out.group_size = source.bits, source.group_size
         out.min_work_per_thread = WNA16_MIN_WORK
+        out.perm = None if perm is None else perm.data_ptr()
         return out
 
     def _plan(

@@ -3,7 +3,7 @@
 
 The native decoder step (decoder_stack.c) runs an MoE layer through these same C functions with
 the same arguments, so the modules and the step give the same bits. Inputs the C code does not
-take (another dtype or device, act-order experts) run the portable PyTorch functions;
+take (another dtype or device) run the portable PyTorch functions;
 GPTQ / AWQ experts run kernels/cpu/moe_wna16.c, experts packed into panels by the preparation's
 `ExpertsPlan` (kernels/cpu/experts_plan.py) wick_moe_panel_experts.
 """

@@ -8,6 +8,7 @@
  * dequantizes in registers, more rows dequantize each tile of W once for all of them
  * (wna16_gemm.c), which is what a prefill's few dozen rows per expert want. */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "wick_cpu.h"
 #include "wick_entry.h"
@@ -25,17 +26,28 @@ typedef struct {
   const WickExpertsWNA16 *w[2]; /* w13, w2 */
 } CodedExperts;
 
-/* y [rows, w->n] = x [rows, w->k] @ W_e^T: expert e's slice of the stacked codes. */
+/* y [rows, w->n] = x [rows, w->k] @ W_e^T: expert e's slice of the stacked codes (act-order:
+ * x's columns gathered in the order of expert e's codes first). */
 static int coded_matmul(const void *ctx, int proj, int e, const void *x, void *y, int64_t rows) {
   const CodedExperts *c = ctx;
   const WickExpertsWNA16 *w = c->w[proj];
   const int64_t code_bytes = w->bits == 4 ? w->k / 2 : w->k;
   const int64_t groups = (w->k + w->group_size - 1) / w->group_size;
   const int64_t rows_e = (int64_t)e * w->n;
-  return wick_wna16_gemm(c->dtype, x, w->k, w->codes + rows_e * code_bytes,
-                         w->scales + rows_e * groups, w->offsets + rows_e * groups, NULL, y,
-                         (int)rows, (int)w->n, (int)w->k, w->bits, w->group_size, c->num_threads,
-                         w->min_work_per_thread);
+  void *gathered = NULL;
+  if (w->perm != NULL) {
+    const int64_t es = c->dtype == 1 ? 2 : 4;
+    gathered = malloc((size_t)(rows * w->k * es));
+    if (gathered == NULL) return -1;
+    gather_columns(es, x, w->perm + (int64_t)e * w->k, gathered, rows, w->k);
+    x = gathered;
+  }
+  const int status = wick_wna16_gemm(c->dtype, x, w->k, w->codes + rows_e * code_bytes,
+                                     w->scales + rows_e * groups, w->offsets + rows_e * groups,
+                                     NULL, y, (int)rows, (int)w->n, (int)w->k, w->bits,
+                                     w->group_size, c->num_threads, w->min_work_per_thread);
+  free(gathered);
+  return status;
 }
 
 int wick_moe_wna16_experts(int dtype, const void *x, int64_t num_tokens,

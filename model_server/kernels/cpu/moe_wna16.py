@@ -6,7 +6,8 @@ arguments, so the modules and the step give the same bits.
 
 The experts are layers/quantization/wna16_moe.py's `WNA16Experts`, read by attribute (kernels
 never import layers): codes [E, N, K / 2 or K] uint8, scales and offsets [E, N, G] float32,
-`bits`, `group_size`, `perm` (act-order, not taken: the module path permutes x per expert).
+`bits`, `group_size`, `perm` [E, K] int64 or None (act-order: the C code gathers each
+expert's input columns in that order, as the torch path's index_select does).
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ def experts_reason(w13: Any, w2: Any, dtype: torch.dtype) -> str | None:
         codes = getattr(w, "codes", None)
         if not isinstance(codes, torch.Tensor) or codes.dim() != 3:
             return f"experts kept as {type(w).__name__} (native: float or GPTQ/AWQ codes)"
-        if w.perm is not None:
-            return f"act-order {w.method} experts (native: codes in input order)"
+        perm = w.perm
+        if perm is not None and (
+            perm.dtype != torch.int64 or not perm.is_contiguous() or not perm.is_cpu
+        ):
+            return f"act-order {name} experts whose perm is not a contiguous CPU int64 tensor"
         _, _, k = w.shape
         if w.bits not in (4, 8) or w.group_size % WNA16_BLOCK or k % WNA16_BLOCK:
             return (
@@ -65,6 +69,7 @@ def experts_struct(w: Any) -> ctypes.Structure:
     out.scales, out.offsets = w.scales.data_ptr(), w.offsets.data_ptr()
     out.bits, out.group_size = w.bits, w.group_size
     out.min_work_per_thread = WNA16_MIN_WORK
+    out.perm = None if w.perm is None else w.perm.data_ptr()
     return out
 
 

@@ -1,5 +1,5 @@
 /* Helpers shared by the CPU kernels (the .c files of kernels/cpu): bf16 <-> fp32, a vectorizable
- * exp and the thread count for a call's work. Everything is static inline: each kernel file is
+ * exp, the thread count for a call's work and an act-order column gather. Everything is static inline: each kernel file is
  * its own translation unit of one library. Type punning goes through unions (built with
  * -fno-strict-aliasing). */
 #ifndef WICK_CPU_H
@@ -104,6 +104,25 @@ static inline float *widen_bf16_rows(const bf16_t *x, const int64_t m, const int
   if (rows != NULL)
     for (int64_t r = 0; r < m; r++) bf16_to_f32_row(x + r * x_stride, rows + r * k, 1.f, (int)k);
   return rows;
+}
+
+/* dst [m, k] = the columns of src [m, k] in the order perm [k] (elements of `es` bytes): an
+ * act-order GPTQ weight's input, whose codes are stored in that order (WNA16Weight.apply's
+ * index_select: the same values, so the same bits). */
+static inline void gather_columns(const int64_t es, const void *restrict src,
+                                  const int64_t *restrict perm, void *restrict dst,
+                                  const int64_t m, const int64_t k) {
+  for (int64_t t = 0; t < m; t++) {
+    if (es == 2) {
+      const uint16_t *x = (const uint16_t *)src + t * k;
+      uint16_t *y = (uint16_t *)dst + t * k;
+      for (int64_t i = 0; i < k; i++) y[i] = x[perm[i]];
+    } else {
+      const uint32_t *x = (const uint32_t *)src + t * k;
+      uint32_t *y = (uint32_t *)dst + t * k;
+      for (int64_t i = 0; i < k; i++) y[i] = x[perm[i]];
+    }
+  }
 }
 
 #endif /* WICK_CPU_H */

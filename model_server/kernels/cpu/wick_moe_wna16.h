@@ -7,8 +7,8 @@
  * (kernels/cpu/moe_wna16.py) under the modules, and decoder_stack.c's MoE layers.
  *
  * One projection of every expert, W_e [n, k], in wna16_gemm.c's layout stacked over experts
- * (layers/quantization/wna16_moe.py's WNA16Experts; act-order experts, whose input features are
- * permuted, are not taken): */
+ * (layers/quantization/wna16_moe.py's WNA16Experts; act-order experts multiply their input's
+ * columns in the order their codes are stored, as the modules' index_select does): */
 #ifndef WICK_MOE_WNA16_H
 #define WICK_MOE_WNA16_H
 
@@ -20,6 +20,8 @@ typedef struct {
   int64_t n, k;                  /* each expert's W [n, k] */
   int32_t bits, group_size;      /* 4 or 8; a multiple of 32, as k */
   int64_t min_work_per_thread;   /* multiply-adds worth another thread (wna16.py's) */
+  const int64_t *perm;           /* [E, k] act-order: expert e's stored column i is input
+                                  * feature perm[e, i] (NULL: in input order) */
 } WickExpertsWNA16;
 
 /* The bytes of wick_moe_wna16_experts' scratch for these sizes. */
@@ -34,7 +36,7 @@ int64_t wick_moe_wna16_scratch_bytes(int dtype, int64_t num_tokens, int top_k, i
  * in fp32 and rounded once. x, out [T, H] fp32 (dtype 0) or bf16 (1). `scratch`:
  * wick_moe_wna16_scratch_bytes of them. Returns 0; -2 for an expert id outside [0, E); -3 when
  * w13 and w2 do not fit (w13 n != 2 w2 k or w2 n != w13 k); a matmul's error otherwise
- * (-2: a layout wna16_gemm.c refuses, -1: out of memory). */
+ * (-2: a layout wna16_gemm.c refuses, -1: out of memory, an act-order gather's buffer too). */
 int wick_moe_wna16_experts(int dtype, const void *x, int64_t num_tokens,
                            const WickExpertsWNA16 *w13, const WickExpertsWNA16 *w2,
                            int num_experts, const float *weights, const int64_t *ids, int top_k,

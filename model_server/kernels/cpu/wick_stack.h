@@ -51,6 +51,9 @@ typedef struct {
   /* LINEAR_WNA16: scales and offsets [n, groups] fp32, 4 or 8 bits per code, group size */
   const float *scales, *offsets;
   int32_t bits, group_size;
+  /* LINEAR_WNA16 act-order: stored column i of W is input feature perm[i] [k] (NULL: in input
+   * order); x's columns are gathered in that order into the step's `segment` first. */
+  const int64_t *perm;
   /* LINEAR_PANELS_BF16: 1 leaves W's panel streams to the hardware prefetcher (the plan's
    * native_panels_hwpf at this row bucket), 0 prefetches them in software (native_panels). */
   int32_t hw_prefetch_only;
