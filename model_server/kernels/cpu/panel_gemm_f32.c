@@ -30,6 +30,12 @@
 #define NP_F32 4
 #endif
 #define PREFETCH_ROWS 32 /* W rows (k) each panel stream is prefetched ahead into L2 */
+/* More rows than one register tile (a prefill): W in blocks of KC_F32 k rows of NC_PANELS
+ * panels (32-128 KiB: stays in L2 while every row tile of x passes over it), x's tile of the
+ * block in L1, the partial sums in a per-thread buffer between K blocks. One row tile (a decode)
+ * streams each panel's whole K once instead (prefetched ahead: bandwidth-bound). */
+#define KC_F32 256
+#define NC_PANELS 8
 
 int64_t wick_panel_f32_elements(int64_t n, int64_t k) { return (n + VW - 1) / VW * k * VW; }
 
@@ -51,15 +57,22 @@ void wick_panel_f32_pack(int dtype, const void *w, int64_t n, int64_t k, void *p
       }
 }
 
-/* tile[i][j * VW + l] = sum over k of xf[i][k] * W[VW (p0 + j) + l][k]: mr rows of x (fp32,
- * `xs` apart) by np panels, compile-time constants after inlining. */
+/* c[i ldc + j VW + l] (+)= sum over k of xf[i][k] * W[VW (p0 + j) + l][k]: mr rows of x (fp32,
+ * `xs` apart) by np panels (mr, np compile-time constants after inlining). `accumulate`
+ * continues the sums c holds (a K block after the first): each output's chain of FMAs runs
+ * over k in order either way, so splitting K changes no bit. */
 static inline __attribute__((always_inline)) void tile_f32(
     const int mr, const int np, const int w_bf16, const float *restrict xf, const int64_t xs,
-    const int64_t k, const void *restrict w, const int64_t panel_stride,
-    float tile[MR_F32][NP_F32 * VW]) {
+    const int64_t k, const void *restrict w, const int64_t panel_stride, const int accumulate,
+    float *restrict c, const int64_t ldc) {
   vf acc[MR_F32][NP_F32];
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < np; j++) acc[i][j] = (vf){0};
+    for (int j = 0; j < np; j++) {
+      if (accumulate)
+        memcpy(&acc[i][j], c + i * ldc + j * VW, sizeof(vf));
+      else
+        acc[i][j] = (vf){0};
+    }
   const size_t elem = w_bf16 ? sizeof(bf16_t) : sizeof(float);
   for (int64_t kk = 0; kk < k; kk++) {
     vf wv[NP_F32];
@@ -74,18 +87,19 @@ static inline __attribute__((always_inline)) void tile_f32(
     }
   }
   for (int i = 0; i < mr; i++)
-    for (int j = 0; j < np; j++) memcpy(&tile[i][j * VW], &acc[i][j], sizeof(vf));
+    for (int j = 0; j < np; j++) memcpy(c + i * ldc + j * VW, &acc[i][j], sizeof(vf));
 }
 
 static void tile_f32_any(const int mr, const int np, const int w_bf16, const float *xf,
                          const int64_t xs, const int64_t k, const void *w,
-                         const int64_t panel_stride, float tile[MR_F32][NP_F32 * VW]) {
+                         const int64_t panel_stride, const int accumulate, float *c,
+                         const int64_t ldc) {
   /* Few rows take four panels (enough independent chains), more rows two, wider tiles. */
-#define T(R, P)                                                   \
-  if (w_bf16)                                                     \
-    tile_f32(R, P, 1, xf, xs, k, w, panel_stride, tile);          \
-  else                                                            \
-    tile_f32(R, P, 0, xf, xs, k, w, panel_stride, tile);          \
+#define T(R, P)                                                                 \
+  if (w_bf16)                                                                   \
+    tile_f32(R, P, 1, xf, xs, k, w, panel_stride, accumulate, c, ldc);          \
+  else                                                                          \
+    tile_f32(R, P, 0, xf, xs, k, w, panel_stride, accumulate, c, ldc);          \
   return;
 #define ROWS(R)        \
   case R:              \
@@ -145,14 +159,14 @@ static inline void tile_shape_f32(const int64_t m, int *rows, int *panels) {
 #endif
 }
 
-/* Output columns [n0, n0 + cols) of tile rows [0, mr) into y (rows `n` apart, from row m0):
- * tile (+ bias) rounded once to y's dtype. */
+/* Output columns [n0, n0 + cols) of tile rows [0, mr) (rows `ldt` apart) into y (rows `n`
+ * apart, from row m0): tile (+ bias) rounded once to y's dtype. */
 static inline void store_tile_f32(const int is_bf16, const int mr, const int cols,
-                                  float tile[MR_F32][NP_F32 * VW], const void *bias,
+                                  const float *tile, const int64_t ldt, const void *bias,
                                   const int64_t n0, const int64_t n, const int64_t m0, void *y) {
   for (int i = 0; i < mr; i++)
     for (int c = 0; c < cols; c++) {
-      float v = tile[i][c];
+      float v = tile[i * ldt + c];
       if (bias != NULL)
         v += is_bf16 ? bf16_to_f32(((const bf16_t *)bias)[n0 + c]) : ((const float *)bias)[n0 + c];
       const int64_t at = (m0 + i) * n + n0 + c;
@@ -167,15 +181,15 @@ static inline void store_tile_f32(const int is_bf16, const int mr, const int col
  * where the unfused pair rounds: the matmul's outputs (bf16: once), then layer_ops.c's
  * SiLU-and-mul formula, exp included: that pair's result bit for bit (same -ffp-contract=off). */
 static inline void store_silu_tile_f32(const int is_bf16, const int mr, const int cols,
-                                       float gate[MR_F32][NP_F32 * VW],
-                                       float up[MR_F32][NP_F32 * VW], const int64_t n0,
-                                       const int64_t inter, const int64_t m0, void *y) {
+                                       const float *gate, const float *up, const int64_t ldt,
+                                       const int64_t n0, const int64_t inter, const int64_t m0,
+                                       void *y) {
   for (int i = 0; i < mr; i++) {
     const int64_t row = (m0 + i) * inter + n0;
 #pragma omp simd
     for (int c = 0; c < cols; c++) {
-      const float g = is_bf16 ? round_to_bf16(gate[i][c]) : gate[i][c];
-      const float u = is_bf16 ? round_to_bf16(up[i][c]) : up[i][c];
+      const float g = is_bf16 ? round_to_bf16(gate[i * ldt + c]) : gate[i * ldt + c];
+      const float u = is_bf16 ? round_to_bf16(up[i * ldt + c]) : up[i * ldt + c];
       const float e = exp_nonpositive(-fabsf(g));
       const float silu = (g >= 0.f ? g : g * e) / (1.f + e);
       const float v = (is_bf16 ? round_to_bf16(silu) : silu) * u;
@@ -190,6 +204,83 @@ static inline void store_silu_tile_f32(const int is_bf16, const int mr, const in
       }
     }
   }
+}
+
+/* panel_f32_run's contract for m > one register tile's rows, cache-blocked (KC_F32,
+ * NC_PANELS): the same FMA chains in the same order, so the same bits as the unblocked loop. */
+static int panel_f32_blocked(const int is_bf16, const void *x, const int64_t x_stride,
+                             const void *panels, const void *bias, void *y, const int64_t m,
+                             const int64_t n, const int64_t inter, const int64_t k,
+                             const int rows, const int per_group, const int threads) {
+  const size_t elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
+  const int64_t panel_stride = k * VW;
+  const int64_t num_panels = inter > 0 ? inter / VW : (n + VW - 1) / VW;
+  const char *up_panels = (const char *)panels + num_panels * panel_stride * (int64_t)elem;
+  const int64_t chunks = (num_panels + NC_PANELS - 1) / NC_PANELS;
+  const int64_t ldc = NC_PANELS * VW; /* the partial sums' row stride */
+  const int halves = inter > 0 ? 2 : 1; /* gate and up sums */
+  int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    float *xbuf = is_bf16 ? (float *)malloc(sizeof(float) * (size_t)(rows * KC_F32)) : NULL;
+    float *sums = (float *)malloc(sizeof(float) * (size_t)(halves * m * ldc));
+    if ((is_bf16 && xbuf == NULL) || sums == NULL) {
+#pragma omp atomic write
+      failed = 1;
+    }
+    float *up_sums = sums == NULL ? NULL : sums + m * ldc;
+#pragma omp for schedule(static)
+    for (int64_t ch = 0; ch < chunks; ch++) {
+      if ((is_bf16 && xbuf == NULL) || sums == NULL) continue;
+      const int64_t first = ch * NC_PANELS;
+      const int64_t count = num_panels - first < NC_PANELS ? num_panels - first : NC_PANELS;
+      for (int64_t k0 = 0; k0 < k; k0 += KC_F32) {
+        const int64_t kc = k - k0 < KC_F32 ? k - k0 : KC_F32;
+        const int accumulate = k0 > 0;
+        for (int64_t m0 = 0; m0 < m; m0 += rows) {
+          const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+          const float *xf;
+          int64_t xs;
+          if (is_bf16) {
+            for (int i = 0; i < mr; i++)
+              bf16_to_f32_row((const bf16_t *)x + (m0 + i) * x_stride + k0, xbuf + i * kc, 1.f,
+                              (int)kc);
+            xf = xbuf;
+            xs = kc;
+          } else {
+            xf = (const float *)x + m0 * x_stride + k0;
+            xs = x_stride;
+          }
+          for (int64_t p0 = first; p0 < first + count;) {
+            const int np = first + count - p0 >= per_group ? per_group : 1;
+            const int64_t offset = (p0 * panel_stride + k0 * VW) * (int64_t)elem;
+            const int64_t col = (p0 - first) * VW;
+            tile_f32_any(mr, np, is_bf16, xf, xs, kc, (const char *)panels + offset,
+                         panel_stride, accumulate, sums + m0 * ldc + col, ldc);
+            if (inter > 0)
+              tile_f32_any(mr, np, is_bf16, xf, xs, kc, up_panels + offset, panel_stride,
+                           accumulate, up_sums + m0 * ldc + col, ldc);
+            p0 += np;
+          }
+        }
+      }
+      /* the chunk's columns, rounded once */
+      const int64_t n0 = first * VW;
+      for (int64_t m0 = 0; m0 < m; m0 += rows) {
+        const int mr = m - m0 < rows ? (int)(m - m0) : rows;
+        if (inter > 0) {
+          store_silu_tile_f32(is_bf16, mr, (int)(count * VW), sums + m0 * ldc,
+                              up_sums + m0 * ldc, ldc, n0, inter, m0, y);
+        } else {
+          const int cols = n - n0 < count * VW ? (int)(n - n0) : (int)(count * VW);
+          store_tile_f32(is_bf16, mr, cols, sums + m0 * ldc, ldc, bias, n0, n, m0, y);
+        }
+      }
+    }
+    free(xbuf);
+    free(sums);
+  }
+  return failed ? -1 : 0;
 }
 
 /* The matmul over panels [0, out_panels) of y's columns; `inter` > 0 instead multiplies gate
@@ -209,6 +300,9 @@ static int panel_f32_run(const int is_bf16, const void *x, const int64_t x_strid
   const int64_t groups = (num_panels + per_group - 1) / per_group;
   const int threads = threads_for(m * (inter > 0 ? 2 * inter : n) * k, min_work_per_thread,
                                   num_threads);
+  if (m > rows)
+    return panel_f32_blocked(is_bf16, x, x_stride, panels, bias, y, m, n, inter, k, rows,
+                             per_group, threads);
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -242,13 +336,15 @@ static int panel_f32_run(const int is_bf16, const void *x, const int64_t x_strid
         for (int64_t p0 = first; p0 < first + in_group; p0 += np) {
           const int64_t offset = p0 * panel_stride * (int64_t)elem, n0 = p0 * VW;
           tile_f32_any(mr, np, is_bf16, xf, xs, k, (const char *)panels + offset, panel_stride,
-                       tile);
+                       0, &tile[0][0], NP_F32 * VW);
           if (inter > 0) {
-            tile_f32_any(mr, np, is_bf16, xf, xs, k, up_panels + offset, panel_stride, up);
-            store_silu_tile_f32(is_bf16, mr, np * VW, tile, up, n0, inter, m0, y);
+            tile_f32_any(mr, np, is_bf16, xf, xs, k, up_panels + offset, panel_stride, 0,
+                         &up[0][0], NP_F32 * VW);
+            store_silu_tile_f32(is_bf16, mr, np * VW, &tile[0][0], &up[0][0], NP_F32 * VW, n0,
+                                inter, m0, y);
           } else {
             const int cols = n - n0 < np * VW ? (int)(n - n0) : np * VW;
-            store_tile_f32(is_bf16, mr, cols, tile, bias, n0, n, m0, y);
+            store_tile_f32(is_bf16, mr, cols, &tile[0][0], NP_F32 * VW, bias, n0, n, m0, y);
           }
         }
       }
