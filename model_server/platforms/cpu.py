@@ -94,8 +94,8 @@ class CpuPlatform(Platform):
         bf16 is a candidate on CPUs with native bf16, and on the others for a checkpoint stored
         in bf16 (`checkpoint_dtype`) where the native kernels built: their panels read its bf16
         weights and multiply in fp32, at half fp32's bytes, and a decode step is bound by the
-        bytes (Zen 3, no AVX-512, the Llama-3.2-1B shape, two sittings: batch-1 decode 1.9-2.2x
-        fp32's tok/s, prefill 0.68-1.02x; docs/benchmarks.md); the model runs as stored, nothing
+        bytes (Zen 3, no AVX-512, the Llama-3.2-1B shape, one sitting: batch-1 decode 2.1x
+        fp32's tok/s, prefill 0.88x; docs/benchmarks.md); the model runs as stored, nothing
         rounded. Anything else runs fp32 there, nothing measured."""
         on_flags = self.default_dtype()
         native_bf16 = on_flags == torch.bfloat16
