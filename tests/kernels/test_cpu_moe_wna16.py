@@ -60,6 +60,16 @@ def _module_table():
     )
 
 
+def _assert_near_the_float_experts(out, x, w13, w2, weights, ids) -> None:
+    """The float experts of the same weights in fp32 on PyTorch's matmuls: float rounding apart
+    (bf16: the activations and the matmuls' outputs round to bf16 on the way)."""
+    ref = fused_experts_grouped(
+        x.float(), w13.dequantize(), w2.dequantize(), weights, ids, TORCH_KERNELS
+    )
+    error = (out.float() - ref).norm() / ref.norm()
+    assert error < (1e-5 if x.dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("bits", "group_size"), [(4, 32), (4, 64), (4, 0), (8, 128)])
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 40])
@@ -73,13 +83,7 @@ def test_the_experts_give_the_module_paths_bits(
     assert out.abs().max() > 0.05  # not a zero that would pass anything
     modules = fused_experts_grouped(x, w13, w2, weights, ids, _module_table())
     assert torch.equal(out, modules)
-    # The float experts of the same weights in fp32 on PyTorch's matmuls: float rounding apart
-    # (bf16: the activations and the matmuls' outputs round to bf16 on the way).
-    ref = fused_experts_grouped(
-        x.float(), w13.dequantize(), w2.dequantize(), weights, ids, TORCH_KERNELS
-    )
-    error = (out.float() - ref).norm() / ref.norm()
-    assert error < (1e-5 if dtype == torch.float32 else 1e-2)
+    _assert_near_the_float_experts(out, x, w13, w2, weights, ids)
 
 
 def test_the_cpu_tables_fused_experts_runs_them() -> None:
@@ -121,11 +125,7 @@ def test_act_order_experts_give_the_module_paths_bits(dtype: torch.dtype, num_to
     assert out is not None and out.abs().max() > 0.05
     modules = fused_experts_grouped(x, w13, w2, weights, ids, _module_table())
     assert torch.equal(out, modules)
-    ref = fused_experts_grouped(
-        x.float(), w13.dequantize(), w2.dequantize(), weights, ids, TORCH_KERNELS
-    )
-    error = (out.float() - ref).norm() / ref.norm()
-    assert error < (1e-5 if dtype == torch.float32 else 1e-2)
+    _assert_near_the_float_experts(out, x, w13, w2, weights, ids)
     # the order matters: the same codes read in input order give another result
     plain = WNA16Experts("gptq", 4, 32, w13.codes, w13.scales, w13.offsets, None)
     assert not torch.equal(native_wna16_experts(default_kernels(), x, plain, w2, weights, ids), out)

@@ -402,7 +402,17 @@ def test_tensor_parallel_ranks_run_moe_layers_natively(
     force(monkeypatch, NATIVE_GEMM)
     monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
     _rank0_times_its_own(monkeypatch)
-    folder = _folder(tmp_path / "model", NATIVE[family])
+    step = tp2_native_matches_tp1(monkeypatch, _folder(tmp_path / "model", NATIVE[family]), dtype)
+    assert any(layer.moe is not None and layer.tp_size == 2 for layer in step.layers)
+
+
+def tp2_native_matches_tp1(
+    monkeypatch: pytest.MonkeyPatch, folder: Path, dtype: str
+) -> decoder_stack.CpuDecoderStack:
+    """TP=1 with its native step, then TP=2 (rank 1 a spawned worker) whose rank 0 generates
+    with its native step and without it: the same bits, and TP=1's greedy tokens, its logprobs
+    up to the order of the partial sums (bf16: their rounding). Returns TP=2's rank-0 step
+    (its engine shut down)."""
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     llm = _engine(folder, dtype, num_threads=1)
     try:
@@ -411,9 +421,11 @@ def test_tensor_parallel_ranks_run_moe_layers_natively(
     finally:
         llm.shutdown()
     llm = _engine(folder, dtype, tensor_parallel_size=2, num_threads=1)
-    step = llm.engine.core.model_runner.native_step
-    assert step is not None and step.all_reduce is not None
-    assert any(layer.moe is not None and layer.tp_size == 2 for layer in step.layers)
+    runner = llm.engine.core.model_runner
+    step = runner.native_step
+    if step is None or step.all_reduce is None:
+        llm.shutdown()
+        pytest.fail(f"TP=2 runs no native step: {runner.prepared.native_reason}")
     modules, native = _with_and_without_the_step(monkeypatch, llm, params)
     assert native == modules
     for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one_rank, native, strict=True):
@@ -422,6 +434,7 @@ def test_tensor_parallel_ranks_run_moe_layers_natively(
         torch.testing.assert_close(
             [lp for lp, _ in logprobs_2], [lp for lp, _ in logprobs_1], atol=tol, rtol=tol
         )
+    return step
 
 
 def _outputs(outs: list) -> list:
@@ -429,6 +442,21 @@ def _outputs(outs: list) -> list:
         (o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs])
         for o in outs
     ]
+
+
+def quantized_folder(folder: Path, out: Path, method: str) -> Path:
+    """`folder` written by `wick quantize`'s writer: 4 bits, group 32, `method` gptq (symmetric),
+    awq, or gptq-act-order (`desc_act`: each projection's codes in a pseudo-random order of
+    its input features)."""
+    from model_server.loader.load import load_model_source
+    from model_server.loader.write_quantized import write_quantized_folder
+
+    act_order = method == "gptq-act-order"
+    method = method.removesuffix("-act-order")
+    source = load_model_source(str(folder))
+    return write_quantized_folder(
+        source, out, method, 4, 32, sym=method == "gptq", desc_act=act_order
+    )
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "gptq-act-order"])
@@ -440,23 +468,13 @@ def test_the_native_step_runs_gptq_and_awq_weights_with_the_modules_bits(
     (`desc_act`): each input's columns gathered in its codes' order first, in C as in the
     module's index_select."""
     from model_server.kernels.cpu.linear_tuning import WNA16_NATIVE
-    from model_server.loader.load import load_model_source
-    from model_server.loader.write_quantized import write_quantized_folder
 
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     force(monkeypatch, WNA16_NATIVE)
     folder = _folder(tmp_path / "model", NATIVE["qwen3"])
-    act_order = method == "gptq-act-order"
+    quantized = quantized_folder(folder, tmp_path / "q", method)
+    act_order = method.endswith("-act-order")
     method = method.removesuffix("-act-order")
-    quantized = write_quantized_folder(
-        load_model_source(str(folder)),
-        tmp_path / "q",
-        method,
-        4,
-        32,
-        sym=method == "gptq",
-        desc_act=act_order,
-    )
     llm = _engine(quantized, "bfloat16")
     runner = llm.engine.core.model_runner
     step = runner.native_step

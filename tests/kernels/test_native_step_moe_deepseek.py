@@ -34,13 +34,12 @@ from model_server.sampling_params import SamplingParams
 from tests.kernels.helpers import force
 from tests.kernels.test_native_step_families import (
     _COMMON,
-    MIXED_PROMPTS,
     _engine,
     _folder,
-    _outputs,
     _QuietWindow,
     _rank0_times_its_own,
     _with_and_without_the_step,
+    tp2_native_matches_tp1,
 )
 
 _DEEPSEEK = dict(
@@ -285,26 +284,7 @@ def test_tensor_parallel_ranks_run_deepseek_natively(
     force(monkeypatch, NATIVE_GEMM)
     monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
     _rank0_times_its_own(monkeypatch)
-    folder = _folder(tmp_path / "model", MODELS[name])
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
-    llm = _engine(folder, dtype, num_threads=1)
-    try:
-        assert llm.engine.core.model_runner.native_step is not None
-        one_rank = _outputs(llm.generate(MIXED_PROMPTS, params))
-    finally:
-        llm.shutdown()
-    llm = _engine(folder, dtype, tensor_parallel_size=2, num_threads=1)
-    runner = llm.engine.core.model_runner
-    step = runner.native_step
-    assert step is not None and step.all_reduce is not None, runner.prepared.native_reason
+    step = tp2_native_matches_tp1(monkeypatch, _folder(tmp_path / "model", MODELS[name]), dtype)
     assert all(layer.mla is not None and layer.tp_size == 2 for layer in step.layers)
     assert step.layers[0].num_heads == _DEEPSEEK["num_attention_heads"] // 2
     assert step.layers[1].moe is not None
-    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
-    assert native == modules
-    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one_rank, native, strict=True):
-        assert tokens_2 == tokens_1 and len(tokens_1) == 8
-        tol = 1e-4 if dtype == "float32" else 0.1
-        torch.testing.assert_close(
-            [lp for lp, _ in logprobs_2], [lp for lp, _ in logprobs_1], atol=tol, rtol=tol
-        )

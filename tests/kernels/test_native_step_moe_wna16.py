@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from model_server.kernels.cpu import linear_tuning
@@ -21,14 +20,14 @@ from model_server.kernels.cpu.linear_tuning import WNA16_NATIVE
 from model_server.sampling_params import SamplingParams
 from tests.kernels.test_native_step_families import (
     _COMMON,
-    MIXED_PROMPTS,
     NATIVE,
     _engine,
     _folder,
-    _outputs,
     _QuietWindow,
     _rank0_times_its_own,
     _with_and_without_the_step,
+    quantized_folder,
+    tp2_native_matches_tp1,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -72,23 +71,13 @@ def test_the_native_step_runs_quantized_experts_with_the_modules_bits(
     """`gptq-act-order`: every projection's codes (attention's and the experts') stored in a
     pseudo-random order of its input features (`desc_act`), gathered back by the C code."""
     from model_server.layers.quantization.wna16_moe import WNA16Experts
-    from model_server.loader.load import load_model_source
-    from model_server.loader.write_quantized import write_quantized_folder
 
     monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
     _force_native(monkeypatch)
     folder = _folder(tmp_path / "model", NATIVE[family])
-    act_order = method == "gptq-act-order"
+    quantized = quantized_folder(folder, tmp_path / "q", method)
+    act_order = method.endswith("-act-order")
     method = method.removesuffix("-act-order")
-    quantized = write_quantized_folder(
-        load_model_source(str(folder)),
-        tmp_path / "q",
-        method,
-        4,
-        32,
-        sym=method == "gptq",
-        desc_act=act_order,
-    )
     llm = _engine(quantized, dtype)
     runner = llm.engine.core.model_runner
     assert runner.native_step is not None, runner.prepared.native_reason
@@ -143,35 +132,12 @@ def test_tensor_parallel_ranks_run_quantized_experts_natively(
     calls. Rank 0 with the step gives rank 0 without it the same bits, and TP=1's greedy
     tokens, its logprobs up to the order of the partial sums."""
     from model_server.layers.quantization.wna16_moe import WNA16Experts
-    from model_server.loader.load import load_model_source
-    from model_server.loader.write_quantized import write_quantized_folder
 
     monkeypatch.setenv("WICK_CACHE_DIR", str(shared_cache_dir))
     _force_native(monkeypatch)
     monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
     _rank0_times_its_own(monkeypatch)
     folder = _folder(tmp_path / "model", TP_MODELS[family])
-    quantized = write_quantized_folder(
-        load_model_source(str(folder)), tmp_path / "q", method, 4, 32, sym=method == "gptq"
-    )
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
-    llm = _engine(quantized, dtype, num_threads=1)
-    try:
-        assert llm.engine.core.model_runner.native_step is not None
-        one_rank = _outputs(llm.generate(MIXED_PROMPTS, params))
-    finally:
-        llm.shutdown()
-    llm = _engine(quantized, dtype, tensor_parallel_size=2, num_threads=1)
-    runner = llm.engine.core.model_runner
-    step = runner.native_step
-    assert step is not None and step.all_reduce is not None, runner.prepared.native_reason
-    experts = step.layers[0].moe.w13
-    assert isinstance(experts, WNA16Experts) and step.layers[0].tp_size == 2
-    modules, native = _with_and_without_the_step(monkeypatch, llm, params)
-    assert native == modules
-    for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one_rank, native, strict=True):
-        assert tokens_2 == tokens_1 and len(tokens_1) == 8
-        tol = 1e-4 if dtype == "float32" else 0.1
-        torch.testing.assert_close(
-            [lp for lp, _ in logprobs_2], [lp for lp, _ in logprobs_1], atol=tol, rtol=tol
-        )
+    quantized = quantized_folder(folder, tmp_path / "q", method)
+    step = tp2_native_matches_tp1(monkeypatch, quantized, dtype)
+    assert isinstance(step.layers[0].moe.w13, WNA16Experts) and step.layers[0].tp_size == 2

@@ -206,6 +206,21 @@ static inline void store_silu_tile_f32(const int is_bf16, const int mr, const in
   }
 }
 
+/* Rows [m0, m0 + mr), columns [k0, k0 + kc) of x as fp32 rows `*xs` apart: in place (fp32),
+ * or widened into xbuf (bf16). */
+static inline const float *x_tile(const int is_bf16, const void *x, const int64_t x_stride,
+                                  const int64_t m0, const int mr, const int64_t k0,
+                                  const int64_t kc, float *xbuf, int64_t *xs) {
+  if (!is_bf16) {
+    *xs = x_stride;
+    return (const float *)x + m0 * x_stride + k0;
+  }
+  for (int i = 0; i < mr; i++)
+    bf16_to_f32_row((const bf16_t *)x + (m0 + i) * x_stride + k0, xbuf + i * kc, 1.f, (int)kc);
+  *xs = kc;
+  return xbuf;
+}
+
 /* panel_f32_run's contract for m > one register tile's rows, cache-blocked (KC_F32,
  * NC_PANELS): the same FMA chains in the same order, so the same bits as the unblocked loop. */
 static int panel_f32_blocked(const int is_bf16, const void *x, const int64_t x_stride,
@@ -239,18 +254,8 @@ static int panel_f32_blocked(const int is_bf16, const void *x, const int64_t x_s
         const int accumulate = k0 > 0;
         for (int64_t m0 = 0; m0 < m; m0 += rows) {
           const int mr = m - m0 < rows ? (int)(m - m0) : rows;
-          const float *xf;
           int64_t xs;
-          if (is_bf16) {
-            for (int i = 0; i < mr; i++)
-              bf16_to_f32_row((const bf16_t *)x + (m0 + i) * x_stride + k0, xbuf + i * kc, 1.f,
-                              (int)kc);
-            xf = xbuf;
-            xs = kc;
-          } else {
-            xf = (const float *)x + m0 * x_stride + k0;
-            xs = x_stride;
-          }
+          const float *xf = x_tile(is_bf16, x, x_stride, m0, mr, k0, kc, xbuf, &xs);
           for (int64_t p0 = first; p0 < first + count;) {
             const int np = first + count - p0 >= per_group ? per_group : 1;
             const int64_t offset = (p0 * panel_stride + k0 * VW) * (int64_t)elem;
@@ -322,17 +327,8 @@ static int panel_f32_run(const int is_bf16, const void *x, const int64_t x_strid
       float tile[MR_F32][NP_F32 * VW], up[MR_F32][NP_F32 * VW];
       for (int64_t m0 = 0; m0 < m; m0 += rows) {
         const int mr = m - m0 < rows ? (int)(m - m0) : rows;
-        const float *xf;
         int64_t xs;
-        if (is_bf16) {
-          for (int i = 0; i < mr; i++)
-            bf16_to_f32_row((const bf16_t *)x + (m0 + i) * x_stride, xbuf + i * k, 1.f, (int)k);
-          xf = xbuf;
-          xs = k;
-        } else {
-          xf = (const float *)x + m0 * x_stride;
-          xs = x_stride;
-        }
+        const float *xf = x_tile(is_bf16, x, x_stride, m0, mr, 0, k, xbuf, &xs);
         for (int64_t p0 = first; p0 < first + in_group; p0 += np) {
           const int64_t offset = p0 * panel_stride * (int64_t)elem, n0 = p0 * VW;
           tile_f32_any(mr, np, is_bf16, xf, xs, k, (const char *)panels + offset, panel_stride,
