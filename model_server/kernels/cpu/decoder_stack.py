@@ -149,12 +149,14 @@ class _Geometry:
         self.max_position = int(layer.cos_sin_cache.shape[0])
         self.qkv_n = (self.heads + 2 * self.kv_heads) * self.head_dim
         # Latent attention: its buffers are `mla_scratch`'s (decoder_stack.c's MLAParts), the
-        # q/k/v ones unused; mla_n its widest projection (a GGUF weight's segments' buffer).
+        # q/k/v ones unused; mla_n its widest projection (a GGUF weight's segments' buffer) or
+        # o_proj's input H * Dv (an act-order weight's gathered input, also in `segment`).
         self.mla = layer.mla is not None
         self.mla_n = 0
         if layer.mla is not None:
             linears = (layer.qkv, layer.mla.q_b, layer.mla.q_a)
-            self.mla_n = max(int(m.weight.shape[0]) for m in linears if m is not None)
+            widest = max(int(m.weight.shape[0]) for m in linears if m is not None)
+            self.mla_n = max(widest, int(layer.o.weight.shape[1]))
 
     def same(self, other: _Geometry) -> bool:
         names = ("hidden", "heads", "kv_heads", "head_dim", "eps", "scale", "qkv_n",
