@@ -24,6 +24,7 @@ int64_t wick_moe_wna16_scratch_bytes(int dtype, int64_t num_tokens, int top_k, i
 typedef struct {
   int dtype, num_threads;
   const WickExpertsWNA16 *w[2]; /* w13, w2 */
+  void *gathered; /* act-order: an expert's input in its codes' order [rows, k] (else NULL) */
 } CodedExperts;
 
 /* y [rows, w->n] = x [rows, w->k] @ W_e^T: expert e's slice of the stacked codes (act-order:
@@ -34,20 +35,15 @@ static int coded_matmul(const void *ctx, int proj, int e, const void *x, void *y
   const int64_t code_bytes = w->bits == 4 ? w->k / 2 : w->k;
   const int64_t groups = (w->k + w->group_size - 1) / w->group_size;
   const int64_t rows_e = (int64_t)e * w->n;
-  void *gathered = NULL;
   if (w->perm != NULL) {
-    const int64_t es = c->dtype == 1 ? 2 : 4;
-    gathered = malloc((size_t)(rows * w->k * es));
-    if (gathered == NULL) return -1;
-    gather_columns(es, x, w->perm + (int64_t)e * w->k, gathered, rows, w->k);
-    x = gathered;
+    gather_columns(c->dtype == 1 ? 2 : 4, x, w->perm + (int64_t)e * w->k, c->gathered, rows,
+                   w->k);
+    x = c->gathered;
   }
-  const int status = wick_wna16_gemm(c->dtype, x, w->k, w->codes + rows_e * code_bytes,
-                                     w->scales + rows_e * groups, w->offsets + rows_e * groups,
-                                     NULL, y, (int)rows, (int)w->n, (int)w->k, w->bits,
-                                     w->group_size, c->num_threads, w->min_work_per_thread);
-  free(gathered);
-  return status;
+  return wick_wna16_gemm(c->dtype, x, w->k, w->codes + rows_e * code_bytes,
+                         w->scales + rows_e * groups, w->offsets + rows_e * groups, NULL, y,
+                         (int)rows, (int)w->n, (int)w->k, w->bits, w->group_size, c->num_threads,
+                         w->min_work_per_thread);
 }
 
 int wick_moe_wna16_experts(int dtype, const void *x, int64_t num_tokens,
@@ -56,7 +52,18 @@ int wick_moe_wna16_experts(int dtype, const void *x, int64_t num_tokens,
                            void *out, void *scratch, int num_threads, int64_t act_min_work) {
   const int64_t hidden = w13->k, inter = w2->k;
   if (w13->n != 2 * inter || w2->n != hidden) return -3;
-  const CodedExperts ctx = {dtype, num_threads, {w13, w2}};
-  return moe_run_experts(dtype, x, num_tokens, hidden, inter, num_experts, weights, ids, top_k,
-                         out, scratch, num_threads, act_min_work, coded_matmul, NULL, &ctx);
+  /* act-order: one buffer for every expert's gathered input, the widest projection's (an
+   * expert has at most T k rows) */
+  void *gathered = NULL;
+  if (w13->perm != NULL || w2->perm != NULL) {
+    const int64_t k = hidden > inter ? hidden : inter;
+    gathered = malloc((size_t)(num_tokens * top_k * k * (dtype == 1 ? 2 : 4)));
+    if (gathered == NULL) return -1;
+  }
+  const CodedExperts ctx = {dtype, num_threads, {w13, w2}, gathered};
+  const int status =
+      moe_run_experts(dtype, x, num_tokens, hidden, inter, num_experts, weights, ids, top_k,
+                      out, scratch, num_threads, act_min_work, coded_matmul, NULL, &ctx);
+  free(gathered);
+  return status;
 }
