@@ -544,6 +544,56 @@ def test_builds_are_cached_per_isa(tmp_path, monkeypatch) -> None:
         native.clear_cache()
 
 
+def test_the_build_compiles_every_source_apart_and_at_once_then_links_them(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """One compiler call per C file, several running at a time where this process has CPUs for
+    them, then one link of all the objects; a failing link is reported, nothing is cached."""
+    import os
+
+    log = tmp_path / "calls"
+    fake_cc = tmp_path / "cc"
+    # Compiles write an empty object after 0.3 s (and log their start and end); links fail.
+    fake_cc.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *" -shared "*) echo "ld: refused for the test" >&2; exit 1;; esac\n'
+        'out=""; prev=""; for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+        f'echo "start $(date +%s.%N) $*" >> {log}\n'
+        "sleep 0.3\n"
+        f'echo "end $(date +%s.%N)" >> {log}\n'
+        ': > "$out"\n'
+    )
+    fake_cc.chmod(0o755)
+    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_compiler", lambda: str(fake_cc))
+    monkeypatch.setattr(native, "_THREADING", ((),))  # one attempt per cache directory
+    native.clear_cache()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.load_kernels("generic") is None
+    finally:
+        native.clear_cache()
+    assert "ld: refused for the test" in caplog.text
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))
+    lines = log.read_text().splitlines()
+    compiles = [line.split(" ", 2)[2] for line in lines if line.startswith("start")]
+    sources = [arg for c in compiles for arg in c.split() if arg.endswith(".c")]
+    # One attempt (a failed link is not retried in the next cache directory): every source
+    # once, in a call of its own.
+    assert sorted(sources) == sorted(str(s) for s in native.SOURCES)
+    assert len(compiles) == len(native.SOURCES) and all(" -c " in c for c in compiles)
+    # Started in SOURCES' order (the longest compiles first): the first `workers` together.
+    workers = min(len(native.SOURCES), len(os.sched_getaffinity(0)))
+    first = {c.split(" -c ")[1].split()[0] for c in compiles[:workers]}
+    assert first == {str(s) for s in native.SOURCES[:workers]}
+    if workers >= 2:
+        running = peak = 0
+        for line in sorted(lines, key=lambda line: float(line.split()[1])):
+            running += 1 if line.startswith("start") else -1
+            peak = max(peak, running)
+        assert peak >= 2
+
+
 def test_failed_isa_build_falls_back_to_a_lower_path(tmp_path, monkeypatch, caplog) -> None:
     """A compiler that rejects the AVX-512 flags (an old one) still gets the AVX2 build."""
     if "avx512" not in RUNNABLE:

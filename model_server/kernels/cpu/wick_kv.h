@@ -1,5 +1,6 @@
-/* KV cache formats of paged_attention.c (`--kv-cache-dtype`, kernels/kv_cache_dtype.py): how a
- * cached K or V row is read as fp32 and how the KV-cache store writes one.
+/* KV cache formats of paged attention (wick_attend.h, paged_attention.c; `--kv-cache-dtype`,
+ * kernels/kv_cache_dtype.py): how a cached K or V row is read as fp32 and how the KV-cache store
+ * writes one.
  *
  * Float caches: KV_F32 and KV_BF16 (the values 0 and 1 of the kernel's `is_bf16`, so a cache in
  * the query's dtype passes is_bf16 as its format). Quantized caches (KV_I8, KV_E4M3, KV_E5M2):
@@ -144,39 +145,6 @@ static inline void quantize_row(const void *x, const int is_bf16, const int kv, 
     float y = row[d] / div;
     y = y > qmax ? qmax : y < -qmax ? -qmax : y;
     codes[d] = kv == KV_I8 ? (uint8_t)(int8_t)__builtin_nearbyintf(y) : f32_to_fp8(y, kv);
-  }
-}
-
-/* Token t's K and V (num_kv_heads rows of head_dim values each, in q's dtype, tokens k_step /
- * v_step elements apart) into slot slot_mapping[t] of the caches in format kv: quantized with
- * their scales (each row's own, or `fixed_scale` > 0 for every row), converted (fp32 -> bf16
- * cache), or copied. */
-static void store_token_kv(const int64_t t, const int is_bf16, const int kv, const int num_kv_heads,
-                           const int head_dim, const void *k, const void *v, const int64_t k_step,
-                           const int64_t v_step, const int64_t *slot_mapping, void *k_cache,
-                           void *v_cache, float *k_scales, float *v_scales,
-                           const float fixed_scale) {
-  const int64_t slot = slot_mapping[t];
-  if (slot < 0) return;
-  const size_t in_elem = is_bf16 ? sizeof(bf16_t) : sizeof(float);
-  const int64_t row0 = slot * num_kv_heads; /* the slot's first (row, scale) index */
-  for (int side = 0; side < 2; side++) {
-    const char *x = (const char *)(side ? v : k) + t * (side ? v_step : k_step) * (int64_t)in_elem;
-    void *cache = side ? v_cache : k_cache;
-    float *scales = side ? v_scales : k_scales;
-    for (int h = 0; h < num_kv_heads; h++) {
-      const char *xr = x + (int64_t)h * head_dim * (int64_t)in_elem;
-      const int64_t at = (row0 + h) * head_dim;
-      if (KV_QUANT(kv)) {
-        quantize_row(xr, is_bf16, kv, head_dim, fixed_scale, (uint8_t *)cache + at,
-                     scales + row0 + h);
-      } else if (kv == is_bf16) {
-        memcpy((char *)cache + at * (int64_t)in_elem, xr, (size_t)head_dim * in_elem);
-      } else { /* fp32 values into a bf16 cache */
-        for (int d = 0; d < head_dim; d++)
-          ((bf16_t *)cache)[at + d] = f32_to_bf16(((const float *)xr)[d]);
-      }
-    }
   }
 }
 
