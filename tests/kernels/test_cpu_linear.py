@@ -429,6 +429,47 @@ def test_a_corrupt_cache_file_is_ignored_with_one_warning(
     torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
+def _save_keys(root: str, identity: dict[str, str], prefix: str, count: int) -> None:
+    """One process of the concurrent-save test: opens the cache once (as a rank does at start)
+    and saves after every entry it adds."""
+    cache = TuningCache.open(identity, Path(root))
+    for i in range(count):
+        cache.put(f"{prefix}/{i}", {"times": [i]})
+        cache.save()
+
+
+def test_concurrent_savers_each_add_their_entries(tmp_path: Path) -> None:
+    """Two ranks open the cache before either has timed, then each saves its own shapes: the
+    file holds both (the last writer used to drop the other's, which timed them again at every
+    start); four processes saving 25 entries each at once lose none."""
+    import multiprocessing
+
+    identity = machine_identity(frozenset())
+    rank0 = TuningCache.open(identity, tmp_path)
+    rank1 = TuningCache.open(identity, tmp_path)
+    rank0.put("linear/float32/640x576", {"times": [1]})
+    rank1.put("linear/float32/320x576", {"times": [2]})
+    rank1.save()
+    rank0.save()
+    merged = TuningCache.open(identity, tmp_path).entries
+    assert set(merged) == {"linear/float32/640x576", "linear/float32/320x576"}
+    assert rank0.changed == set() and set(rank0.entries) == set(merged)
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=_save_keys, args=(str(tmp_path), identity, f"p{n}", 25))
+        for n in range(4)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    entries = TuningCache.open(identity, tmp_path).entries
+    assert {f"p{n}/{i}" for n in range(4) for i in range(25)} <= set(entries)
+    assert len(entries) == 102
+
+
 def test_buckets_that_inherit_times_drop_kernels_their_rows_cannot_run(
     monkeypatch: pytest.MonkeyPatch, cache: TuningCache, two_threads: None
 ) -> None:
@@ -502,6 +543,29 @@ def test_the_load_window_sees_another_process_busy() -> None:
     share = window.others_share()
     assert proc.wait() == 0
     assert share >= 0.5 / _num_cpus()
+
+
+def test_a_timing_on_part_of_the_cores_leaves_the_rest_to_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor-parallel rank times on its share of the node's cores while the other ranks time
+    theirs: their load on the other cores is expected, not a busy machine. On all the cores,
+    a quarter of the machine busy elsewhere is the limit; on one of four, the other three
+    cores plus a quarter of ours."""
+    from model_server.kernels.cpu import cpu_load
+
+    monkeypatch.setattr(cpu_load, "_num_cpus", lambda: 4)
+
+    def busy(threads: int, share: float) -> bool:
+        window = cpu_load.LoadWindow(threads=threads)
+        monkeypatch.setattr(cpu_load.LoadWindow, "others_share", lambda self: share)
+        return window.busy_machine()
+
+    assert not busy(4, 0.25) and busy(4, 0.26)
+    assert not busy(2, 0.6) and busy(2, 0.65)  # two ranks of two threads: 0.5 + 0.125
+    assert not busy(1, 0.8) and busy(1, 0.82)  # 0.75 + 0.0625
+    assert not busy(8, 0.25) and busy(8, 0.26)  # more threads than cores: all of them
+    assert cpu_load.LoadWindow().threads == torch.get_num_threads()
 
 
 def test_a_malformed_entry_is_timed_again(

@@ -8,6 +8,12 @@ them, but caches only timings taken on a quiet machine (kernels/cpu/linear_tunin
 Linux: the machine's busy CPU time (/proc/stat: everything but idle and iowait, steal included,
 since a hypervisor taking our cores slows us just the same) minus this process's own CPU time,
 over the window. Elsewhere: the 1-minute load average less one runnable task (ourselves).
+
+A process that times on fewer threads than the machine has cores (a tensor-parallel rank, which
+gets its share of the node's cores, or `--num-threads`) leaves the other cores to others: load
+there is expected and does not count. The node's other ranks time their own shapes at the same
+moment, and run beside this one when serving; counted as a neighbour, they made every
+tensor-parallel start on one machine look busy, so its timings were never cached.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 # Other processes' share of all cores above which a machine counts as busy for timing.
 BUSY_SHARE = 0.25
@@ -53,8 +61,10 @@ def _own_seconds() -> float:
 @dataclass(slots=True)
 class LoadWindow:
     """Opened before timing, read after: `others_share()` is the share of all cores that other
-    processes kept busy in between (0 = idle apart from us, 1 = every core busy)."""
+    processes kept busy in between (0 = idle apart from us, 1 = every core busy). `threads`:
+    the cores the timing runs on (torch's threads, which the native kernels take too)."""
 
+    threads: int = field(default_factory=torch.get_num_threads)
     wall: float = field(default_factory=time.perf_counter)
     own: float = field(default_factory=_own_seconds)
     busy: float | None = field(default_factory=_busy_seconds)
@@ -73,4 +83,7 @@ class LoadWindow:
         return min(1.0, max(0.0, others / (wall * _num_cpus())))
 
     def busy_machine(self) -> bool:
-        return self.others_share() > BUSY_SHARE
+        """Whether others kept more than BUSY_SHARE of the cores we time on busy: the cores
+        beyond our threads are theirs to use (see the module docstring)."""
+        ours = min(max(self.threads, 1), _num_cpus()) / _num_cpus()
+        return self.others_share() > (1.0 - ours) + BUSY_SHARE * ours

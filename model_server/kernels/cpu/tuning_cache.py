@@ -8,10 +8,16 @@ the thread count (what decides which kernel is fastest). It lives under
 reproducible. A file that
 cannot be read or parsed, or was written for another identity or format, is ignored with one
 warning and rewritten on the next save.
+
+Processes that time at the same moment (a node's tensor-parallel ranks, whose shapes differ when
+heads split unevenly; two servers starting together) share the file: a save holds a lock on it,
+reads what the others saved meanwhile and writes that with its own new entries, so no process's
+timings are lost to another's write.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -74,7 +80,8 @@ class TuningCache:
     path: Path | None
     identity: dict[str, str]
     entries: dict[str, Any] = field(default_factory=dict)
-    dirty: bool = False
+    # Keys put since the last save: what a save adds to the file as others left it.
+    changed: set[str] = field(default_factory=set)
 
     @classmethod
     def open(cls, identity: dict[str, str], root: Path | None = None) -> TuningCache:
@@ -90,26 +97,38 @@ class TuningCache:
 
     def put(self, key: str, value: Any) -> None:
         self.entries[key] = value
-        self.dirty = True
+        self.changed.add(key)
 
     def save(self) -> None:
-        """Write the file atomically (a concurrent reader sees the old or the new one); an
-        unwritable folder only costs the timing at the next start."""
-        if self.path is None or not self.dirty:
+        """Add the entries put since the last save to the file as it is now (under a lock, so
+        that concurrent savers each add theirs), written atomically (a concurrent reader sees
+        the old or the new file); an unwritable folder only costs the timing at the next
+        start."""
+        if self.path is None or not self.changed:
             return
-        payload = {"version": FORMAT_VERSION, "identity": self.identity, "entries": self.entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(payload, f, sort_keys=True)
-            os.replace(tmp, self.path)
-            self.dirty = False
+            with open(self.path.parent / f"{self.path.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                saved = _read(self.path, self.identity, quiet=True)
+                self.entries = {**saved, **{k: self.entries[k] for k in self.changed}}
+                payload = {
+                    "version": FORMAT_VERSION,
+                    "identity": self.identity,
+                    "entries": self.entries,
+                }
+                fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(payload, f, sort_keys=True)
+                os.replace(tmp, self.path)
+            self.changed.clear()
         except OSError as exc:
             logger.warning("cannot write the CPU tuning cache %s: %s", self.path, exc)
 
 
-def _read(path: Path, identity: dict[str, str]) -> dict[str, Any]:
+def _read(path: Path, identity: dict[str, str], quiet: bool = False) -> dict[str, Any]:
+    """The file's entries; {} when it is missing or unusable (warned about unless `quiet`: a
+    save replaces an unusable file without a second warning)."""
     if not path.exists():
         return {}
     try:
@@ -123,5 +142,6 @@ def _read(path: Path, identity: dict[str, str]) -> dict[str, Any]:
             raise ValueError("stale or foreign format")
         return payload["entries"]
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        logger.warning("ignoring the CPU tuning cache %s (%s): timing again", path, exc)
+        if not quiet:
+            logger.warning("ignoring the CPU tuning cache %s (%s): timing again", path, exc)
         return {}
