@@ -82,6 +82,38 @@ def launch(log_dir: Path, *extra: str, port: int | None = None) -> ServerProcess
     return ServerProcess(proc, port, log_path)
 
 
+# float32: tensor-parallel ranks sum their partial products in another order than one process,
+# equal only at fp32 precision (auto is bf16 on CPUs with native bf16).
+TP_GENERATE = (
+    "generate",
+    "--prompt",
+    "Write a short poem about the sea.",
+    "--max-tokens",
+    "32",
+    "--ignore-eos",
+    "--dtype",
+    "float32",
+)
+
+
+@pytest.fixture(scope="session")
+def tp1_text() -> str:
+    """TP_GENERATE's text from one process: what `--tensor-parallel-size 2` must print over
+    processes (test_tensor_parallel.py) and over Ray actors (test_ray_executor.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "VLLM_", "RAY_"))}
+    single = subprocess.run(
+        [sys.executable, "-m", "model_server", *TP_GENERATE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).parents[2],
+    )
+    assert single.returncode == 0, single.stderr
+    assert len(single.stdout.split()) > 10
+    return single.stdout
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv = launch(tmp_path_factory.mktemp("e2e-server"))

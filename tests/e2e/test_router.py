@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from model_server.loader import load_model_source
-from tests.e2e.conftest import ServerProcess, launch, metric
+from tests.e2e.conftest import ServerProcess, metric
 from tests.e2e.test_microservice import start_microservice
-from tests.e2e.vllm_router import REPLICA_ARGS, Router, start_replicas, start_router
+from tests.e2e.vllm_router import Router, start_replicas, start_router
 from tests.loopback import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -37,16 +37,30 @@ class Fleet:
     router: Router
     replicas: list[ServerProcess]
     log_dir: Path
+    kv_events: list[tuple[int, int]]  # each replica's KV-event (publish, replay) ports
+
+
+def kv_events_args(pub: int, replay: int) -> tuple[str, str]:
+    config = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    return "--kv-events-config", json.dumps(config)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Three replicas behind `vllm-router --policy cache_aware`. Each also publishes its KV
+    events, for the kv_aware router of the last test (one fleet for both: the replicas' start
+    is most of this module's time)."""
     log_dir = tmp_path_factory.mktemp("router")
-    replicas = start_replicas(log_dir, 3)
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    replicas = start_replicas(log_dir, [kv_events_args(*pair) for pair in ports])
     router = start_router(log_dir, [r.url for r in replicas], "--policy", "cache_aware")
     try:
         router.wait_ready()
-        yield Fleet(router, replicas, log_dir)
+        yield Fleet(router, replicas, log_dir, ports)
     finally:
         router.stop()
         for replica in replicas:
@@ -131,7 +145,7 @@ def test_the_microservice_works_through_the_router(fleet: Fleet) -> None:
 
 
 def test_killing_a_replica_mid_run_loses_no_request(fleet: Fleet) -> None:
-    """Runs last in this module: it leaves two replicas."""
+    """Runs after the cache_aware tests: it leaves two replicas (for the kv_aware test)."""
     victim = fleet.replicas[1]
     prompts = [f"Story {i} {uuid.uuid4().hex}: once upon a time" for i in range(12)]
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -152,43 +166,34 @@ def test_killing_a_replica_mid_run_loses_no_request(fleet: Fleet) -> None:
 
 
 @pytest.fixture(scope="module")
-def kv_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Two replicas publishing KV events, behind `vllm-router --policy kv_aware` subscribed to
-    them (live and replay endpoints), tokenizing with the served model's tokenizer.json."""
-    log_dir = tmp_path_factory.mktemp("kv-router")
+def kv_fleet(fleet: Fleet) -> Iterator[Fleet]:
+    """Two of the fleet's replicas (the first two alive: the kill test leaves two) behind
+    `vllm-router --policy kv_aware` subscribed to their KV events (live and replay endpoints),
+    tokenizing with the served model's tokenizer.json."""
+    log_dir = fleet.log_dir / "kv-router"
+    log_dir.mkdir()
     tokenizer_dir = log_dir / "tokenizer"
     load_model_source(None).tokenizer.save_pretrained(tokenizer_dir)
-    ports = [(free_port(), free_port()) for _ in range(2)]
-    replicas = []
-    for pub, replay in ports:
-        config = {
-            "enable_kv_cache_events": True,
-            "endpoint": f"tcp://*:{pub}",
-            "replay_endpoint": f"tcp://*:{replay}",
-        }
-        replicas.append(launch(log_dir, *REPLICA_ARGS, "--kv-events-config", json.dumps(config)))
-    router = None
+    live = [i for i, replica in enumerate(fleet.replicas) if replica.proc.poll() is None][:2]
+    assert len(live) == 2, "the fleet lost more than one replica"
+    replicas = [fleet.replicas[i] for i in live]
+    ports = [fleet.kv_events[i] for i in live]
+    sources = []
+    for replica, (pub, replay) in zip(replicas, ports, strict=True):
+        sources += ["--kv-event-source", f"{replica.url}=tcp://127.0.0.1:{pub}"]
+        sources += ["--kv-event-replay-source", f"{replica.url}=tcp://127.0.0.1:{replay}"]
+    router = start_router(
+        log_dir,
+        [r.url for r in replicas],
+        *("--policy", "kv_aware", "--kv-event-block-size", "16"),
+        *("--kv-event-model", MODEL, *sources),
+        env={"VLLM_ROUTER_TOKENIZER": str(tokenizer_dir)},
+    )
     try:
-        for replica in replicas:
-            replica.wait_ready()
-        sources = []
-        for replica, (pub, replay) in zip(replicas, ports, strict=True):
-            sources += ["--kv-event-source", f"{replica.url}=tcp://127.0.0.1:{pub}"]
-            sources += ["--kv-event-replay-source", f"{replica.url}=tcp://127.0.0.1:{replay}"]
-        router = start_router(
-            log_dir,
-            [r.url for r in replicas],
-            *("--policy", "kv_aware", "--kv-event-block-size", "16"),
-            *("--kv-event-model", MODEL, *sources),
-            env={"VLLM_ROUTER_TOKENIZER": str(tokenizer_dir)},
-        )
         router.wait_ready()
-        yield Fleet(router, replicas, log_dir)
+        yield Fleet(router, replicas, log_dir, ports)
     finally:
-        if router is not None:
-            router.stop()
-        for replica in replicas:
-            replica.stop()
+        router.stop()
 
 
 def test_kv_aware_routes_to_the_replica_holding_the_prefix(kv_fleet: Fleet) -> None:

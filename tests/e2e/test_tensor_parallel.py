@@ -22,12 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import ServerProcess, free_port, launch
+from tests.e2e.conftest import TP_GENERATE, ServerProcess, free_port, launch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).parents[2]
-PROMPT = "Write a short poem about the sea."
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -85,33 +84,12 @@ def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-# float32: TP=2 sums partial products in another order than TP=1, equal only at fp32 precision
-# (auto is bf16 on CPUs with native bf16).
-GENERATE = (
-    "generate",
-    "--prompt",
-    PROMPT,
-    "--max-tokens",
-    "32",
-    "--ignore-eos",
-    "--dtype",
-    "float32",
-)
-
 # As on node 0: every node is given the same engine flags.
 WORKER_ARGS = ("--tensor-parallel-size", "2", "--dtype", "float32")
 
 
-@pytest.fixture(scope="module")
-def tp1_text() -> str:
-    single = _cli(*GENERATE)
-    assert single.returncode == 0, single.stderr
-    assert len(single.stdout.split()) > 10
-    return single.stdout
-
-
 def test_generate_tp2_prints_the_same_text_as_tp1(tp1_text: str) -> None:
-    sharded = _cli(*GENERATE, "--tensor-parallel-size", "2")
+    sharded = _cli(*TP_GENERATE, "--tensor-parallel-size", "2")
     assert sharded.returncode == 0, sharded.stderr
     assert sharded.stdout == tp1_text
 
@@ -129,7 +107,7 @@ def test_two_nodes_through_torchrun_style_env(tp1_text: str) -> None:
     )
     try:
         node0 = subprocess.run(
-            [sys.executable, "-m", "model_server", *GENERATE, "--tensor-parallel-size", "2"],
+            [sys.executable, "-m", "model_server", *TP_GENERATE, "--tensor-parallel-size", "2"],
             env={**env, **rdzv, "NODE_RANK": "0"},
             cwd=ROOT,
             capture_output=True,

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,9 +84,10 @@ def start_router(
     return Router(proc, port, log_path)
 
 
-def start_replicas(log_dir: Path, count: int, *extra: str) -> list[ServerProcess]:
-    """`count` model servers started together (they load in parallel), each waited for."""
-    replicas = [launch(log_dir, *REPLICA_ARGS, *extra) for _ in range(count)]
+def start_replicas(log_dir: Path, extra: Sequence[Sequence[str]]) -> list[ServerProcess]:
+    """One model server per entry of `extra` (its own flags beside REPLICA_ARGS), started
+    together (they load in parallel), each waited for."""
+    replicas = [launch(log_dir, *REPLICA_ARGS, *flags) for flags in extra]
     try:
         for replica in replicas:
             replica.wait_ready()
