@@ -74,7 +74,8 @@ static int reserve(Scratch *s, int64_t rows, int64_t len, int64_t head_dim) {
          grow(&s->stats, &s->stats_cap, 2 * rows);
 }
 
-/* Scratch of a prefill tile item (see above); returns 0, or -1 when out of memory. */
+/* Scratch of a prefill tile item (the layouts of wick_attend.h's "Prefill tiles"); returns 0, or
+ * -1 when out of memory. */
 static int reserve_tile(Scratch *s, const int64_t rows, const int64_t len,
                         const int64_t head_dim) {
   const int64_t dp = round_up(head_dim, VW), rp = round_up(rows, VW);
