@@ -325,12 +325,16 @@ class _QuietWindow:
     ],
 )
 def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str, rank0_modules_for_prefill: bool
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    shared_cache_dir: Path,
+    family: str,
+    rank0_modules_for_prefill: bool,
 ) -> None:
     """TP=2 (rank 0 here, rank 1 a spawned worker) with one native call per half layer and the
     all-reduces between them gives TP=1's greedy tokens, and its logprobs up to the order of the
-    partial sums (fp32). Rank 0's timer is forced onto the panels; rank 1 reads the TP=1 run's
-    cached timings where its shapes match them and times the rest itself.
+    partial sums (fp32). Rank 0's timer is forced onto the panels; rank 1 reads the timings
+    cached (by TP=1 runs and earlier ranks) where its shapes match them and times the rest.
 
     Ranks time and plan their own shards, so one may run a row count module by module while
     the other runs it natively: `rank0_modules_for_prefill` makes rank 0 do so for every step
@@ -338,7 +342,7 @@ def test_tensor_parallel_ranks_run_the_native_step_between_all_reduces(
     embedding once issued twice on the declining rank shifted every all-reduce after it)."""
     from model_server.kernels.cpu import linear_tuning
 
-    monkeypatch.setenv("WICK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WICK_CACHE_DIR", str(shared_cache_dir))  # the rank loads this build
     force(monkeypatch, PANELS)
     monkeypatch.setattr(linear_tuning, "LoadWindow", _QuietWindow)
     _rank0_times_its_own(monkeypatch)
